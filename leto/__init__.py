@@ -1,0 +1,1 @@
+"""Leto: in-place recovery of distributed training from retained, protected state."""

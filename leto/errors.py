@@ -1,0 +1,31 @@
+"""The Leto exception hierarchy.
+
+Every error a user can cause or meet names the problem and says what to do. The CLI turns
+a ``LetoError`` into one line on stderr and a non-zero exit code; anything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class LetoError(Exception):
+    """Base class of every error Leto raises on purpose."""
+
+
+class ConfigError(LetoError):
+    """A job file, scenario file or flag is malformed, unknown or out of range."""
+
+
+class ProtocolError(LetoError):
+    """A peer (state manager, agent, trainer) broke the wire protocol or a state machine."""
+
+
+class PoolError(LetoError):
+    """The state manager refused a request (bad name, size mismatch on reattach, ...)."""
+
+
+class UnrecoverableStateError(LetoError):
+    """Retained state cannot be brought back exactly; the job must take the checkpoint path."""
+
+
+class InvalidTransitionError(ProtocolError):
+    """A state machine was asked to make a transition its table does not allow."""

@@ -1,0 +1,1 @@
+"""leto-run: the torchrun-compatible launcher (CLI, per-node agent, dashboard)."""
