@@ -1,0 +1,122 @@
+"""Leto's own job settings, read from the ``leto:`` section of a job YAML and from flags.
+
+YAML holds data only: it is read into these dataclasses, which reject unknown keys and
+validate ranges, so a typo is a one-line :class:`~leto.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+from leto.errors import ConfigError
+
+Phase = Literal["forward", "backward", "sync", "update"]
+PHASES: tuple[str, ...] = get_args(Phase)
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultSpec:
+    """One injected failure: SIGKILL of the active trainer of ``rank`` at ``step`` in ``phase``."""
+
+    rank: int
+    """Global rank whose active trainer is killed."""
+    step: int
+    """Training step (0-based, as counted by ``leto``) at which the kill happens."""
+    phase: Phase = "forward"
+    """Phase of that step: forward, backward, sync (gradient all-reduce) or update (optimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 0:
+            raise ConfigError(f"fault rank and step must be >= 0, got rank={self.rank} step={self.step}")
+        if self.phase not in PHASES:
+            raise ConfigError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}")
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        """Parse ``rank=1,step=5,phase=backward`` (the ``--inject-fault`` flag)."""
+        fields: dict[str, Any] = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ConfigError(f"--inject-fault {text!r}: expected key=value pairs like rank=1,step=5,phase=update")
+            fields[key.strip()] = value.strip()
+        return from_dict(cls, fields, where="--inject-fault")
+
+
+@dataclass(kw_only=True, slots=True)
+class LetoConfig:
+    """Leto's settings for one job (the ``leto:`` section of a job YAML)."""
+
+    recovery: Literal["in_place", "restart"] = "in_place"
+    """in_place: promote shadows on a trainer failure; restart: torchrun's group restart only."""
+    consistency: Literal["snapshot", "rmu"] = "snapshot"
+    """How an interrupted optimizer update is made consistent (snapshot: full pre-update copy)."""
+    shadow_level: Literal[1, 3] = 3
+    """Pre-initialisation level of shadows: 1 = imports done, 3 = + process group built."""
+    poll_interval_s: float = 0.02
+    """How often the agent polls its trainers; a dead active is seen within this time."""
+    dashboard: bool = True
+    """Show the live rich dashboard (plain log lines when stdout is not a terminal)."""
+    events_file: str | None = None
+    """Where to write the JSON-lines event stream (default: in the run's log directory)."""
+    digest: bool = False
+    """Emit a digest of all retained model state at every committed step (exactness tests)."""
+    faults: list[FaultSpec] = field(default_factory=list)
+    """Failures to inject (demos and tests)."""
+
+    def __post_init__(self) -> None:
+        if not 0.001 <= self.poll_interval_s <= 0.05:
+            raise ConfigError(f"leto.poll_interval_s must be in [0.001, 0.05] s, got {self.poll_interval_s}")
+
+
+def from_dict(cls: type, data: Any, *, where: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(hints[k], v, where=f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _coerce(tp: Any, value: Any, *, where: str) -> Any:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        for choice in args:
+            if value == choice or (isinstance(value, str) and str(choice) == value):
+                return choice
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, args))}")
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, where=where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        return [_coerce(args[0], v, where=f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return value if isinstance(value, tp) else from_dict(tp, value, where=where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp in (int, float, str):
+        if isinstance(value, bool) or (tp is str and not isinstance(value, str)):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+        try:
+            return tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+    return value
