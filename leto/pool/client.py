@@ -1,0 +1,102 @@
+"""Client side of the state manager: connect, allocate or reattach, map.
+
+Used by trainers (and by the agent for control requests). No torch here either: a
+region is returned as an ``mmap``; the trainer wraps it with ``torch.frombuffer``,
+which is zero-copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from leto.errors import PoolError, ProtocolError
+from leto.pool import protocol
+from leto.pool.protocol import RegionSpec, Tier
+
+
+@dataclass(slots=True)
+class MappedRegion:
+    """A retained region mapped into this process."""
+
+    spec: RegionSpec
+    existing: bool
+    """True when the region was already retained (a reattach after a failure)."""
+    buffer: mmap.mmap
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+class PoolClient:
+    """One connection to this node's state manager."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 30.0) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(socket_path)
+        except OSError as e:
+            self._sock.close()
+            raise PoolError(f"cannot reach the state manager at {socket_path}: {e}") from None
+        self._lock = threading.Lock()
+
+    def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            try:
+                protocol.send(self._sock, message)
+                reply, fds = protocol.recv(self._sock)
+            except OSError as e:
+                raise PoolError(f"state manager connection failed: {e}") from None
+        if reply is None:
+            raise PoolError("the state manager closed the connection (is it still alive?)")
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise PoolError(str(reply.get("error", "request refused")))
+        return reply, fds
+
+    def alloc(self, rank: int, name: str, nbytes: int, dtype: str, tier: Tier) -> MappedRegion:
+        """Allocate (first trainer) or reattach to (successor) the region ``name`` of ``rank``."""
+        spec = RegionSpec(rank=rank, name=name, nbytes=nbytes, dtype=dtype, tier=tier)
+        reply, fds = self.request({"op": "alloc", **_asdict(spec)})
+        return MappedRegion(spec=spec, existing=bool(reply["existing"]), buffer=_map(fds, nbytes))
+
+    def lookup(self, rank: int, name: str) -> MappedRegion | None:
+        """Map an existing region, or return None when nothing of that name is retained."""
+        reply, fds = self.request({"op": "lookup", "rank": rank, "name": name})
+        if not reply["found"]:
+            return None
+        spec = RegionSpec(**reply["spec"])
+        return MappedRegion(spec=spec, existing=True, buffer=_map(fds, spec.nbytes))
+
+    def stats(self) -> dict[str, Any]:
+        return self.request({"op": "stats"})[0]
+
+    def reset(self) -> int:
+        return int(self.request({"op": "reset"})[0]["freed"])
+
+    def shutdown(self) -> None:
+        self.request({"op": "shutdown"})
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _asdict(spec: RegionSpec) -> dict[str, Any]:
+    return {f: getattr(spec, f) for f in spec.__slots__}
+
+
+def _map(fds: list[int], nbytes: int) -> mmap.mmap:
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"expected one region fd, got {len(fds)}")
+    try:
+        return mmap.mmap(fds[0], nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fds[0])  # the mapping keeps the memory; the state manager keeps the region

@@ -1,0 +1,86 @@
+"""Wire protocol between trainers / agent and the state manager.
+
+One request or reply per SOCK_SEQPACKET message: a UTF-8 JSON object, with file
+descriptors attached as SCM_RIGHTS ancillary data. Message boundaries are kept by the
+socket type, so there is no framing to get wrong. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from leto.errors import PoolError, ProtocolError
+
+MAX_MESSAGE_BYTES = 1 << 16
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+DTYPES = frozenset(
+    {"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}
+)
+Tier = Literal["device", "host"]
+TIERS: tuple[str, ...] = ("device", "host")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    """What a region is: the identity a reattach must match exactly."""
+
+    rank: int
+    name: str
+    nbytes: int
+    dtype: str
+    tier: Tier
+
+    def validate(self, max_region_bytes: int) -> None:
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise PoolError(f"rank must be a non-negative int, got {self.rank!r}")
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
+            raise PoolError(f"region name {self.name!r} must match {NAME_RE.pattern}")
+        if not isinstance(self.nbytes, int) or not 0 < self.nbytes <= max_region_bytes:
+            raise PoolError(
+                f"region {self.name!r}: size {self.nbytes!r} must be in (0, {max_region_bytes}] bytes"
+            )
+        if self.dtype not in DTYPES:
+            raise PoolError(f"region {self.name!r}: dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if self.tier not in TIERS:
+            raise PoolError(f"region {self.name!r}: tier {self.tier!r} not in {TIERS}")
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(message).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def recv(sock: socket.socket, max_fds: int = 4) -> tuple[dict[str, Any] | None, list[int]]:
+    """Receive one message; ``(None, [])`` when the peer closed the connection."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, max_fds)
+    if not data:
+        for fd in fds:
+            _close_quietly(fd)
+        return None, []
+    try:
+        message = json.loads(data)
+    except json.JSONDecodeError as e:
+        for fd in fds:
+            _close_quietly(fd)
+        raise ProtocolError(f"malformed message from peer: {e}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message must be a JSON object")
+    return message, fds
+
+
+def _close_quietly(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass

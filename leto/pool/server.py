@@ -1,0 +1,212 @@
+"""The state manager: owns every retained region of this node's ranks.
+
+Run as ``python -m leto.pool.server SOCKET_PATH``. It allocates named, sized regions
+(memfd on CPU; the device tier becomes CUDA VMM on GPU), keeps them open for the life of
+the job and hands them to trainers as file descriptors over a Unix socket. A trainer's
+death therefore loses nothing: its successor reattaches by name. The server never maps
+or reads the regions it owns (it must not touch potentially faulty pages) and never
+imports torch, so it starts in milliseconds and stays small.
+
+Security: the socket lives in a 0700 directory made by the agent, and every peer's uid
+(SO_PEERCRED) must equal ours.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from leto.errors import LetoError, PoolError
+from leto.pool import protocol
+from leto.pool.protocol import RegionSpec
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+DEFAULT_MAX_REGION_BYTES = 1 << 40
+
+
+@dataclass(slots=True)
+class _Region:
+    spec: RegionSpec
+    fd: int
+
+
+class StateManager:
+    """Region table plus the request handlers; transport-independent for unit tests."""
+
+    def __init__(self, max_region_bytes: int = DEFAULT_MAX_REGION_BYTES) -> None:
+        self._max_region_bytes = max_region_bytes
+        self._regions: dict[tuple[int, str], _Region] = {}
+        self._lock = threading.Lock()
+
+    def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Serve one request; returns the reply and the fds to attach to it."""
+        op = request.get("op")
+        handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+        if handler is None:
+            raise PoolError(f"unknown request op {op!r}")
+        with self._lock:
+            return handler(request)
+
+    def _spec(self, request: dict[str, Any]) -> RegionSpec:
+        try:
+            spec = RegionSpec(
+                rank=request["rank"],
+                name=request["name"],
+                nbytes=request["nbytes"],
+                dtype=request["dtype"],
+                tier=request["tier"],
+            )
+        except KeyError as e:
+            raise PoolError(f"alloc request lacks field {e.args[0]!r}") from None
+        spec.validate(self._max_region_bytes)
+        return spec
+
+    def _op_ping(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return {"ok": True, "pid": os.getpid()}, []
+
+    def _op_alloc(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Create a region, or reattach to it; a reattach must match the original exactly."""
+        spec = self._spec(request)
+        key = (spec.rank, spec.name)
+        region = self._regions.get(key)
+        if region is not None:
+            if region.spec != spec:
+                raise PoolError(
+                    f"reattach of rank {spec.rank} region {spec.name!r} does not match: "
+                    f"retained {region.spec.nbytes} B {region.spec.dtype} {region.spec.tier}, "
+                    f"asked {spec.nbytes} B {spec.dtype} {spec.tier}"
+                )
+            return {"ok": True, "existing": True}, [region.fd]
+        fd = os.memfd_create(f"leto:r{spec.rank}:{spec.name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, spec.nbytes)
+        except OSError:
+            os.close(fd)
+            raise
+        self._regions[key] = _Region(spec, fd)
+        return {"ok": True, "existing": False}, [fd]
+
+    def _op_lookup(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        region = self._regions.get((request.get("rank"), request.get("name")))
+        if region is None:
+            return {"ok": True, "found": False}, []
+        return {"ok": True, "found": True, "spec": asdict(region.spec)}, [region.fd]
+
+    def _op_free(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        region = self._regions.pop((request.get("rank"), request.get("name")), None)
+        if region is not None:
+            os.close(region.fd)
+        return {"ok": True, "freed": region is not None}, []
+
+    def _op_reset(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Drop every region (a group restart begins from a checkpoint, never stale state)."""
+        count = len(self._regions)
+        self.close()
+        return {"ok": True, "freed": count}, []
+
+    def _op_stats(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        by_tier = {tier: 0 for tier in protocol.TIERS}
+        for region in self._regions.values():
+            by_tier[region.spec.tier] += region.spec.nbytes
+        return {"ok": True, "regions": len(self._regions), "bytes": by_tier}, []
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            os.close(region.fd)
+        self._regions.clear()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def _serve_connection(manager: StateManager, conn: socket.socket) -> None:
+    with conn:
+        if _peer_uid(conn) != os.getuid():
+            logger.warning("rejected a peer with a foreign uid")
+            return
+        while True:
+            try:
+                request, fds = protocol.recv(conn)
+            except (OSError, LetoError):
+                return
+            for fd in fds:  # requests never carry fds; do not leak any a peer sends
+                os.close(fd)
+            if request is None:
+                return
+            try:
+                reply, reply_fds = manager.handle(request)
+            except (LetoError, OSError) as e:
+                reply, reply_fds = {"ok": False, "error": str(e)}, []
+            try:
+                protocol.send(conn, reply, reply_fds)
+            except OSError:
+                return
+            if request.get("op") == "shutdown":
+                return
+
+
+def serve(socket_path: str, manager: StateManager | None = None) -> None:
+    """Accept connections until SIGTERM/SIGINT or a ``shutdown`` request."""
+    manager = manager or StateManager()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(socket_path)
+    os.chmod(socket_path, 0o600)
+    listener.listen(64)
+    stop = threading.Event()
+
+    def on_request_shutdown(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        stop.set()
+        return {"ok": True}, []
+
+    manager._op_shutdown = on_request_shutdown  # type: ignore[attr-defined]
+    listener.settimeout(0.2)
+    print("ready", flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            threading.Thread(target=_serve_connection, args=(manager, conn), daemon=True).start()
+    finally:
+        listener.close()
+        manager.close()
+        try:
+            os.unlink(socket_path)
+        except FileNotFoundError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m leto.pool.server SOCKET_PATH", file=sys.stderr)
+        return 2
+    # Die with the agent: an orphaned state manager would pin memory forever.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the agent, which stops us
+    try:
+        serve(argv[0])
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
