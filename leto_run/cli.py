@@ -1,0 +1,285 @@
+"""``leto-run``: torchrun's command line, plus Leto's options and the ``sim`` subcommand.
+
+Launch arguments are parsed by torchrun's own parser (``torch.distributed.run``), extended
+with an argument group ``leto``; the result goes through torchrun's ``config_from_args``
+so the ``LaunchConfig`` is exactly the one torchrun would build. click is only the outer
+shell that picks between a launch and ``leto-run sim``.
+
+Bad input (job file, flags, a missing script) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import typing
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+import click
+
+from leto.config import FaultSpec, LetoConfig
+from leto.errors import ConfigError, LetoError
+from leto_run.jobfile import JobFile, launch_actions, load_jobfile
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
+
+logger = logging.getLogger(__name__)
+
+SIM_COMMAND = "sim"
+
+_DESCRIPTION = """\
+Leto: a drop-in replacement for torchrun with in-place recovery of failed trainers.
+Every torchrun flag is accepted with torchrun's meaning; Leto's own options are in the
+"leto" group below."""
+
+_EPILOG = f"""\
+job file (--config FILE):
+  A YAML file with the sections
+    launch:       torchrun options by their dest name (nproc_per_node: 2, standalone: true, ...)
+    script:       the training script (or module, with launch.module: true)
+    script_args:  its arguments (used only when the script comes from the file)
+    leto:         Leto's settings (recovery, consistency, shadow_level, faults, ...)
+  Precedence: command-line flags > PET_* environment variables > job file > defaults.
+  --inject-fault specs are added to the job file's leto.faults.
+
+subcommands:
+  {SIM_COMMAND}   the failure/recovery simulator; see `leto-run {SIM_COMMAND} --help`.
+        `leto-run {SIM_COMMAND} ...` runs it only when `{SIM_COMMAND}` is the first argument and no
+        file or directory named `{SIM_COMMAND}` exists in the current directory. Otherwise, as
+        with torchrun, `{SIM_COMMAND}` is the training script: a script named `{SIM_COMMAND}` is never
+        shadowed (to reach the simulator, run leto-run from another directory)."""
+
+
+def is_sim_invocation(argv: Sequence[str], cwd: str | None = None) -> bool:
+    """True when ``argv`` asks for the simulator rather than for running a script named sim."""
+    if not argv or argv[0] != SIM_COMMAND:
+        return False
+    return not os.path.lexists(os.path.join(cwd or os.getcwd(), SIM_COMMAND))
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """torchrun's argument parser with Leto's ``leto`` group, one-line errors, our help."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "leto-run"
+    parser.description = _DESCRIPTION
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.error = _parser_error  # type: ignore[method-assign]
+    # The script may come from the job file instead of the command line.
+    _action(parser, "training_script").nargs = "?"
+    _add_leto_group(parser)
+    return parser
+
+
+def _add_leto_group(parser: argparse.ArgumentParser) -> None:
+    """Leto's flags. Each defaults to None so that "not given" leaves the job file's value."""
+    g = parser.add_argument_group("leto", "Leto's options (override the job file's leto section).")
+    g.add_argument("--config", metavar="FILE", help="Job YAML (see 'job file' below).")
+    g.add_argument(
+        "--no-dashboard", dest="dashboard", action="store_const", const=False,
+        help="Plain log lines instead of the live dashboard.",
+    )
+    g.add_argument(
+        "--events", dest="events_file", metavar="FILE",
+        help="Write the JSON-lines event stream to FILE.",
+    )
+    g.add_argument(
+        "--inject-fault", dest="faults", action="append", type=FaultSpec.parse, metavar="SPEC",
+        help="Kill a trainer, e.g. rank=1,step=5,phase=update (repeatable).",
+    )
+    g.add_argument("--consistency", choices=_leto_choices("consistency"),
+                   help="Update consistency: snapshot (full pre-update copy) or rmu.")
+    g.add_argument("--shadow-level", type=int, choices=_leto_choices("shadow_level"),
+                   help="Shadow pre-initialisation level: 1 = imports, 3 = + process group.")
+    g.add_argument("--recovery", choices=_leto_choices("recovery"),
+                   help="in_place: promote shadows on failure; restart: torchrun's group restart.")
+    g.add_argument(
+        "--digest", action="store_const", const=True,
+        help="Emit a digest of all retained state after every step (exactness tests).",
+    )
+
+
+def _leto_choices(name: str) -> list[object]:
+    """The choices of a ``Literal`` field of :class:`LetoConfig`, so flags and YAML agree."""
+    return list(typing.get_args(typing.get_type_hints(LetoConfig)[name]))
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest)
+
+
+def _parser_error(message: str) -> NoReturn:
+    """argparse's error hook: a ConfigError, which main prints as one line."""
+    raise ConfigError(message)
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_launch_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LetoConfig]:
+    """Parse ``argv`` merged with its job file: torchrun's namespace and Leto's settings."""
+    argv = list(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    job = JobFile()
+    if args.config is not None:
+        job = load_jobfile(args.config, parser)
+        parser.set_defaults(**_unset_by_env(job.launch, parser))
+        args = parser.parse_args(argv)  # flags win over the job file's defaults
+    if args.training_script is None:
+        if job.script is None:
+            raise ConfigError(
+                "no training script: give one after the options or set 'script:' in the job file"
+            )
+        args.training_script = job.script
+        args.training_script_args = list(job.script_args)
+    return args, _merge_leto(job.leto, args)
+
+
+def _unset_by_env(launch: dict[str, object], parser: argparse.ArgumentParser) -> dict[str, object]:
+    """Drop job-file values whose ``PET_*`` variable is set: the environment ranks above."""
+    from torch.distributed.argparse_util import check_env, env
+
+    actions = launch_actions(parser)
+    return {
+        dest: value
+        for dest, value in launch.items()
+        if not (isinstance(actions[dest], (env, check_env)) and f"PET_{dest.upper()}" in os.environ)
+    }
+
+
+def _merge_leto(base: LetoConfig, args: argparse.Namespace) -> LetoConfig:
+    """The job file's leto section with the given flags on top; faults are concatenated."""
+    names = ("recovery", "consistency", "shadow_level", "dashboard", "events_file", "digest")
+    changes = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return dataclasses.replace(base, **changes, faults=[*base.faults, *(args.faults or [])])
+
+
+def apply_torchrun_run_defaults(args: argparse.Namespace) -> None:
+    """Mirrors ``torch.distributed.run.run()`` (torch 2.13) up to ``config_from_args``.
+
+    --standalone means c10d on localhost:0 with a fresh uuid run id; a static single-node
+    job without an endpoint or master port does the same; master_port defaults to 29500.
+    Keep in step with torch's function when torch is upgraded.
+    """
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+        logger.info(
+            "Rendezvous info: --rdzv-backend=%s --rdzv-endpoint=%s --rdzv-id=%s",
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id,
+        )
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _check_script_exists(args: argparse.Namespace) -> None:
+    """Fail before launching when the script is a path that does not exist."""
+    if args.module or args.no_python or os.path.exists(args.training_script):
+        return
+    raise ConfigError(f"training script {args.training_script!r} does not exist (cwd: {os.getcwd()})")
+
+
+def build_launch(
+    argv: Sequence[str],
+) -> tuple[LaunchConfig, Callable[..., object] | str, list[str], LetoConfig]:
+    """Everything ``leto-run ARGV`` does short of launching: torchrun's config, cmd, args + Leto's."""
+    from torch.distributed.run import config_from_args
+
+    args, leto = parse_launch_args(argv)
+    _check_script_exists(args)
+    try:
+        apply_torchrun_run_defaults(args)
+        config, cmd, cmd_args = config_from_args(args)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        raise ConfigError(f"invalid launch options: {e}") from None
+    return config, cmd, cmd_args, leto
+
+
+# ---------------------------------------------------------------------------- entry
+
+
+def _launch(argv: Sequence[str]) -> None:
+    """Build the launch and hand it to Leto's agent; recorded like torchrun's main."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+    config, cmd, cmd_args, leto = build_launch(argv)  # before importing the agent: -h, errors
+
+    from leto_run.launch import launch
+
+    torch.multiprocessing._set_thread_name("pt_elastic")  # as torch.distributed.run.run
+    try:
+        record(launch)(config, cmd, cmd_args, leto)
+    except ChildFailedError as e:  # torchrun's exit code, with torch's failure report
+        print(e.format_msg(), file=sys.stderr)
+        sys.exit(1)
+
+
+def _run_sim(argv: Sequence[str]) -> None:
+    """``leto-run sim ...``: hand the rest of the arguments to the simulator's click command."""
+    try:
+        from leto_run.sim_cmd import sim
+    except ImportError as e:
+        _die(f"the '{SIM_COMMAND}' subcommand is not available: {e}", code=2)
+    sim.main(args=list(argv), prog_name=f"leto-run {SIM_COMMAND}")
+
+
+def _die(message: str, *, code: int) -> NoReturn:
+    """One line on stderr, then exit: how every error a user can cause ends."""
+    print(f"leto-run: error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(code)
+
+
+class _RawArgsCommand(click.Command):
+    """A click command that keeps its arguments untouched (``--`` included) for argparse."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.args = list(args)
+        return ctx.args
+
+
+@click.command(
+    cls=_RawArgsCommand,
+    name="leto-run",
+    add_help_option=False,
+    context_settings=dict(ignore_unknown_options=True, allow_extra_args=True, help_option_names=[]),
+)
+@click.pass_context
+def _leto_run(ctx: click.Context) -> None:
+    """Dispatch: ``sim`` subcommand, or a torchrun-style launch (help: ``leto-run --help``)."""
+    argv: list[str] = ctx.args
+    try:
+        if is_sim_invocation(argv):
+            _run_sim(argv[1:])
+        else:
+            _launch(argv)
+    except ConfigError as e:
+        _die(str(e), code=2)
+    except LetoError as e:
+        _die(str(e), code=1)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of ``leto-run`` (``argv`` defaults to ``sys.argv[1:]``)."""
+    _leto_run.main(args=list(argv) if argv is not None else None, prog_name="leto-run")
