@@ -200,6 +200,16 @@ def _check_script_exists(args: argparse.Namespace) -> None:
     raise ConfigError(f"training script {args.training_script!r} does not exist (cwd: {os.getcwd()})")
 
 
+def _check_nnodes(nnodes: str) -> None:
+    """torchrun raises a bare ValueError for a malformed --nnodes; name the flag instead."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    try:
+        parse_min_max_nnodes(nnodes)
+    except (ValueError, RuntimeError):
+        raise ConfigError(f"--nnodes {nnodes!r}: expected N or MIN:MAX, e.g. 2 or 1:4") from None
+
+
 def build_launch(
     argv: Sequence[str],
 ) -> tuple[LaunchConfig, Callable[..., object] | str, list[str], LetoConfig]:
@@ -208,6 +218,7 @@ def build_launch(
 
     args, leto = parse_launch_args(argv)
     _check_script_exists(args)
+    _check_nnodes(args.nnodes)
     try:
         apply_torchrun_run_defaults(args)
         config, cmd, cmd_args = config_from_args(args)
