@@ -1,0 +1,98 @@
+"""Train a tiny GPT with the leto API (the demo's script; 2 ranks on CPU with gloo).
+
+    leto-run --nproc-per-node 2 examples/train_gpt.py --steps 40
+
+Data is deterministic synthetic tokens keyed by (step, rank), dropout draws from the
+global RNG (which leto retains), so a run with failures is bit-identical to one without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import leto
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int, dropout: float) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1), persistent=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x, self.mask[:t, :t])
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batch(step: int, rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic synthetic tokens: the data position is the step itself."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up then cosine decay (the paper's Appendix A.1 schedule)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    ctx = leto.init()  # a shadow waits here, pre-initialised, until it is promoted
+    torch.manual_seed(args.seed)
+    with ctx.init_device():
+        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
+    state = ctx.retain(model, opt)
+    for step in state.steps(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = batch(step, ctx.rank, args)
+        loss = model(x, y)
+        loss.backward()
+        state.step(max_grad_norm=1.0, loss=loss)
+
+
+if __name__ == "__main__":
+    main()

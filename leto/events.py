@@ -1,0 +1,89 @@
+"""One event schema for everything that happens in a Leto job.
+
+Every process (agent, trainers) appends JSON lines to the same file, opened with
+``O_APPEND`` so each line lands whole even when processes write at once or are killed
+mid-run. The dashboard, the recovery summary, the benchmarks and the tests all read this
+one stream. Each event: ``{"t": unix_time_s, "kind": ..., "src": ..., <fields>}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+ENV_EVENTS_FILE = "LETO_EVENTS_FILE"
+
+
+class Kind(str, Enum):
+    """Event kinds. Agent-side first, then trainer-side."""
+
+    AGENT_STARTED = "agent_started"
+    WORKERS_STARTED = "workers_started"
+    SHADOWS_SPAWNED = "shadows_spawned"
+    FAILURE_DETECTED = "failure_detected"
+    EPOCH = "epoch"
+    ACTIVES_STOPPED = "actives_stopped"
+    SHADOWS_PROMOTED = "shadows_promoted"
+    RECOVERY_DONE = "recovery_done"
+    GROUP_RESTART = "group_restart"
+    JOB_FINISHED = "job_finished"
+    TRAINER_STARTED = "trainer_started"
+    SHADOW_READY = "shadow_ready"
+    PROMOTED = "promoted"
+    ATTACHED = "attached"
+    RESUMED = "resumed"
+    STEP_DONE = "step_done"
+    DIGEST = "digest"
+    FAULT_INJECTED = "fault_injected"
+
+
+class EventLog:
+    """Appends events to a JSON-lines file (or nowhere, when ``path`` is None)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, source: str) -> None:
+        self.path = None if path is None else Path(path)
+        self.source = source
+        self._fd = (
+            None
+            if self.path is None
+            else os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        )
+
+    @classmethod
+    def from_env(cls, source: str) -> EventLog:
+        return cls(os.environ.get(ENV_EVENTS_FILE) or None, source)
+
+    def emit(self, kind: Kind, **fields: Any) -> dict[str, Any]:
+        event = {"t": time.time(), "kind": kind.value, "src": self.source, **fields}
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+        return event
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete events in ``path`` (a line cut short by a kill is skipped)."""
+    return list(iter_events(path))
+
+
+def iter_events(path: str | os.PathLike[str], offset: int = 0) -> Iterator[dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for line in f:
+                if line.endswith(b"\n"):
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+    except FileNotFoundError:
+        return

@@ -1,0 +1,77 @@
+"""Fault injection, shipped in the package so demos, tests and real clusters share it.
+
+A schedule of :class:`~leto.config.FaultSpec` (kill rank r at step s in phase p) reaches
+every trainer through ``LETO_FAULTS`` (JSON). Each fault fires once per job: before the
+SIGKILL the trainer records it in the rendezvous store, so the re-run of the interrupted
+step on the promoted trainer does not fire it again. ``injected`` counts what this process
+fired (it is always 0 after a kill, so tests count ``fault_injected`` events instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import asdict
+
+from leto.config import PHASES, FaultSpec
+from leto.errors import ConfigError
+from leto.events import EventLog, Kind
+
+ENV_FAULTS = "LETO_FAULTS"
+
+
+def encode(faults: list[FaultSpec]) -> str:
+    return json.dumps([asdict(f) for f in faults])
+
+
+def decode(text: str) -> list[FaultSpec]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{ENV_FAULTS} is not valid JSON: {e}") from None
+    return [FaultSpec(**item) for item in items]
+
+
+class FaultInjector:
+    """Kills this process at the scheduled (step, phase) points of its rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        faults: list[FaultSpec],
+        events: EventLog,
+        claim: Callable[[int], bool],
+    ) -> None:
+        """``claim(i)`` marks fault i as fired job-wide; False when it already fired."""
+        self.rank = rank
+        self.events = events
+        self._claim = claim
+        self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank]
+        self.injected = 0
+        self.step = -1
+
+    @classmethod
+    def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
+        return cls(rank, decode(os.environ.get(ENV_FAULTS, "[]")), events, claim)
+
+    def fail_at(self, rank: int, step: int, phase: str = "forward") -> FaultInjector:
+        """Chainable: add a fault (tests that drive a trainer in-process)."""
+        if rank == self.rank:
+            self._mine.append((len(self._mine) + 1000, FaultSpec(rank=rank, step=step, phase=phase)))
+        return self
+
+    def point(self, phase: str) -> None:
+        """Called by the trainer at each phase point of the current step."""
+        if phase not in PHASES:
+            raise ValueError(phase)
+        for i, fault in self._mine:
+            if fault.step == self.step and fault.phase == phase and self._claim(i):
+                self.injected += 1
+                self.events.emit(Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._mine)

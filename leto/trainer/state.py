@@ -1,0 +1,250 @@
+"""Retained, consistent model state and the step loop that keeps it so.
+
+``RetainedState`` places parameters, gradients and optimizer state in pool regions
+(zero copy: the module's parameters *are* views of retained memory) and drives each
+step through the update marker (see ``leto.trainer.marker``):
+
+* compute phase (forward, backward, gradient all-reduce, clipping): model state is
+  read-only, so a failure here costs only the re-run of this step;
+* ``GRADS_READY`` then a barrier: once any rank passes it, every rank's gradients are
+  final, so any rank can finish the update alone;
+* update phase, ``consistency: snapshot`` (the paper's §5.1 strawman, kept as the
+  baseline): copy the whole state region to a host snapshot, mark ``UPDATING``, apply the
+  optimizer in place, commit.
+
+A promoted trainer resumes with one collective: if any rank began (or finished) step
+t's update, every rank finishes it — from the snapshot when it was mid-update — and
+training continues at t+1; otherwise every rank re-runs step t from its forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from leto.errors import ProtocolError, UnrecoverableStateError
+from leto.events import Kind
+from leto.trainer.layout import Layout
+from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+
+if TYPE_CHECKING:
+    from leto.trainer.context import Context
+
+logger = logging.getLogger(__name__)
+
+
+class RetainedState:
+    """The retained state of one rank and its crash-consistent step protocol."""
+
+    def __init__(self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.ctx = ctx
+        self.model = model
+        self.optimizer = optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ProtocolError("a parameter appears twice in the optimizer's groups")
+        self.buffers = [b for b in model.buffers()]
+        self.layout = Layout.plan(self.params, self.buffers, optimizer)
+        t0 = time.perf_counter()
+        pool, rank = ctx.pool, ctx.rank
+        self._regions = {
+            "state": pool.alloc(rank, "state", self.layout.state_bytes, "uint8", "device"),
+            "grads": pool.alloc(rank, "grads", self.layout.grad_bytes, "uint8", "device"),
+            "snapshot": pool.alloc(rank, "snapshot", self.layout.state_bytes, "uint8", "host"),
+            "marker": pool.alloc(rank, "marker", MARKER_BYTES, "uint8", "host"),
+            # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
+            "rng_next": pool.alloc(rank, "rng_next", self.layout.rng.nbytes, "uint8", "host"),
+        }
+        views = {k: torch.frombuffer(r.buffer, dtype=torch.uint8) for k, r in self._regions.items()}
+        self.state_bytes, self.grad_bytes = views["state"], views["grads"]
+        self.snapshot_bytes = views["snapshot"]
+        self.marker = Marker(views["marker"])
+        self._rng_next = views["rng_next"]
+        self.reattached = self.marker.is_valid()
+        if self.reattached:
+            self.marker.check_layout(self.layout.digest)
+        elif any(t.is_meta for t in self.params + self.buffers):
+            raise UnrecoverableStateError(
+                f"rank {rank}: no retained state to reattach to, but the model was built on "
+                "the meta device; build it for real (ctx.init_device() does this)"
+            )
+        self._bind()
+        self._rng = self.layout.rng.view(self.state_bytes)
+        if not self.reattached:
+            self._rng.copy_(torch.get_rng_state())
+            self.marker.initialise(self.layout.digest)
+        self.attach_s = time.perf_counter() - t0
+        self._committed_this_step = True
+        self._announced = False
+        self._step_started = 0.0
+        self._install_fault_hooks()
+
+    # -- placement ---------------------------------------------------------------------------
+    def _bind(self) -> None:
+        """Make params, grads and optimizer state views of retained memory (zero copy)."""
+        fresh = not self.reattached
+        for p, pslot, gslot, oslots in zip(
+            self.params, self.layout.params, self.layout.grads, self.layout.optim, strict=True
+        ):
+            data = pslot.view(self.state_bytes)
+            if fresh:
+                data.copy_(p.detach())
+            torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+            grad = gslot.view(self.grad_bytes)
+            if fresh:
+                grad.zero_()
+            p.grad = grad
+            state = {key: slot.view(self.state_bytes) for key, slot in oslots.items()}
+            if fresh:
+                for t in state.values():
+                    t.zero_()
+            self.optimizer.state[p] = state
+        for b, slot in zip(self.buffers, self.layout.buffers, strict=True):
+            data = slot.view(self.state_bytes)
+            if fresh:
+                data.copy_(b)
+            torch.utils.swap_tensors(b, data)
+
+    def _install_fault_hooks(self) -> None:
+        """Forward/backward kill points sit in the middle of the model, mid-phase."""
+        leaves = [m for m in self.model.modules() if not list(m.children())]
+        if not leaves or not self.ctx.injector.pending:
+            return
+        middle = leaves[len(leaves) // 2]
+        middle.register_forward_pre_hook(lambda *_: self.ctx.injector.point("forward"))
+        middle.register_full_backward_pre_hook(lambda *_: self.ctx.injector.point("backward"))
+
+    # -- the step loop -----------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the steps still to run; resumes exactly where the job was interrupted."""
+        step = self._resume() if self.reattached else self.marker.step
+        while step < total:
+            self._begin(step)
+            yield step
+            if not self._committed_this_step:
+                raise ProtocolError(f"step {step} ended without RetainedState.step() being called")
+            step += 1
+
+    def _begin(self, step: int) -> None:
+        if self.marker.step != step or self.marker.phase != Phase.IDLE:
+            raise ProtocolError(f"step {step} begins with the marker at {self.marker.step}/{self.marker.phase.name}")
+        self._committed_this_step = False
+        self._step_started = time.perf_counter()
+        self.ctx.injector.step = step
+        torch.set_rng_state(self._rng.clone())  # set_rng_state needs an owning tensor
+        self.grad_bytes.zero_()
+        for p, gslot in zip(self.params, self.layout.grads, strict=True):
+            if p.grad is None or p.grad.data_ptr() != gslot.view(self.grad_bytes).data_ptr():
+                p.grad = gslot.view(self.grad_bytes)  # undo a zero_grad(set_to_none=True)
+
+    def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
+        """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
+        step = self.marker.step
+        self._check_grads_bound()
+        self.ctx.injector.point("sync")
+        self._allreduce_grads()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm, foreach=True)
+        self._rng_next.copy_(torch.get_rng_state())
+        self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
+        self.marker.advance(Phase.GRADS_READY)
+        # Once any rank passes this barrier, every rank's gradients of this step are final.
+        dist.barrier()
+        self._update(step)
+        self._committed_this_step = True
+        if not self._announced:  # tells the agent this generation is training (recovery done)
+            self.ctx.store.set(f"stepped/{self.ctx.env.generation}/{self.ctx.rank}", "1")
+            self._announced = True
+        self.ctx.events.emit(
+            Kind.STEP_DONE, rank=self.ctx.rank, step=step,
+            iter_s=time.perf_counter() - self._step_started,
+            loss=None if loss is None else float(loss.detach()),
+        )
+
+    def _update(self, step: int) -> None:
+        self.snapshot_bytes.copy_(self.state_bytes)
+        self.marker.advance(Phase.UPDATING)
+        self._apply_optimizer(step)
+
+    def _apply_optimizer(self, step: int) -> None:
+        for group, lr in zip(self.optimizer.param_groups, self.marker.recorded_lrs(), strict=True):
+            group["lr"] = lr
+        self.optimizer.step()
+        self._rng.copy_(self._rng_next)
+        self.ctx.injector.point("update")
+        self.marker.advance(Phase.IDLE, step + 1)
+        if self.ctx.env.digest:
+            self.emit_digest()
+
+    def _check_grads_bound(self) -> None:
+        for p, gslot in zip(self.params, self.layout.grads, strict=True):
+            if p.grad is None or p.grad.data_ptr() != gslot.view(self.grad_bytes).data_ptr():
+                raise ProtocolError(
+                    "a gradient no longer lives in retained memory (was optimizer.zero_grad() "
+                    "called inside the step?); leto zeroes gradients at the start of each step"
+                )
+
+    def _allreduce_grads(self) -> None:
+        if self.ctx.world_size == 1:
+            return
+        dtypes = {s.dtype for s in self.layout.grads}
+        if len(dtypes) == 1:
+            (dtype,) = dtypes
+            flat = self.grad_bytes[: self.layout.grad_bytes].view(dtype)
+            dist.all_reduce(flat)
+            flat.div_(self.ctx.world_size)
+        else:
+            for p in self.params:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.ctx.world_size)
+
+    # -- resume ------------------------------------------------------------------------------
+    def _resume(self) -> int:
+        """Agree with every rank on the resume point and bring this rank to it."""
+        t0 = time.perf_counter()
+        mine = torch.tensor([self.marker.step, int(self.marker.phase)], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, mine)
+        points = [(int(t[0]), Phase(int(t[1]))) for t in gathered]
+        low = min(s for s, _ in points)
+        if max(s for s, _ in points) > low + 1:
+            raise UnrecoverableStateError(f"ranks are more than one step apart: {points}")
+        finish = any(s == low + 1 or (s == low and ph == Phase.UPDATING) for s, ph in points)
+        step, phase = self.marker.step, self.marker.phase
+        action = "none"
+        if finish and step == low:
+            if phase == Phase.UPDATING:
+                self.state_bytes.copy_(self.snapshot_bytes)  # idempotent: the snapshot is intact
+                action = "restore+finish"
+                self._apply_optimizer(step)
+            elif phase == Phase.GRADS_READY:
+                action = "finish"
+                self._update(step)
+            else:
+                raise UnrecoverableStateError(
+                    f"rank {self.ctx.rank} must finish step {step}'s update but its gradients were never final"
+                )
+        elif not finish and phase == Phase.GRADS_READY:
+            self.marker.advance(Phase.IDLE)
+            action = "rerun"
+        elif not finish:
+            action = "rerun"
+        resume_at = low + 1 if finish else low
+        self.ctx.events.emit(
+            Kind.RESUMED, rank=self.ctx.rank, step=resume_at, action=action, points=[list(p) for p in points],
+            attach_s=self.attach_s, decide_s=time.perf_counter() - t0,
+        )
+        if self.ctx.env.digest:
+            self.emit_digest()
+        return resume_at
+
+    def emit_digest(self) -> str:
+        digest = hashlib.blake2b(memoryview(self._regions["state"].buffer), digest_size=16).hexdigest()
+        self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
+        return digest
