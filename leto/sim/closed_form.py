@@ -99,7 +99,7 @@ def checkpoint_interval(system: SystemConfig, iteration_s: float, failures: Fail
     mttf_s = failures.mttf_s
     if system.kind == "leto":
         mttf_s = math.inf if failures.hof_ratio >= 1.0 else mttf_s / (1.0 - failures.hof_ratio)
-    optimum = young_interval_iters(system.checkpoint_cost_s, mttf_s, iteration_s)
+    optimum = young_interval_iters(system.checkpoint_s(iteration_s), mttf_s, iteration_s)
     cap = system.max_checkpoint_interval_iters
     if math.isinf(optimum):
         if cap is None:
@@ -116,7 +116,8 @@ def system_terms(system: SystemConfig, iteration_s: float, failures: FailureConf
     """Steady-state and per-class recovery terms of ``system``."""
     interval = checkpoint_interval(system, iteration_s, failures)
     step_s = (1.0 + system.overhead_ratio) * iteration_s
-    t_eff = step_s + system.checkpoint_cost_s / interval
+    checkpoint_s = system.checkpoint_s(iteration_s)
+    t_eff = step_s + checkpoint_s / interval
     rollback_iters = interval / 2.0 + 1.0
     if system.kind == "leto":
         hof = _path(system.recovery_s, system.init_s, system, False, 0.5, t_eff)
@@ -137,7 +138,7 @@ def system_terms(system: SystemConfig, iteration_s: float, failures: FailureConf
         name=system.name,
         iteration_s=iteration_s,
         step_s=step_s,
-        checkpoint_cost_s=system.checkpoint_cost_s,
+        checkpoint_cost_s=checkpoint_s,
         interval_iters=interval,
         hof=hof,
         ff=ff,

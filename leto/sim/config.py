@@ -99,8 +99,10 @@ class SystemConfig:
     """Label in tables and plots, e.g. ``Gemini+``."""
     kind: Literal["checkpoint", "jit", "leto"]
     """Recovery model, see the class docstring."""
-    checkpoint_cost_s: float = 0.0
+    checkpoint_cost_s: float | None = None
     """Excess time of an iteration that commits a checkpoint over one that does not."""
+    checkpoint_cost_ratio: float | None = None
+    """The same cost normalised by T_iter (p in Appendix A.2); instead of the seconds."""
     checkpoint_interval_iters: int | None = None
     """Fixed checkpoint interval I; unset means Young's interval, rounded."""
     max_checkpoint_interval_iters: int | None = None
@@ -121,7 +123,11 @@ class SystemConfig:
     """Where the numbers come from."""
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_cost_s", "detection_s", "init_s", "ff_init_s", "recovery_s", "ff_recovery_s"):
+        check(
+            self.checkpoint_cost_s is None or self.checkpoint_cost_ratio is None,
+            "give checkpoint_cost_s or checkpoint_cost_ratio, not both",
+        )
+        for name in ("checkpoint_cost_s", "checkpoint_cost_ratio", "detection_s", "init_s", "ff_init_s", "recovery_s", "ff_recovery_s"):
             value = getattr(self, name)
             check(value is None or value >= 0, f"{name}: must be >= 0, got {value}")
         check(0 <= self.overhead_ratio < 1, f"overhead_ratio: must be in [0, 1), got {self.overhead_ratio}")
@@ -134,6 +140,12 @@ class SystemConfig:
         )
         if self.kind == "jit":
             check(self.checkpoint_interval_iters in (None, 1), "checkpoint_interval_iters: jit commits every iteration (1)")
+
+    def checkpoint_s(self, iteration_s: float) -> float:
+        """T_ckpt in seconds: given, or p x T_iter."""
+        if self.checkpoint_cost_s is not None:
+            return self.checkpoint_cost_s
+        return (self.checkpoint_cost_ratio or 0.0) * iteration_s
 
 
 @dataclass(kw_only=True, slots=True)
@@ -148,7 +160,7 @@ class MonteCarloConfig:
     """Seed of the random generator; same seed, same numbers."""
 
     def __post_init__(self) -> None:
-        check(self.runs >= 0, f"runs: must be >= 0, got {self.runs}")
+        check(self.runs == 0 or self.runs >= 2, f"runs: must be 0 (off) or >= 2 for a CI, got {self.runs}")
         check(self.duration_h > 0, f"duration_h: must be > 0, got {self.duration_h}")
 
 
@@ -193,6 +205,11 @@ class Scenario:
         dup = [n for n in names if names.count(n) > 1]
         check(not dup, f"systems: duplicate name {dup[0]!r}" if dup else "")
         for s in self.systems:
+            check(
+                s.kind != "leto" or s.checkpoint_interval_iters is not None or s.max_checkpoint_interval_iters is not None,
+                f"systems: {s.name!r}: Leto's Young interval diverges at 100 % HOFs; "
+                "set max_checkpoint_interval_iters or checkpoint_interval_iters",
+            )
             check(
                 s.kind != "jit" or not self.workload.optimizer_sharded,
                 f"systems: {s.name!r} is JIT-Ckpt, which needs replicated optimizer states; "
