@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from leto.erasure.gf16 import bitmatrix_rows
+from leto.erasure.gf16 import bitmatrix_rows_np
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _gather_index(coef: tuple[tuple[int, ...], ...]) -> torch.Tensor:
     ``i`` of the bit matrix of ``coef[o][j]``.
     """
     n_out, n_src = len(coef), len(coef[0])
-    rows = np.array([[bitmatrix_rows(c) for c in row] for row in coef], dtype=np.int64)
+    rows = bitmatrix_rows_np(np.array(coef, dtype=np.int64))
     nib = (rows[..., None] >> (4 * np.arange(4))) & 0xF  # [n_out, n_src, 16, 4]
     idx = torch.from_numpy(nib + 16 * np.arange(4)).permute(1, 0, 2, 3).contiguous()
     return idx.view(n_src, -1)
@@ -146,7 +146,7 @@ def mac_pages(
 @lru_cache(maxsize=64)
 def _plane_masks(coef: tuple[tuple[int, ...], ...]) -> torch.Tensor:
     n_out, n_src = len(coef), len(coef[0])
-    rows = np.array([[bitmatrix_rows(c) for c in row] for row in coef], dtype=np.int64)
+    rows = bitmatrix_rows_np(np.array(coef, dtype=np.int64))
     bits = (rows[..., None] >> np.arange(PLANES)) & 1  # [n_out, n_src, row i, plane b]
     masks = -bits.transpose(1, 3, 0, 2).reshape(n_src, PLANES, n_out * PLANES)
     return torch.from_numpy(masks.astype(np.int32))

@@ -95,6 +95,15 @@ def bitmatrix_rows(c: int) -> tuple[int, ...]:
     return tuple(sum(((cols[b] >> i) & 1) << b for b in range(16)) for i in range(16))
 
 
+def bitmatrix_rows_np(coefs: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`bitmatrix_rows`: int64 ``[..., 16]`` row masks for an array of constants."""
+    c = np.asarray(coefs, dtype=np.int64)[..., None]
+    b = np.arange(16, dtype=np.int64)
+    cols = np.where(c == 0, 0, EXP_NP[LOG_NP[c] + b])  # c * x^b, [..., b]
+    bits = (cols[..., None, :] >> b[:, None]) & 1  # [..., i, b]
+    return (bits << b).sum(axis=-1)
+
+
 def mat_inv(m: list[list[int]]) -> list[list[int]]:
     """Inverse of a square matrix over GF(2^16) by Gauss-Jordan elimination.
 

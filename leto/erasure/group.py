@@ -1,0 +1,284 @@
+"""A protection group: D data pages with H1 tier-1 and H2 tier-2 parity pages (paper Fig. 4).
+
+The group does not own memory: the data is a view of retained state (device or host) and
+the parity tensors live in state-manager host memory; the caller passes all of them in.
+Tier 1 is a Cauchy RS code over the data pages, tier 2 a Cauchy RS code over the tier-1
+pages. Arithmetic runs where the data is (Triton on CUDA, PyTorch on CPU); tier 2 always
+runs where the parity is. No persistent parity lives on the device: device scratch is
+allocated per call and freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from leto.erasure import engine, gf16
+from leto.erasure.bitslice import TILE_BYTES, plane_masks
+from leto.erasure.config import ErasureConfig
+from leto.erasure.rs import CauchyCode, DecodePlan
+from leto.errors import UnrecoverableStateError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildReport:
+    """What :meth:`ProtectionGroup.rebuild` did."""
+
+    data_pages: tuple[int, ...]
+    tier1_pages: tuple[int, ...]
+    tier2_pages: tuple[int, ...]
+    tier2_reencoded: bool
+    """Tier 2 could not rebuild the lost tier-1 pages (too many tier-2-code erasures), so
+    tier 1 rebuilt them from the data and tier 2 was re-encoded."""
+    seconds: float
+
+
+def _check_flat(name: str, t: torch.Tensor, nbytes: int | None = None) -> None:
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise TypeError(f"{name} must be a contiguous flat uint8 tensor, got {t.dtype} "
+                        f"{tuple(t.shape)}")
+    if nbytes is not None and t.numel() != nbytes:
+        raise ValueError(f"{name} has {t.numel()} bytes, expected {nbytes}")
+
+
+class ProtectionGroup:
+    """Encode, incrementally update and rebuild one group's two parity tiers.
+
+    ``data`` holds the group's present pages (a multiple of ``page_bytes``, at most
+    ``data_pages`` pages; a short last group is padded with logical zero pages).
+    ``tier1`` is ``tier1_parity * page_bytes`` bytes, ``tier2`` ``tier2_parity *
+    page_bytes``, both on one device (host memory in production).
+    """
+
+    def __init__(
+        self,
+        config: ErasureConfig,
+        data: torch.Tensor,
+        tier1: torch.Tensor,
+        tier2: torch.Tensor,
+        *,
+        backend: engine.Backend = "auto",
+    ) -> None:
+        pb = config.page_bytes
+        _check_flat("data", data)
+        _check_flat("tier1", tier1, config.tier1_parity * pb)
+        _check_flat("tier2", tier2, config.tier2_parity * pb)
+        if data.numel() % pb or not 0 < data.numel() // pb <= config.data_pages:
+            raise ValueError(f"data has {data.numel()} bytes: need 1..{config.data_pages} "
+                             f"whole pages of {pb} bytes")
+        if tier1.device != tier2.device:
+            raise ValueError("tier1 and tier2 parity must live on one device")
+        self.config = config
+        self.data, self.tier1, self.tier2 = data, tier1, tier2
+        self.num_pages = data.numel() // pb
+        self.backend = backend
+        self.code1 = CauchyCode(config.data_pages, config.tier1_parity)
+        self.code2 = CauchyCode(config.tier1_parity, config.tier2_parity)
+        self._c1 = self.code1.coef(range(self.num_pages))
+        self._c2 = self.code2.coef()
+        c21 = gf16.mat_mul(np.array(self._c2, dtype=np.int64).reshape(-1, config.tier1_parity),
+                           np.array(self._c1, dtype=np.int64))
+        self._c21 = tuple(tuple(int(v) for v in row) for row in c21)
+        self._masks: dict[str, torch.Tensor] = {}
+
+    # -- page views ---------------------------------------------------------------
+    def data_page(self, j: int) -> torch.Tensor:
+        pb = self.config.page_bytes
+        return self.data[j * pb : (j + 1) * pb]
+
+    def tier1_page(self, p: int) -> torch.Tensor:
+        pb = self.config.page_bytes
+        return self.tier1[p * pb : (p + 1) * pb]
+
+    def tier2_page(self, q: int) -> torch.Tensor:
+        pb = self.config.page_bytes
+        return self.tier2[q * pb : (q + 1) * pb]
+
+    def _on_device(self) -> bool:
+        return engine.resolve_backend(self.backend, self.data.device) == "triton"
+
+    def _device_masks(self, name: str, coef: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        """Kernel masks for a fixed matrix, uploaded once (``[n_src, 16, n_out * 16]``)."""
+        if name not in self._masks:
+            self._masks[name] = plane_masks(coef).to(self.data.device)
+        return self._masks[name]
+
+    # -- encode ---------------------------------------------------------------------
+    def encode_all(self) -> None:
+        """Compute both tiers from scratch (allocation time, or after a snapshot)."""
+        self.encode_tier1()
+        self.encode_tier2()
+
+    def encode_tier1(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tier-1 parity of the current data, into ``out`` (default: ``self.tier1``)."""
+        out = self.tier1 if out is None else out
+        h1 = self.config.tier1_parity
+        srcs = [self.data_page(j) for j in range(self.num_pages)]
+        if self._on_device() and out.device != self.data.device:
+            scratch = torch.empty(out.numel(), dtype=torch.uint8, device=self.data.device)
+            self._mac_t1(srcs, scratch)
+            out.copy_(scratch)
+        else:
+            self._mac_t1(srcs, out)
+        logger.debug("encoded tier 1", extra={"pages": self.num_pages, "parity": h1})
+        return out
+
+    def _mac_t1(self, srcs: list[torch.Tensor], out: torch.Tensor) -> None:
+        pb = self.config.page_bytes
+        outs = [out[p * pb : (p + 1) * pb] for p in range(self.config.tier1_parity)]
+        masks = self._device_masks("c1", self._c1) if out.is_cuda else None
+        engine.mac(self._c1, srcs, outs, accumulate=False, backend=self.backend, masks=masks)
+
+    def encode_tier2(self) -> None:
+        """Tier-2 parity over the tier-1 pages (runs where the parity lives)."""
+        h1, h2 = self.config.tier1_parity, self.config.tier2_parity
+        if h2 == 0:
+            return
+        engine.mac(self._c2, [self.tier1_page(p) for p in range(h1)],
+                   [self.tier2_page(q) for q in range(h2)], accumulate=False,
+                   backend=self.backend)
+
+    # -- incremental update ----------------------------------------------------------
+    def _check_range(self, page_index: int, byte_offset: int, old: torch.Tensor,
+                     new: torch.Tensor) -> None:
+        _check_flat("old", old)
+        _check_flat("new", new)
+        n = old.numel()
+        if new.numel() != n or old.device != new.device:
+            raise ValueError("old and new must have the same size and device")
+        if not 0 <= page_index < self.num_pages:
+            raise IndexError(f"page {page_index} not in group of {self.num_pages} pages")
+        if byte_offset % TILE_BYTES or n % TILE_BYTES:
+            raise ValueError(f"update range [{byte_offset}, +{n}) must be aligned to "
+                             f"{TILE_BYTES}-byte tiles; align chunk boundaries to 2 KiB")
+        if byte_offset < 0 or byte_offset + n > self.config.page_bytes:
+            raise ValueError(f"update range [{byte_offset}, +{n}) leaves the page")
+
+    def update(self, page_index: int, byte_offset: int, old: torch.Tensor,
+               new: torch.Tensor) -> None:
+        """Fold the change ``old -> new`` of bytes ``[byte_offset, +len)`` of data page
+        ``page_index`` into both parity tiers, in place.
+
+        ``parity_p ^= c[p][j] * (old ^ new)`` on tier 1 and the composed coefficients on
+        tier 2. The data itself is not touched (the optimizer already wrote ``new``).
+        """
+        self._check_range(page_index, byte_offset, old, new)
+        pb, n = self.config.page_bytes, old.numel()
+        h1, h2 = self.config.tier1_parity, self.config.tier2_parity
+        col = [(row[page_index],) for row in self._c1] + [(row[page_index],) for row in self._c21]
+        dests = [self.tier1[p * pb + byte_offset : p * pb + byte_offset + n] for p in range(h1)]
+        dests += [self.tier2[q * pb + byte_offset : q * pb + byte_offset + n] for q in range(h2)]
+        if old.device == self.tier1.device:
+            engine.mac(col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend)
+            return
+        scratch = torch.empty((h1 + h2) * n, dtype=torch.uint8, device=old.device)
+        outs = [scratch[k * n : (k + 1) * n] for k in range(h1 + h2)]
+        engine.mac(col, [new], outs, accumulate=False, srcs_xor=[old], backend=self.backend)
+        host = scratch.cpu() if self.tier1.device.type == "cpu" else scratch.to(self.tier1.device)
+        for k, d in enumerate(dests):
+            d ^= host[k * n : (k + 1) * n]
+
+    def update_into(self, parity: torch.Tensor, page_index: int, byte_offset: int,
+                    old: torch.Tensor, new: torch.Tensor) -> None:
+        """Like :meth:`update` but for tier 1 only, accumulated into ``parity`` (a scratch
+        copy of tier 1 on the data's device, ``tier1_parity * page_bytes`` bytes).
+
+        This is the updater's per-chunk path; after the group it calls
+        :meth:`commit_tier1` with the same buffer.
+        """
+        self._check_range(page_index, byte_offset, old, new)
+        _check_flat("parity", parity, self.tier1.numel())
+        pb, n = self.config.page_bytes, old.numel()
+        h1 = self.config.tier1_parity
+        dests = [parity[p * pb + byte_offset : p * pb + byte_offset + n] for p in range(h1)]
+        masks = None
+        if parity.is_cuda and self._on_device():
+            masks = self._device_masks("c1", self._c1)[page_index : page_index + 1]
+        col = [(row[page_index],) for row in self._c1]
+        engine.mac(col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend,
+                   masks=masks)
+
+    def commit_tier1(self, parity: torch.Tensor) -> None:
+        """Install a tier-1 buffer kept current by :meth:`update_into` and refresh tier 2."""
+        _check_flat("parity", parity, self.tier1.numel())
+        self.tier1.copy_(parity)
+        self.encode_tier2()
+
+    # -- rebuild -----------------------------------------------------------------
+    def rebuild(
+        self,
+        lost_data_pages: Iterable[int] = (),
+        lost_tier1_pages: Iterable[int] = (),
+        lost_tier2_pages: Iterable[int] = (),
+    ) -> RebuildReport:
+        """Rebuild lost pages in place: tier 2 first, then tier 1 (paper §4.2).
+
+        The lost pages' memory must already be usable (remapped); its contents are
+        ignored. Tier-1 pages that tier 2 cannot restore count as erasures of the tier-1
+        code, which rebuilds them from the data when it can. Raises
+        :class:`UnrecoverableStateError`, touching nothing, when the erasures exceed
+        what the two codes can repair together.
+        """
+        t0 = time.perf_counter()
+        ld = sorted(set(lost_data_pages))
+        l1 = sorted(set(lost_tier1_pages))
+        l2 = sorted(set(lost_tier2_pages))
+        h2 = self.config.tier2_parity
+        h1 = self.config.tier1_parity
+        if any(not 0 <= p < h1 for p in l1) or any(not 0 <= q < h2 for q in l2):
+            raise ValueError(f"lost parity pages out of range: tier1 {l1} (of {h1}), "
+                             f"tier2 {l2} (of {h2})")
+        via_tier2 = bool(l1 or l2) and len(l1) + len(l2) <= h2
+        t1_erasures = [] if via_tier2 else l1
+        # Plan everything before writing anything: failure must leave the state untouched.
+        plan1 = self.code1.decode_plan(ld, t1_erasures, present_data=self.num_pages)
+        plan2 = self.code2.decode_plan(l1, l2) if via_tier2 else None
+        if plan2 is not None:
+            self._run_plan(plan2, self.tier1_page, self.tier2_page)
+        if plan1.outputs:
+            self._run_plan_t1(plan1)
+        reencode = not via_tier2 and bool(l1 or l2) and h2 > 0
+        if reencode:
+            self.encode_tier2()
+        report = RebuildReport(tuple(ld), tuple(l1), tuple(l2), reencode,
+                               time.perf_counter() - t0)
+        logger.info("rebuilt pages", extra={"data": ld, "tier1": l1, "tier2": l2,
+                                            "seconds": report.seconds})
+        return report
+
+    def _run_plan(self, plan: DecodePlan, data_page, parity_page) -> None:
+        srcs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.sources]
+        outs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.outputs]
+        engine.mac(plan.coef, srcs, outs, accumulate=False, backend=self.backend)
+
+    def _run_plan_t1(self, plan: DecodePlan) -> None:
+        if not self._on_device() or self.tier1.device == self.data.device:
+            self._run_plan(plan, self.data_page, self.tier1_page)
+            return
+        # Data on the GPU, tier 1 on the host: bring the used parity pages over, decode
+        # into device scratch, then scatter the outputs to their homes.
+        pb, dev = self.config.page_bytes, self.data.device
+        used = [r.index for r in plan.sources if r.kind == "parity"]
+        par = torch.empty(max(len(used), 1) * pb, dtype=torch.uint8, device=dev)
+        for k, p in enumerate(used):
+            par[k * pb : (k + 1) * pb].copy_(self.tier1_page(p), non_blocking=True)
+        pos = {p: k for k, p in enumerate(used)}
+        n_data_src = len(plan.sources) - len(used)
+        out = torch.empty(len(plan.outputs) * pb, dtype=torch.uint8, device=dev)
+        outs = [out[k * pb : (k + 1) * pb] for k in range(len(plan.outputs))]
+        coef_d = [row[:n_data_src] for row in plan.coef]
+        coef_p = [row[n_data_src:] for row in plan.coef]
+        engine.mac(coef_d, [self.data_page(r.index) for r in plan.sources[:n_data_src]], outs,
+                   accumulate=False, backend=self.backend)
+        if used:
+            engine.mac(coef_p, [par[pos[p] * pb : (pos[p] + 1) * pb] for p in used], outs,
+                       accumulate=True, backend=self.backend)
+        for k, r in enumerate(plan.outputs):
+            (self.data_page if r.kind == "data" else self.tier1_page)(r.index).copy_(outs[k])
