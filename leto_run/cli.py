@@ -51,9 +51,10 @@ job file (--config FILE):
 subcommands:
   {SIM_COMMAND}   the failure/recovery simulator; see `leto-run {SIM_COMMAND} --help`.
         `leto-run {SIM_COMMAND} ...` runs it only when `{SIM_COMMAND}` is the first argument and no
-        file or directory named `{SIM_COMMAND}` exists in the current directory. Otherwise, as
-        with torchrun, `{SIM_COMMAND}` is the training script: a script named `{SIM_COMMAND}` is never
-        shadowed (to reach the simulator, run leto-run from another directory)."""
+        file or directory named `{SIM_COMMAND}` exists in the current directory. Otherwise,
+        as with torchrun, `{SIM_COMMAND}` is the training script: a script named
+        `{SIM_COMMAND}` is never shadowed (to reach the simulator, run leto-run from another
+        directory)."""
 
 
 def is_sim_invocation(argv: Sequence[str], cwd: str | None = None) -> bool:
@@ -197,7 +198,9 @@ def _check_script_exists(args: argparse.Namespace) -> None:
     """Fail before launching when the script is a path that does not exist."""
     if args.module or args.no_python or os.path.exists(args.training_script):
         return
-    raise ConfigError(f"training script {args.training_script!r} does not exist (cwd: {os.getcwd()})")
+    raise ConfigError(
+        f"training script {args.training_script!r} does not exist (cwd: {os.getcwd()})"
+    )
 
 
 def _check_nnodes(nnodes: str) -> None:
@@ -213,7 +216,7 @@ def _check_nnodes(nnodes: str) -> None:
 def build_launch(
     argv: Sequence[str],
 ) -> tuple[LaunchConfig, Callable[..., object] | str, list[str], LetoConfig]:
-    """Everything ``leto-run ARGV`` does short of launching: torchrun's config, cmd, args + Leto's."""
+    """All of ``leto-run ARGV`` short of launching: torchrun's config, cmd, args, and Leto's."""
     from torch.distributed.run import config_from_args
 
     args, leto = parse_launch_args(argv)

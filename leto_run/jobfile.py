@@ -54,7 +54,9 @@ class JobFile:
 
 def launch_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The torchrun options a job file may set, by dest name (Leto's group excluded)."""
-    leto_dests = {a.dest for g in parser._action_groups if g.title == "leto" for a in g._group_actions}
+    leto_dests = {
+        a.dest for g in parser._action_groups if g.title == "leto" for a in g._group_actions
+    }
     return {
         a.dest: a
         for a in parser._actions
@@ -102,7 +104,9 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: malformed YAML: {e}") from None
 
 
-def _check_launch(launch: Any, actions: dict[str, argparse.Action], *, where: str) -> dict[str, Any]:
+def _check_launch(
+    launch: Any, actions: dict[str, argparse.Action], *, where: str
+) -> dict[str, Any]:
     """Validate the ``launch`` mapping against torchrun's options; return parser defaults."""
     if not isinstance(launch, dict):
         raise ConfigError(f"{where}: launch: expected a mapping, got {type(launch).__name__}")

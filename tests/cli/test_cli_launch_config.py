@@ -83,7 +83,9 @@ LAUNCH_MATRIX: dict[str, list[str]] = {
     "static-master-port-single-node": ["--master-port", "29511"],
     "redirects-tee": ["--redirects", "3", "--tee", "1"],
     "redirects-per-rank": ["-r", "0:1,1:2", "-t", "3", "--local-ranks-filter", "0,1"],
-    "role-start-method": ["--role", "trainer", "--start-method", "fork", "--event-log-handler", "x"],
+    "role-start-method": [
+        "--role", "trainer", "--start-method", "fork", "--event-log-handler", "x",
+    ],
     "filters-signals": [
         "--duplicate-stdout-filters", "a,b", "--signals-to-handle", "SIGTERM",
         "--shutdown-timeout", "7", "--local-addr", "127.0.0.1", "--virtual-local-rank",

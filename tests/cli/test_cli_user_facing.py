@@ -26,9 +26,11 @@ BAD_INPUT: dict[str, tuple[str | None, list[str], str]] = {
     "unknown-top-level-key": ("scrpt: train.py\n", ["--config", "job.yaml"], "'scrpt'"),
     "unknown-launch-key": ("launch: {nprocs: 2}\n", ["--config", "job.yaml"], "'nprocs'"),
     "unknown-leto-key": ("leto: {consistancy: rmu}\n", ["--config", "job.yaml"], "'consistancy'"),
-    "wrong-type-launch": ("launch: {max_restarts: two}\n", ["--config", "job.yaml"], "max_restarts"),
+    "wrong-type-launch": ("launch: {max_restarts: two}\n", ["--config", "job.yaml"], "restarts"),
     "wrong-type-leto": ("leto: {digest: maybe}\n", ["--config", "job.yaml"], "leto.digest"),
-    "wrong-type-faults": ("leto: {faults: [{rank: a, step: 1}]}\n", ["--config", "job.yaml"], "rank"),
+    "wrong-type-faults": (
+        "leto: {faults: [{rank: a, step: 1}]}\n", ["--config", "job.yaml"], "faults[0].rank",
+    ),
     "missing-config": (None, ["--config", "nope.yaml", "train.py"], "'nope.yaml' does not exist"),
     "missing-script": (None, ["--nproc-per-node", "2", "nope.py"], "'nope.py' does not exist"),
     "missing-script-from-yaml": ("script: gone.py\n", ["--config", "job.yaml"], "'gone.py'"),
@@ -76,7 +78,9 @@ def test_bad_input_in_process(
 
 
 @pytest.fixture(scope="module")
-def bad_input_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+def bad_input_results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, subprocess.CompletedProcess]:
     """Run the SUBPROCESS_CASES at once, each in its own directory."""
     procs = {}
     for name in SUBPROCESS_CASES:
@@ -159,7 +163,9 @@ def test_main_dispatches_sim_or_script(tmp_path: Path, monkeypatch: pytest.Monke
     assert dispatch(["sim", "--steps", "3"], monkeypatch) == ("launch", ["sim", "--steps", "3"])
 
 
-def test_main_keeps_double_dash_for_argparse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_keeps_double_dash_for_argparse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert dispatch(["--", "train.py", "--", "x"], monkeypatch) == (
         "launch", ["--", "train.py", "--", "x"],
