@@ -11,8 +11,8 @@ from leto.sim.evaluate import ScenarioResult, closed_form, with_failures
 
 log = logging.getLogger(__name__)
 
-_SCALE_HOF_RATIOS = (0.0, 0.5, 1.0)
-"""HOF ratios drawn in the ETTR-vs-scale plot, as in Fig. 14."""
+_SCALE_HOF_RATIOS = {0.0: ":", 0.5: "--", 1.0: "-"}
+"""HOF ratios drawn in the ETTR-vs-scale plot, as in Fig. 14, and their line styles."""
 
 
 def _pyplot() -> Any:
@@ -53,8 +53,8 @@ def _sweep_figure(
         if log_x:
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0][0].set_ylabel("ETTR (%)")
-    axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -64,20 +64,22 @@ def _sweep_figure(
 def _scale_figure(plt: Any, results: list[ScenarioResult], path: Path) -> Path:
     """ETTR against GPU count at each scenario's MTTF, for HOF ratios 0, 50 and 100 %."""
     ordered = sorted(results, key=lambda r: r.scenario.workload.num_gpus)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for h in _SCALE_HOF_RATIOS:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    colors: dict[str, str] = {}
+    for h, style in _SCALE_HOF_RATIOS.items():
         per_system: dict[str, list[tuple[int, float]]] = {}
         for r in ordered:
             for name, p in closed_form(r.scenario, with_failures(r.scenario.failures, hof_ratio=h)).items():
                 per_system.setdefault(name, []).append((r.scenario.workload.num_gpus, 100 * p.ettr))
         for name, points in per_system.items():
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", label=f"{name}, {h:.0%} HOF")
+            color = colors.setdefault(name, f"C{len(colors) % 10}")
+            ax.plot(xs, ys, style, color=color, marker="o", label=f"{name}, {h:.0%} HOF")
     ax.set_xscale("log")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("ETTR (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
