@@ -27,7 +27,7 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
     out: list[Recovery] = []
     faults = [e for e in events if e["kind"] == "fault_injected"]
     for det in (e for e in events if e["kind"] == "failure_detected"):
-        t_det = det["t"]
+        t_det = det.get("detected_t", det["t"])
         after = [e for e in events if e["t"] >= t_det]
         prior_faults = [f for f in faults if f["t"] <= t_det]
         fault = prior_faults[-1] if prior_faults else None
@@ -36,11 +36,10 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
         if promoted is None:
             continue
         gen = promoted["gen"]
-        rec = Recovery(gen=gen, failed_ranks=sorted(int(r) for r in det["ranks"]), step=fault["step"] if fault else None)
+        rec = Recovery(gen=gen, failed_ranks=sorted(int(r) for r in det.get("root_ranks", det["ranks"])), step=fault["step"] if fault else None)
         stopped = _first(after, "actives_stopped")
         ranks_promoted = [e for e in after if e["kind"] == "promoted" and e["gen"] == gen]
-        resumed = [e for e in after if e["kind"] == "resumed" and e["src"].startswith("trainer")
-                   and e["t"] >= promoted["t"]]
+        resumed = [e for e in after if e["kind"] == "resumed" and e.get("gen") == gen]
         rec.phases["detect"] = t_det - t0
         if stopped:
             rec.phases["stop"] = stopped["t"] - t_det

@@ -22,6 +22,7 @@ promoted trainer has finished its first step, so they never slow the recovery it
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from datetime import timedelta
@@ -66,6 +67,9 @@ class LetoAgent(LocalElasticAgent):
         self._store: dist.Store | None = None
         self._uses_leto = False
         self._recovery: dict[str, Any] | None = None
+        self._pidfds: dict[int, int] = {}
+        self._detected_t: float | None = None
+        self._root_pid: int | None = None
         self.recoveries = 0
 
     # -- worker environment: the one seam torch offers inside _start_workers -----------------
@@ -112,6 +116,7 @@ class LetoAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._watch_registration(worker_group)
         self._watch_recovery(worker_group)
+        self._detect_killed_active()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and self._can_recover(result):
             self._recover(worker_group, result)
@@ -121,6 +126,7 @@ class LetoAgent(LocalElasticAgent):
         return result
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._close_pidfds()
         self._close_shadows()
         super()._stop_workers(worker_group)
 
@@ -166,16 +172,58 @@ class LetoAgent(LocalElasticAgent):
         # raised would raise again: that is torchrun's business (restart or fail).
         return any(f.exitcode < 0 for f in result.failures.values())
 
+    def _detect_killed_active(self) -> None:
+        """See a trainer killed by a signal without reaping it, and stop its peers at once.
+
+        torch's PContext, on a failure, sends SIGTERM to the survivors and waits for them;
+        peers stuck in a collective then take their time. With a pidfd and ``WNOWAIT`` we
+        learn of the death first and SIGKILL the survivors, so the base class finds them
+        all dead. Only for leto jobs, and only for deaths by signal (HOFs).
+        """
+        if not self._uses_leto or self._pcontext is None or self._detected_t is not None:
+            return
+        pids = list(self._pcontext.pids().values())
+        for pid in pids:
+            fd = self._pidfds.get(pid)
+            if fd is None:
+                try:
+                    fd = self._pidfds[pid] = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    continue
+            try:
+                info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # already reaped by the base class: its business
+                continue
+            if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                self._detected_t, self._root_pid = time.time(), pid
+                for other in pids:
+                    if other != pid:
+                        try:
+                            os.kill(other, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                return
+
+    def _close_pidfds(self) -> None:
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
+        self._detected_t = self._root_pid = None
+
     def _recover(self, worker_group: WorkerGroup, result: RunResult) -> None:
-        t_detect = time.time()
+        t_detect = self._detected_t or time.time()
         assert self._store is not None and self._pcontext is not None and self._shadows is not None
         failed = {rank: f.exitcode for rank, f in result.failures.items()}
-        self._events.emit(Kind.FAILURE_DETECTED, ranks=failed, gen=self._generation)
+        root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(failed)
+        self._events.emit(
+            Kind.FAILURE_DETECTED, ranks=failed, root_ranks=root, gen=self._generation, detected_t=t_detect
+        )
         epoch = self._store.add("epoch", 1)
         self._events.emit(Kind.EPOCH, epoch=epoch)
         self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
         t_stopped = time.time()
         self._events.emit(Kind.ACTIVES_STOPPED, gen=self._generation, stop_s=t_stopped - t_detect)
+        self._close_pidfds()
         self._generation += 1
         self._store.set(f"promote/{self._generation}", str(epoch))
         self._pcontext, self._shadows = self._shadows, None

@@ -237,7 +237,7 @@ class RetainedState:
             action = "rerun"
         resume_at = low + 1 if finish else low
         self.ctx.events.emit(
-            Kind.RESUMED, rank=self.ctx.rank, step=resume_at, action=action, points=[list(p) for p in points],
+            Kind.RESUMED, rank=self.ctx.rank, gen=self.ctx.env.generation, step=resume_at, action=action, points=[list(p) for p in points],
             attach_s=self.attach_s, decide_s=time.perf_counter() - t0,
         )
         if self.ctx.env.digest:
