@@ -55,7 +55,8 @@ class Dashboard:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._poll()
-        self.console.print(self.summary_table())
+        if any(e["kind"] in ("step_done", "failure_detected") for e in self.events):
+            self.console.print(self.summary_table())
 
     def _run(self) -> None:
         if not self.live_mode:

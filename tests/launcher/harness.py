@@ -1,0 +1,58 @@
+"""Run real leto-run / torchrun jobs (real processes, SIGKILLs, gloo) and read their events."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from leto.config import PHASES, FaultSpec
+from leto.events import read_events
+
+REPO = Path(__file__).resolve().parents[2]
+LETO_RUN = Path(sys.executable).with_name("leto-run")
+GPT = str(REPO / "examples" / "train_gpt.py")
+# Small enough to be quick on 2 cores, large enough to have a middle module to kill in.
+GPT_ARGS = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
+
+
+def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list[str] = (),
+             script_args: list[str] = (), timeout_s: float = 240) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    events = tmp / f"events-{len(list(tmp.glob('events-*')))}.jsonl"
+    cmd = [str(LETO_RUN), "--standalone", "--nproc-per-node", "2", "--no-dashboard", "--digest",
+           "--events", str(events), *extra]
+    for f in faults:
+        cmd += ["--inject-fault", f"rank={f.rank},step={f.step},phase={f.phase}"]
+    cmd += [GPT, "--steps", str(steps), *GPT_ARGS, *script_args]
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env())
+    return proc, read_events(events)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def digests(events: list[dict]) -> dict[tuple[int, int], set[str]]:
+    """(rank, committed step) -> every digest reported for it (one per report)."""
+    out: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for e in events:
+        if e["kind"] == "digest":
+            out[(e["rank"], e["step"])].add(e["digest"])
+    return dict(out)
+
+
+def random_schedule(seed: int, steps: int, count: int, min_gap: int, first: int = 4) -> list[FaultSpec]:
+    """``count`` kills at random (step, rank, phase), at least ``min_gap`` steps apart."""
+    rng = random.Random(seed)
+    chosen: list[int] = []
+    while len(chosen) < count:
+        s = rng.randrange(first, steps - 1)
+        if all(abs(s - c) >= min_gap for c in chosen):
+            chosen.append(s)
+    return [FaultSpec(rank=rng.randrange(2), step=s, phase=rng.choice(PHASES)) for s in sorted(chosen)]
