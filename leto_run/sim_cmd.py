@@ -16,15 +16,28 @@ log = logging.getLogger(__name__)
 
 @click.command(name="sim")
 @click.argument("scenarios", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write inputs and results as JSON.")
-@click.option("--plots", "plots_dir", type=click.Path(path_type=Path), help="Write PNG plots into this folder.")
 @click.option(
-    "--monte-carlo-runs", type=click.IntRange(min=0), default=None,
+    "--json", "json_out", type=click.Path(path_type=Path), help="Write inputs and results as JSON."
+)
+@click.option(
+    "--plots",
+    "plots_dir",
+    type=click.Path(path_type=Path),
+    help="Write PNG plots into this folder.",
+)
+@click.option(
+    "--monte-carlo-runs",
+    type=click.IntRange(min=0),
+    default=None,
     help="Simulated runs per system (0: closed form only); default from the scenario.",
 )
 @click.option("--seed", type=int, default=None, help="Monte Carlo seed; default from the scenario.")
-@click.option("--mttf-min", type=float, default=None, help="Override the scenario MTTF, in minutes.")
-@click.option("--hof-ratio", type=float, default=None, help="Override the scenario HOF ratio, in [0, 1].")
+@click.option(
+    "--mttf-min", type=float, default=None, help="Override the scenario MTTF, in minutes."
+)
+@click.option(
+    "--hof-ratio", type=float, default=None, help="Override the scenario HOF ratio, in [0, 1]."
+)
 def sim(
     scenarios: tuple[Path, ...],
     json_out: Path | None,

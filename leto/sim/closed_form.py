@@ -172,7 +172,12 @@ def predict(terms: SystemTerms, failures: FailureConfig) -> Prediction:
     steady = terms.iteration_s / terms.t_eff_s
     ettr = max(0.0, steady * (1.0 - ratio))
     if ratio >= 1.0:
-        log.warning("%s: T_rec %.0f s >= MTTF %.0f s, Eq. 6 does not apply", terms.name, recovery, failures.mttf_s)
+        log.warning(
+            "%s: T_rec %.0f s >= MTTF %.0f s, Eq. 6 does not apply",
+            terms.name,
+            recovery,
+            failures.mttf_s,
+        )
     return Prediction(
         system=terms.name,
         ettr=ettr,
@@ -196,5 +201,7 @@ def checkpoint_cost_from_ettr(
     """
     steady = ettr / (1.0 - recovery_s / mttf_s)
     if not 0.0 < steady <= 1.0:
-        raise ValueError(f"ETTR {ettr} and recovery {recovery_s} s imply T_iter/T_eff = {steady:.3f}")
+        raise ValueError(
+            f"ETTR {ettr} and recovery {recovery_s} s imply T_iter/T_eff = {steady:.3f}"
+        )
     return (iteration_s / steady - iteration_s) * interval_iters

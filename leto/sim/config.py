@@ -46,10 +46,14 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         check(self.num_gpus >= 1, f"num_gpus: must be >= 1, got {self.num_gpus}")
         if self.iteration_time_s is not None:
-            check(self.iteration_time_s > 0, f"iteration_time_s: must be > 0, got {self.iteration_time_s}")
+            check(
+                self.iteration_time_s > 0,
+                f"iteration_time_s: must be > 0, got {self.iteration_time_s}",
+            )
         check(
             (self.iteration_time_s is None) != (self.iteration_model is None),
-            "give exactly one of iteration_time_s, iteration_model (or a profile with iteration_time_s)",
+            "give exactly one of iteration_time_s, iteration_model "
+            "(or a profile with iteration_time_s)",
         )
 
     def iteration_s(self) -> float:
@@ -127,10 +131,21 @@ class SystemConfig:
             self.checkpoint_cost_s is None or self.checkpoint_cost_ratio is None,
             "give checkpoint_cost_s or checkpoint_cost_ratio, not both",
         )
-        for name in ("checkpoint_cost_s", "checkpoint_cost_ratio", "detection_s", "init_s", "ff_init_s", "recovery_s", "ff_recovery_s"):
+        for name in (
+            "checkpoint_cost_s",
+            "checkpoint_cost_ratio",
+            "detection_s",
+            "init_s",
+            "ff_init_s",
+            "recovery_s",
+            "ff_recovery_s",
+        ):
             value = getattr(self, name)
             check(value is None or value >= 0, f"{name}: must be >= 0, got {value}")
-        check(0 <= self.overhead_ratio < 1, f"overhead_ratio: must be in [0, 1), got {self.overhead_ratio}")
+        check(
+            0 <= self.overhead_ratio < 1,
+            f"overhead_ratio: must be in [0, 1), got {self.overhead_ratio}",
+        )
         for name in ("checkpoint_interval_iters", "max_checkpoint_interval_iters"):
             value = getattr(self, name)
             check(value is None or value >= 1, f"{name}: must be >= 1, got {value}")
@@ -139,7 +154,10 @@ class SystemConfig:
             "give init_s (recovery is then modelled) or a measured recovery_s",
         )
         if self.kind == "jit":
-            check(self.checkpoint_interval_iters in (None, 1), "checkpoint_interval_iters: jit commits every iteration (1)")
+            check(
+                self.checkpoint_interval_iters in (None, 1),
+                "checkpoint_interval_iters: jit commits every iteration (1)",
+            )
 
     def checkpoint_s(self, iteration_s: float) -> float:
         """T_ckpt in seconds: given, or p x T_iter."""
@@ -160,7 +178,10 @@ class MonteCarloConfig:
     """Seed of the random generator; same seed, same numbers."""
 
     def __post_init__(self) -> None:
-        check(self.runs == 0 or self.runs >= 2, f"runs: must be 0 (off) or >= 2 for a CI, got {self.runs}")
+        check(
+            self.runs == 0 or self.runs >= 2,
+            f"runs: must be 0 (off) or >= 2 for a CI, got {self.runs}",
+        )
         check(self.duration_h > 0, f"duration_h: must be > 0, got {self.duration_h}")
 
 
@@ -206,7 +227,9 @@ class Scenario:
         check(not dup, f"systems: duplicate name {dup[0]!r}" if dup else "")
         for s in self.systems:
             check(
-                s.kind != "leto" or s.checkpoint_interval_iters is not None or s.max_checkpoint_interval_iters is not None,
+                s.kind != "leto"
+                or s.checkpoint_interval_iters is not None
+                or s.max_checkpoint_interval_iters is not None,
                 f"systems: {s.name!r}: Leto's Young interval diverges at 100 % HOFs; "
                 "set max_checkpoint_interval_iters or checkpoint_interval_iters",
             )
@@ -245,7 +268,9 @@ def _merge_profile(data: dict[str, Any], path: Path) -> dict[str, Any]:
     profile = read_mapping(profile_path)
     unknown = [k for k in profile if k not in _PROFILE_KEYS]
     if unknown:
-        raise ConfigError(f"{profile_path}: unknown key {unknown[0]!r} (known: {', '.join(_PROFILE_KEYS)})")
+        raise ConfigError(
+            f"{profile_path}: unknown key {unknown[0]!r} (known: {', '.join(_PROFILE_KEYS)})"
+        )
     merged = copy.deepcopy(data)
     workload = merged["workload"]
     if "iteration_time_s" in profile and "iteration_model" not in workload:

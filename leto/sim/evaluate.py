@@ -61,10 +61,14 @@ def closed_form(scenario: Scenario, failures: FailureConfig | None = None) -> di
     }
 
 
-def evaluate(scenario: Scenario, *, runs: int | None = None, seed: int | None = None) -> ScenarioResult:
+def evaluate(
+    scenario: Scenario, *, runs: int | None = None, seed: int | None = None
+) -> ScenarioResult:
     """Closed form, Monte Carlo (``runs`` overrides the scenario's) and sweeps."""
     mc = scenario.monte_carlo
-    mc = dataclasses.replace(mc, runs=mc.runs if runs is None else runs, seed=mc.seed if seed is None else seed)
+    mc = dataclasses.replace(
+        mc, runs=mc.runs if runs is None else runs, seed=mc.seed if seed is None else seed
+    )
     rng = np.random.default_rng(mc.seed)
     iteration_s = scenario.workload.iteration_s()
     results = []
@@ -77,9 +81,13 @@ def evaluate(scenario: Scenario, *, runs: int | None = None, seed: int | None = 
     return ScenarioResult(scenario, iteration_s, results, hof, mttf)
 
 
-def _sweep(scenario: Scenario, key: str, values: list[float]) -> dict[str, list[tuple[float, float]]]:
+def _sweep(
+    scenario: Scenario, key: str, values: list[float]
+) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {s.name: [] for s in scenario.systems}
     for value in values:
-        for name, p in closed_form(scenario, with_failures(scenario.failures, **{key: value})).items():
+        for name, p in closed_form(
+            scenario, with_failures(scenario.failures, **{key: value})
+        ).items():
             out[name].append((value, p.ettr))
     return out

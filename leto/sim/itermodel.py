@@ -65,17 +65,23 @@ class IterationModelConfig:
 
     def __post_init__(self) -> None:
         check(self.microbatches >= 1, f"microbatches: must be >= 1, got {self.microbatches}")
-        check(self.pipeline_stages >= 1, f"pipeline_stages: must be >= 1, got {self.pipeline_stages}")
+        check(
+            self.pipeline_stages >= 1, f"pipeline_stages: must be >= 1, got {self.pipeline_stages}"
+        )
         check(self.virtual_stages >= 1, f"virtual_stages: must be >= 1, got {self.virtual_stages}")
         check(
             len(self.stage_times_s) in (1, self.pipeline_stages),
-            f"stage_times_s: give 1 or pipeline_stages={self.pipeline_stages} values, got {len(self.stage_times_s)}",
+            f"stage_times_s: give 1 or pipeline_stages={self.pipeline_stages} values, "
+            f"got {len(self.stage_times_s)}",
         )
         check(all(t > 0 for t in self.stage_times_s), "stage_times_s: each must be > 0")
         check(self.stage_params > 0, f"stage_params: must be > 0, got {self.stage_params}")
         check(self.data_parallel >= 1, f"data_parallel: must be >= 1, got {self.data_parallel}")
         check(self.collective_bandwidth_gbps > 0, "collective_bandwidth_gbps: must be > 0")
-        check(0.0 <= self.interference <= 1.0, f"interference: must be in [0, 1], got {self.interference}")
+        check(
+            0.0 <= self.interference <= 1.0,
+            f"interference: must be in [0, 1], got {self.interference}",
+        )
         for name in ("update_s", "allgather_s", "alltoall_s", "collective_latency_s"):
             check(getattr(self, name) >= 0, f"{name}: must be >= 0, got {getattr(self, name)}")
 
@@ -100,7 +106,9 @@ class IterationBreakdown:
         return self.pipeline_s + self.sync_s + self.update_s
 
 
-def pipeline_time_s(microbatches: int, stages: int, virtual: int, stage_times_s: list[float]) -> float:
+def pipeline_time_s(
+    microbatches: int, stages: int, virtual: int, stage_times_s: list[float]
+) -> float:
     """C.1.1: (M + (S - 1)/v) x max_s stage(s)."""
     return (microbatches + (stages - 1) / virtual) * max(stage_times_s)
 
@@ -131,12 +139,18 @@ def collective_time_s(cfg: IterationModelConfig, params: float) -> float:
 
 def predict_iteration(cfg: IterationModelConfig) -> IterationBreakdown:
     """T_pipeline + T_sync(^on) + T_update (+ all-gather) for one configuration."""
-    pipeline = pipeline_time_s(cfg.microbatches, cfg.pipeline_stages, cfg.virtual_stages, cfg.stage_times_s)
+    pipeline = pipeline_time_s(
+        cfg.microbatches, cfg.pipeline_stages, cfg.virtual_stages, cfg.stage_times_s
+    )
     buckets = bucket_sizes(cfg.stage_params, cfg.data_parallel) if cfg.data_parallel > 1 else []
     transfer = [collective_time_s(cfg, b) for b in buckets]
     serial = sum(transfer)
     ready = [sum(buckets[: i + 1]) / cfg.stage_params for i in range(len(buckets))]
-    window = cfg.backward_window_s if cfg.backward_window_s is not None else 2 / 3 * max(cfg.stage_times_s)
+    window = (
+        cfg.backward_window_s
+        if cfg.backward_window_s is not None
+        else 2 / 3 * max(cfg.stage_times_s)
+    )
     if cfg.overlap == "off":
         sync = serial
     elif cfg.overlap == "dense":
@@ -146,7 +160,10 @@ def predict_iteration(cfg: IterationModelConfig) -> IterationBreakdown:
         shared = cfg.interference * min(serial, cfg.alltoall_s)
         sync = exposed_comm_s(transfer, ready, window + shared) + shared
     result = IterationBreakdown(
-        pipeline_s=pipeline, sync_serial_s=serial, sync_s=sync, update_s=cfg.update_s + cfg.allgather_s
+        pipeline_s=pipeline,
+        sync_serial_s=serial,
+        sync_s=sync,
+        update_s=cfg.update_s + cfg.allgather_s,
     )
     log.debug("iteration model: %s -> %.3f s", result, result.iteration_s)
     assert math.isfinite(result.iteration_s)

@@ -93,7 +93,9 @@ class _Schedule:
 
     def time_to(self, progress: int, target: int, usable: int) -> float:
         """Wall time to run iterations progress+1..target."""
-        return (target - progress) * self.step_s + self.ckpt_s * self._snapshots(progress, target - 1, usable)
+        return (target - progress) * self.step_s + self.ckpt_s * self._snapshots(
+            progress, target - 1, usable
+        )
 
     def reached(self, progress: int, budget_s: float, usable: int) -> int:
         """Completed iterations after ``budget_s`` seconds of running from ``progress``."""

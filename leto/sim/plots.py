@@ -32,7 +32,9 @@ def write_plots(results: list[ScenarioResult], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
         _sweep_figure(plt, results, "hof_sweep", "HOF ratio", out_dir / "ettr_vs_hof_ratio.png"),
-        _sweep_figure(plt, results, "mttf_sweep", "MTTF (min)", out_dir / "ettr_vs_mttf.png", log_x=True),
+        _sweep_figure(
+            plt, results, "mttf_sweep", "MTTF (min)", out_dir / "ettr_vs_mttf.png", log_x=True
+        ),
         _scale_figure(plt, results, out_dir / "ettr_vs_scale.png"),
     ]
     log.info("wrote %s", ", ".join(str(p) for p in paths))
@@ -43,12 +45,17 @@ def _sweep_figure(
     plt: Any, results: list[ScenarioResult], attr: str, xlabel: str, path: Path, log_x: bool = False
 ) -> Path:
     """One panel per scenario, one closed-form line per system."""
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False, sharey=True
+    )
     for ax, result in zip(axes[0], results, strict=True):
         for system, points in getattr(result, attr).items():
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, [100 * y for y in ys], marker="o", label=system)
-        ax.set_title(f"{result.scenario.workload.name}, {result.scenario.workload.num_gpus:,} GPUs", fontsize=9)
+        ax.set_title(
+            f"{result.scenario.workload.name}, {result.scenario.workload.num_gpus:,} GPUs",
+            fontsize=9,
+        )
         ax.set_xlabel(xlabel)
         if log_x:
             ax.set_xscale("log")
@@ -69,7 +76,9 @@ def _scale_figure(plt: Any, results: list[ScenarioResult], path: Path) -> Path:
     for h, style in _SCALE_HOF_RATIOS.items():
         per_system: dict[str, list[tuple[int, float]]] = {}
         for r in ordered:
-            for name, p in closed_form(r.scenario, with_failures(r.scenario.failures, hof_ratio=h)).items():
+            for name, p in closed_form(
+                r.scenario, with_failures(r.scenario.failures, hof_ratio=h)
+            ).items():
                 per_system.setdefault(name, []).append((r.scenario.workload.num_gpus, 100 * p.ettr))
         for name, points in per_system.items():
             xs, ys = zip(*points, strict=True)

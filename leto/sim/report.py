@@ -25,7 +25,8 @@ def table(result: ScenarioResult) -> Table:
     f = s.failures
     out = Table(
         title=(
-            f"{s.name}: {s.workload.name} on {s.workload.num_gpus:,} GPUs, T_iter {result.iteration_s:.3f} s, "
+            f"{s.name}: {s.workload.name} on {s.workload.num_gpus:,} GPUs, "
+            f"T_iter {result.iteration_s:.3f} s, "
             f"MTTF {f.mttf_min:g} min, HOF {f.hof_ratio:.0%}"
         ),
         title_justify="left",
@@ -43,8 +44,14 @@ def table(result: ScenarioResult) -> Table:
             sim = f"{100 * mc.ettr_mean:.2f}±{100 * mc.ettr_ci95:.2f}%{mark}"
             overlaps = f"{mc.overlapping_per_run:.1f}/{mc.failures_per_run:.0f}"
         out.add_row(
-            p.system, str(p.interval_iters), f"{p.t_eff_s:.3f}", f"{p.recovery_s:.1f}",
-            f"{p.recovery_to_mttf:.3f}", closed, sim, overlaps,
+            p.system,
+            str(p.interval_iters),
+            f"{p.t_eff_s:.3f}",
+            f"{p.recovery_s:.1f}",
+            f"{p.recovery_to_mttf:.3f}",
+            closed,
+            sim,
+            overlaps,
         )
     return out
 
@@ -56,7 +63,8 @@ def print_tables(results: list[ScenarioResult], console: Console | None = None) 
         console.print(table(result))
     if any(r.monte_carlo is not None for res in results for r in res.systems):
         console.print(
-            "I: checkpoint interval (iters). Monte Carlo: mean ± 95 % CI over runs; ≠: Eq. 6 lies "
+            "I: checkpoint interval (iters). Monte Carlo: mean ± 95 % CI over runs; "
+            "≠: Eq. 6 lies "
             "outside it. overlaps: failures inside another's recovery / failures, per run."
         )
 

@@ -89,7 +89,9 @@ def _convert(hint: Any, value: Any, *, where: str, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {key}: expected a mapping, got {_kind(value)}")
-        return {str(k): _convert(args[1], v, where=where, key=f"{key}.{k}") for k, v in value.items()}
+        return {
+            str(k): _convert(args[1], v, where=where, key=f"{key}.{k}") for k, v in value.items()
+        }
     if dataclasses.is_dataclass(hint):
         return build(hint, value, where=where, key=key)
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):

@@ -16,7 +16,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "sim"
 KIMI = CONFIGS / "kimi-moe-table3.yaml"
 
 
-def _scenario(tmp_path: Path, edit: dict[str, object] | None = None, text: str | None = None) -> Path:
+def _scenario(
+    tmp_path: Path, edit: dict[str, object] | None = None, text: str | None = None
+) -> Path:
     """Write a copy of the Kimi scenario, with top-level ``edit`` merged in, or raw ``text``."""
     path = tmp_path / "scenario.yaml"
     if text is None:
@@ -41,9 +43,13 @@ BAD = {
     "no systems": ({"systems": []}, "systems"),
     "missing key": ({"workload": {"num_gpus": 8, "iteration_time_s": 1.0}}, "name"),
     "jit on sharded": (
-        {"systems": [{"name": "JIT", "kind": "jit", "init_s": 10}]}, "replicated optimizer",
+        {"systems": [{"name": "JIT", "kind": "jit", "init_s": 10}]},
+        "replicated optimizer",
     ),
-    "leto without cap": ({"systems": [{"name": "L", "kind": "leto", "init_s": 10}]}, "max_checkpoint"),
+    "leto without cap": (
+        {"systems": [{"name": "L", "kind": "leto", "init_s": 10}]},
+        "max_checkpoint",
+    ),
 }
 
 
@@ -80,7 +86,15 @@ def test_json_and_plots(tmp_path: Path) -> None:
     """The JSON holds the closed form of every system; three PNGs are written."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "out.json"
-    args = [str(KIMI), "--json", str(out), "--plots", str(tmp_path / "plots"), "--monte-carlo-runs", "4"]
+    args = [
+        str(KIMI),
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path / "plots"),
+        "--monte-carlo-runs",
+        "4",
+    ]
     result = CliRunner().invoke(sim, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
@@ -106,7 +120,10 @@ def test_measured_profile_fills_unset_keys(tmp_path: Path) -> None:
     profile = {
         "source": "bench/recovery.py on 2 GPUs",
         "iteration_time_s": 0.5,
-        "systems": {"torchrun": {"init_s": 20.0, "checkpoint_cost_s": 0.4}, "Leto": {"init_s": 2.0, "ff_init_s": 20.0}},
+        "systems": {
+            "torchrun": {"init_s": 20.0, "checkpoint_cost_s": 0.4},
+            "Leto": {"init_s": 2.0, "ff_init_s": 20.0},
+        },
     }
     (tmp_path / "profile.json").write_text(json.dumps(profile))
     scenario = {

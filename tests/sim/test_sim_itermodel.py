@@ -47,10 +47,16 @@ def test_pipeline_time() -> None:
 
 
 def _model(**changes: object) -> IterationModelConfig:
-    base: dict[str, object] = dict(
-        microbatches=16, pipeline_stages=4, virtual_stages=2, stage_times_s=[0.1],
-        stage_params=200e6, data_parallel=8, collective_bandwidth_gbps=10.0, update_s=0.2,
-    )
+    base: dict[str, object] = {
+        "microbatches": 16,
+        "pipeline_stages": 4,
+        "virtual_stages": 2,
+        "stage_times_s": [0.1],
+        "stage_params": 200e6,
+        "data_parallel": 8,
+        "collective_bandwidth_gbps": 10.0,
+        "update_s": 0.2,
+    }
     return IterationModelConfig(**(base | changes))  # type: ignore[arg-type]
 
 

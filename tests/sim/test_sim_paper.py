@@ -48,7 +48,9 @@ def test_table3_leto_recovery_from_its_parts() -> None:
     for name, measured_s in (("Leto (I=11)", 19.0), ("Leto (I=32)", 16.0)):
         system = scenario.system(name)
         terms = system_terms(system, iteration_s, scenario.failures)
-        modelled = system.detection_s + (system.init_s or 0.0) + terms.hof.lost_iters * terms.t_eff_s
+        modelled = (
+            system.detection_s + (system.init_s or 0.0) + terms.hof.lost_iters * terms.t_eff_s
+        )
         assert modelled == pytest.approx(measured_s, abs=2.0)
 
 
