@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 TILE_WORDS = 512
 """int32 words per 2 KiB tile (16 planes x 32 words)."""
 
+TUNING: dict[str, int] = {"out_block": 4, "block_n": 256, "num_warps": 8}
+"""Launch parameters used when a call gives none (bench/erasure_gpu.py sweeps them)."""
+
 
 @triton.jit
 def _gf16_mac_kernel(
@@ -95,9 +98,9 @@ def gf16_mac(
     *,
     accumulate: bool,
     src2: torch.Tensor | None = None,
-    out_block: int = 4,
-    block_n: int = 256,
-    num_warps: int = 8,
+    out_block: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """``dst[o] (^)= sum_j coef[o][j] * (src[j] ^ src2[j])`` on ``n_tiles`` tiles.
 
@@ -114,6 +117,12 @@ def gf16_mac(
     for t in (src, dst) + ((src2,) if src2 is not None else ()):
         if t.dtype != torch.int32:
             raise TypeError(f"page buffers must be int32 views, got {t.dtype}")
+    for name, t in (("masks", masks), ("src_off", src_off), ("dst_off", dst_off)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel indexes it flat)")
+    out_block = out_block or min(TUNING["out_block"], triton.next_power_of_2(n_out))
+    block_n = block_n or TUNING["block_n"]
+    num_warps = num_warps or TUNING["num_warps"]
     n_cols = n_tiles * 32
     grid = (triton.cdiv(n_cols, block_n), triton.cdiv(n_out, out_block))
     _gf16_mac_kernel[grid](

@@ -26,6 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from leto.erasure import gf16
 from leto.erasure.gf16 import bitmatrix_rows_np
 
 logger = logging.getLogger(__name__)
@@ -143,13 +144,26 @@ def mac_pages(
                 out[t0:t1] = acc[:, o]
 
 
+def plane_masks_tensor(coef: torch.Tensor) -> torch.Tensor:
+    """:func:`plane_masks` of an int64 ``[n_out, n_src]`` tensor, computed on its device.
+
+    Used on the GPU for decode matrices, which change with every erasure pattern: the
+    masks of a 16 x 1024 matrix are 16 MiB, cheaper to build there than to upload.
+    """
+    exp = gf16.EXP.to(coef.device)
+    log = gf16.LOG.to(coef.device)
+    b = torch.arange(PLANES, device=coef.device)
+    c = coef.to(torch.int64)[..., None]
+    cols = torch.where(c == 0, 0, exp[log[c] + b])  # c * x^b: [n_out, n_src, b]
+    bits = (cols[..., None, :] >> b[:, None]) & 1  # [n_out, n_src, i, b]
+    n_out, n_src = coef.shape
+    masks = -bits.permute(1, 3, 0, 2).reshape(n_src, PLANES, n_out * PLANES)
+    return masks.to(torch.int32).contiguous()
+
+
 @lru_cache(maxsize=64)
 def _plane_masks(coef: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    n_out, n_src = len(coef), len(coef[0])
-    rows = bitmatrix_rows_np(np.array(coef, dtype=np.int64))
-    bits = (rows[..., None] >> np.arange(PLANES)) & 1  # [n_out, n_src, row i, plane b]
-    masks = -bits.transpose(1, 3, 0, 2).reshape(n_src, PLANES, n_out * PLANES)
-    return torch.from_numpy(masks.astype(np.int32))
+    return plane_masks_tensor(torch.tensor(coef, dtype=torch.int64))
 
 
 def plane_masks(coef: Sequence[Sequence[int]]) -> torch.Tensor:

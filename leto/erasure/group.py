@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from leto.erasure import engine, gf16
-from leto.erasure.bitslice import TILE_BYTES, plane_masks
+from leto.erasure.bitslice import TILE_BYTES, plane_masks, plane_masks_tensor
 from leto.erasure.config import ErasureConfig
 from leto.erasure.rs import CauchyCode, DecodePlan
 from leto.errors import UnrecoverableStateError
@@ -273,12 +273,12 @@ class ProtectionGroup:
         n_data_src = len(plan.sources) - len(used)
         out = torch.empty(len(plan.outputs) * pb, dtype=torch.uint8, device=dev)
         outs = [out[k * pb : (k + 1) * pb] for k in range(len(plan.outputs))]
-        coef_d = [row[:n_data_src] for row in plan.coef]
-        coef_p = [row[n_data_src:] for row in plan.coef]
+        coef = torch.tensor(plan.coef, dtype=torch.int64).to(dev, non_blocking=True)
+        coef_d, coef_p = coef[:, :n_data_src], coef[:, n_data_src:]
         engine.mac(coef_d, [self.data_page(r.index) for r in plan.sources[:n_data_src]], outs,
-                   accumulate=False, backend=self.backend)
+                   accumulate=False, backend=self.backend, masks=plane_masks_tensor(coef_d))
         if used:
             engine.mac(coef_p, [par[pos[p] * pb : (pos[p] + 1) * pb] for p in used], outs,
-                       accumulate=True, backend=self.backend)
+                       accumulate=True, backend=self.backend, masks=plane_masks_tensor(coef_p))
         for k, r in enumerate(plan.outputs):
             (self.data_page if r.kind == "data" else self.tier1_page)(r.index).copy_(outs[k])
