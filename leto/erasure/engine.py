@@ -7,6 +7,7 @@ bit-sliced layout, so their results are bit-identical; tests check that.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -31,9 +32,13 @@ def _word_offsets(ts: Sequence[torch.Tensor], base: torch.Tensor) -> torch.Tenso
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["torch", "triton"]:
-    """``auto`` picks Triton for CUDA tensors and PyTorch otherwise."""
+    """``auto`` picks Triton for CUDA tensors and PyTorch otherwise; ``triton`` on CPU
+    tensors means the interpreter (``TRITON_INTERPRET=1``) and falls back to PyTorch
+    without it (host-side tier-2 parity on a GPU machine)."""
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "torch"
     return backend
 
 
