@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 TILE_WORDS = 512
 """int32 words per 2 KiB tile (16 planes x 32 words)."""
 
-TUNING: dict[str, int] = {"out_block": 4, "block_n": 256, "num_warps": 8}
+TUNING: dict[str, int] = {"out_block": 2, "block_n": 512, "num_warps": 4}
 """Launch parameters used when a call gives none (bench/erasure_gpu.py sweeps them)."""
 
 
