@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -253,7 +253,8 @@ class ProtectionGroup:
                                             "seconds": report.seconds})
         return report
 
-    def _run_plan(self, plan: DecodePlan, data_page, parity_page) -> None:
+    def _run_plan(self, plan: DecodePlan, data_page: Callable[[int], torch.Tensor],
+                  parity_page: Callable[[int], torch.Tensor]) -> None:
         srcs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.sources]
         outs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.outputs]
         engine.mac(plan.coef, srcs, outs, accumulate=False, backend=self.backend)
