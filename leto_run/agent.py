@@ -68,6 +68,7 @@ class LetoAgent(LocalElasticAgent):
         self._uses_leto = False
         self._recovery: dict[str, Any] | None = None
         self._pidfds: dict[int, int] = {}
+        self._worker_store: dist.TCPStore | None = None
         self._detected_t: float | None = None
         self._root_pid: int | None = None
         self.recoveries = 0
@@ -99,6 +100,26 @@ class LetoAgent(LocalElasticAgent):
                 self._pcontext = active
 
     # -- template methods of the elastic agent -----------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous, then a fresh worker store for this group attempt.
+
+        torch hands workers the agent's long-lived store, so after a group restart a plain
+        ``init_process_group("gloo")`` meets the previous attempt's keys and fails
+        ("connectFullMesh ... Connection refused"). The leader agent hosts a new TCPStore
+        per attempt and publishes its port through the rendezvous store; every node's
+        workers get it as MASTER_PORT. Old attempts' stores are closed with them.
+        """
+        super()._rendezvous(worker_group)
+        key = f"leto/worker_store/{self._restart_count()}"
+        rdzv_store = worker_group.store
+        if worker_group.group_rank == 0:
+            self._worker_store = dist.TCPStore(
+                worker_group.master_addr, 0, is_master=True, wait_for_workers=False,
+                timeout=timedelta(seconds=300),
+            )
+            rdzv_store.set(key, str(self._worker_store.port))
+        worker_group.master_port = int(rdzv_store.get(key))
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._sm is None or not self._sm.alive():
             self._sm = StateManagerProcess.start()

@@ -187,7 +187,8 @@ def serve(socket_path: str, manager: StateManager | None = None) -> None:
         manager.close()
         try:
             os.unlink(socket_path)
-        except FileNotFoundError:
+            os.rmdir(os.path.dirname(socket_path))  # ours alone; also when the agent died
+        except OSError:
             pass
 
 
