@@ -1,0 +1,97 @@
+"""The baseline: the demo GPT as a plain torchrun script with torch.distributed.checkpoint.
+
+Saves a DCP checkpoint every ``--ckpt-every`` steps; after a group restart it loads the
+newest one and recomputes the steps since. Each attempt builds its process group on a
+``PrefixStore`` of its own (plain ``init_process_group`` fails after a torchrun restart).
+Used by bench/recovery_cpu.py; writes the same step events as leto trainers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_gpt import GPT, batch, lr_at  # noqa: E402
+
+from leto.events import EventLog, Kind  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--kill-at-step", type=int, default=-1)
+    for name, default in (("vocab", 256), ("dim", 64), ("layers", 4), ("heads", 4), ("seq", 32), ("batch", 8),
+                          ("warmup", 5), ("seed", 1234)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=120))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world)
+    events = EventLog.from_env(f"trainer{rank}")
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
+    start = 0
+    ckpts = sorted(Path(args.ckpt_dir).glob("step_*/.done"), key=lambda d: int(d.parent.name[5:]))
+    if ckpts:
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
+        dcp.load(state, checkpoint_id=str(ckpts[-1].parent))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        torch.set_rng_state(state["rng"])
+        start = int(ckpts[-1].parent.name[5:])
+        events.emit(Kind.RESUMED, rank=rank, step=start, action="checkpoint", load_s=time.perf_counter() - t0)
+    for step in range(start, args.steps):
+        began = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = batch(step, rank, args)
+        opt.zero_grad(set_to_none=False)
+        loss = model(x, y)
+        loss.backward()
+        if attempt == 0 and rank == 1 and step == args.kill_at_step:
+            events.emit(Kind.FAULT_INJECTED, rank=rank, step=step, phase="backward")
+            os.kill(os.getpid(), signal.SIGKILL)
+        for prm in model.parameters():
+            dist.all_reduce(prm.grad)
+            prm.grad.div_(world)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        opt.step()
+        events.emit(Kind.STEP_DONE, rank=rank, step=step, iter_s=time.perf_counter() - began, attempt=attempt)
+        if (step + 1) % args.ckpt_every == 0:
+            t0 = time.perf_counter()
+            msd, osd = get_state_dict(model, opt)
+            target = Path(args.ckpt_dir) / f"step_{step + 1}"
+            dcp.save({"model": msd, "optim": osd, "rng": torch.get_rng_state()}, checkpoint_id=str(target))
+            dist.barrier()
+            if rank == 0:
+                (target / ".done").touch()
+            events.emit(Kind.DIGEST, rank=rank, step=step + 1, digest="ckpt", save_s=time.perf_counter() - t0)
+    dist.barrier()
+    if rank == 0 and os.environ.get("KEEP_CKPT") != "1":
+        shutil.rmtree(args.ckpt_dir, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
