@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	# The CPU wheel; any unpinned torch would pull a multi-GB CUDA build.
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[test,sim]'
+	touch $(STAMP)
+
+.PHONY: venv demo test bench
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/leto-run --config configs/demo.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/python bench/recovery_cpu.py
