@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from leto import summary  # noqa: E402
-from leto.events import read_events  # noqa: E402
+from leto import summary
+from leto.events import read_events
 
 MTTF_S = 600.0
 
@@ -88,8 +88,8 @@ def main() -> None:
     leto_totals = [r.total_s for r in recs]
     leto_median = statistics.median(leto_totals)
     rows = [
-        ("leto-run in-place (median of %d)" % len(recs), leto_median),
-        ("torchrun + DCP every %d steps" % every, tr_total),
+        (f"leto-run in-place (median of {len(recs)})", leto_median),
+        (f"torchrun + DCP every {every} steps", tr_total),
     ]
     print(f"iteration {iter_s * 1e3:.1f} ms · checkpoint cost {ckpt_s * 1e3:.1f} ms · Young interval {every} steps "
           f"(MTTF {MTTF_S:.0f} s) · torchrun kill at step {kill}")

@@ -23,9 +23,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_gpt import GPT, batch, lr_at  # noqa: E402
+from train_gpt import GPT, batch, lr_at
 
-from leto.events import EventLog, Kind  # noqa: E402
+from leto.events import EventLog, Kind
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ from rich.live import Live
 from rich.table import Table
 
 from leto import summary
-from leto.events import iter_events
 
 
 @dataclass(slots=True)

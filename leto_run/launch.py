@@ -37,9 +37,9 @@ def _logs_specs(config: LaunchConfig) -> GenerationLogsSpecs:
     root = given.root_log_dir if given is not None else None
     return GenerationLogsSpecs(
         log_dir=root,
-        redirects=given._redirects if given is not None else None,  # noqa: SLF001
-        tee=given._tee if given is not None else None,  # noqa: SLF001
-        local_ranks_filter=given._local_ranks_filter if given is not None else None,  # noqa: SLF001
+        redirects=given._redirects if given is not None else None,
+        tee=given._tee if given is not None else None,
+        local_ranks_filter=given._local_ranks_filter if given is not None else None,
     )
 
 

@@ -27,7 +27,7 @@ def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list
     for f in faults:
         cmd += ["--inject-fault", f"rank={f.rank},step={f.step},phase={f.phase}"]
     cmd += [GPT, "--steps", str(steps), *GPT_ARGS, *script_args]
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env())
+    proc = subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env())
     return proc, read_events(events)
 
 
