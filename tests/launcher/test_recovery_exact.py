@@ -66,3 +66,15 @@ def test_every_phase_on_both_ranks(tmp_path, reference) -> None:
     _assert_exact(reference, events, faults)
     actions = {e["action"] for e in events if e["kind"] == "resumed"}
     assert {"rerun", "restore+finish"} <= actions, actions
+
+
+@pytest.mark.timeout(600)
+def test_level1_shadows_build_their_group_after_promotion(tmp_path, reference) -> None:
+    """L1 shadows (imports and model only, no process group) recover exactly too."""
+    from leto.config import FaultSpec
+
+    faults = [FaultSpec(rank=1, step=5, phase="update"), FaultSpec(rank=0, step=14, phase="backward")]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, extra=["--shadow-level", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_exact(reference, events, faults)
+    assert {e["level"] for e in events if e["kind"] == "shadow_ready"} == {1}
