@@ -35,7 +35,7 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
         promoted = _first(after, "shadows_promoted")
         if promoted is None:
             continue
-        gen = promoted["gen"]
+        gen, t_promote = promoted["gen"], promoted.get("promote_t", promoted["t"])
         rec = Recovery(gen=gen, failed_ranks=sorted(int(r) for r in det.get("root_ranks", det["ranks"])), step=fault["step"] if fault else None)
         stopped = _first(after, "actives_stopped")
         ranks_promoted = [e for e in after if e["kind"] == "promoted" and e["gen"] == gen]
@@ -43,15 +43,15 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
         rec.phases["detect"] = t_det - t0
         if stopped:
             rec.phases["stop"] = stopped["t"] - t_det
-            rec.phases["promote"] = promoted["t"] - stopped["t"]
+            rec.phases["promote"] = t_promote - stopped["t"]
         if ranks_promoted:
-            rec.phases["wake"] = max(e["t"] for e in ranks_promoted) - promoted["t"]
+            rec.phases["wake"] = max(e["t"] for e in ranks_promoted) - t_promote
         if resumed:
             resume_step = min(e["step"] for e in resumed)
-            start = max(e["t"] for e in ranks_promoted) if ranks_promoted else promoted["t"]
+            start = max(e["t"] for e in ranks_promoted) if ranks_promoted else t_promote
             rec.phases["attach+decide"] = max(e["t"] for e in resumed) - start
             target = rec.step if rec.step is not None else resume_step
-            done = [e for e in after if e["kind"] == "step_done" and e["step"] >= target and e["t"] >= promoted["t"]]
+            done = [e for e in after if e["kind"] == "step_done" and e["step"] >= target and e["t"] >= t_promote]
             by_rank: dict[str, float] = {}
             for e in done:
                 by_rank.setdefault(e["src"], e["t"])

@@ -251,11 +251,12 @@ class LetoAgent(LocalElasticAgent):
         self._events.emit(Kind.ACTIVES_STOPPED, gen=self._generation, stop_s=t_stopped - t_detect)
         self._close_pidfds()
         self._generation += 1
+        t_promote = time.time()
         self._store.set(f"promote/{self._generation}", str(epoch))
         self._pcontext, self._shadows = self._shadows, None
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
             worker.id = pid
-        self._events.emit(Kind.SHADOWS_PROMOTED, gen=self._generation, epoch=epoch)
+        self._events.emit(Kind.SHADOWS_PROMOTED, gen=self._generation, epoch=epoch, promote_t=t_promote)
         self.recoveries += 1
         self._recovery = {"gen": self._generation, "epoch": epoch, "detected_t": t_detect, "stopped_t": t_stopped}
 

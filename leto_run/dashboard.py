@@ -54,7 +54,8 @@ class Dashboard:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._poll()
-        if any(e["kind"] in ("step_done", "failure_detected") for e in self.events):
+        # The live view's last frame already holds the summary; plain mode prints it once.
+        if self.plain_mode and any(e["kind"] in ("step_done", "failure_detected") for e in self.events):
             self.console.print(self.summary_table())
 
     def _run(self) -> None:
@@ -66,6 +67,8 @@ class Dashboard:
             while not self._stop.wait(0.125):
                 self._poll()
                 live.update(self.render())
+            self._poll()
+            live.update(self.render())
 
     def _poll(self) -> None:
         try:
