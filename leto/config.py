@@ -120,3 +120,25 @@ def _coerce(tp: Any, value: Any, *, where: str) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
     return value
+
+
+def read_yaml(path: Any, what: str = "file") -> Any:
+    """Parse a YAML file; a missing file or a syntax error is one ConfigError line."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {str(path)!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {str(path)!r}: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        detail = " ".join(filter(None, [e.context, e.problem]))
+        raise ConfigError(f"{loc}: malformed YAML: {detail}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML: {' '.join(str(e).split())}") from None

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from leto.config import LetoConfig, from_dict
+from leto.config import LetoConfig, from_dict, read_yaml
 from leto.errors import ConfigError
 
 # Parser destinations that are not torchrun launch options: the job file spells the
@@ -87,21 +85,7 @@ def load_jobfile(path: str | Path, parser: argparse.ArgumentParser) -> JobFile:
 
 def _read_yaml(path: Path) -> Any:
     """Parse ``path``; YAML syntax errors become one line with the line and column."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        what = " ".join(filter(None, [e.context, e.problem]))
-        raise ConfigError(f"{loc}: malformed YAML: {what}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: malformed YAML: {e}") from None
+    return read_yaml(path, what="config file")
 
 
 def _check_launch(

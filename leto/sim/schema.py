@@ -15,8 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
-
+from leto.config import read_yaml
 from leto.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -26,20 +25,7 @@ T = TypeVar("T")
 
 def read_mapping(path: Path) -> dict[str, Any]:
     """Parse the YAML (or JSON, a YAML subset) file at ``path`` into a mapping."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{loc}: malformed YAML: {e.problem}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: malformed YAML: {' '.join(str(e).split())}") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
     return data
