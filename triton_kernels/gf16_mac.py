@@ -4,10 +4,17 @@ One kernel serves all three Reed-Solomon operations, because each is the same li
 ``dst[o] (^)= sum_j coef[o][j] * src[j]`` over a range of tiles:
 
 * encode: sources are the D data pages, outputs the H parity pages;
-* incremental update: one source, the delta ``old ^ new`` of a byte range of page ``j``
-  (the kernel XORs the two inputs itself, so the delta is never materialised), outputs
-  the same range of the H parity pages, accumulated in place;
+* incremental update: sources are the deltas ``old ^ new`` of the same byte range of k
+  consecutive data pages (the kernel XORs the two inputs itself, so the delta is never
+  materialised), outputs the same range of the H parity pages, accumulated in place. The
+  H parity accumulators stay in registers across the k sources, so a chunk of k pages
+  reads and writes each parity word once;
 * decode: sources are the survivors, outputs the lost pages, with the decode matrix.
+
+Addressing. Sources and outputs are reached either through an int64 table of word offsets
+(``SRC_TABLE`` / ``DST_TABLE``: encode and decode, whose survivors are irregular) or as
+``base + i * stride`` from scalar arguments (the per-chunk update: no table, no host-side
+tensor per call, so a call is one launch and nothing else).
 
 Why bit-slicing (the choice is recorded here as the design asks; numbers in
 docs/ERASURE.md). Per data symbol the code must do H multiply-accumulates by per-page
@@ -21,10 +28,16 @@ matrix applied to whole 32-bit words: output plane ``i`` is the XOR of the input
 that row ``i`` selects. The kernel keeps ``OUT_BLOCK * 16`` output planes as one
 ``[rows, BLOCK_N]`` int32 accumulator and, for each input plane ``b``, does
 ``acc ^= mask[:, None] & x_b[None, :]`` where ``mask`` is the column ``b`` of all the
-bit matrices stacked (0 or -1 per row, precomputed on the host). That is one LOP3 per
-output plane per input plane per 32 symbols: no gathers, no divergence, coalesced
-128-byte plane loads, and the data is read from HBM once (the programs that share a
-column block over output blocks run together and hit L2).
+bit matrices stacked (0 or -1 per row, precomputed once per matrix: the protection group
+caches the encode masks on the device). That is one LOP3 per output plane per input
+plane per 32 symbols: no gathers, no divergence, coalesced 128-byte plane loads.
+``PREFETCH`` software-pipelines the sources (the 16 planes of source j + 1 are loaded
+while source j is multiplied) to hide HBM latency behind the LOP3 stream.
+
+The ceiling (docs/ERASURE.md): 256 LOP3 lane-ops per 32 symbols per parity page, so an
+update of k pages costs 16 * 256 / 64 = 64 lane-ops per delta byte, about 16.7 T lane-ops/s
+on an H200; it is memory-bound only while the parity traffic (2 * H pages per chunk)
+dominates, i.e. for chunks of a few pages.
 """
 
 from __future__ import annotations
@@ -40,23 +53,73 @@ logger = logging.getLogger(__name__)
 TILE_WORDS = 512
 """int32 words per 2 KiB tile (16 planes x 32 words)."""
 
-TUNING: dict[str, int] = {"out_block": 2, "block_n": 512, "num_warps": 4}
-"""Launch parameters used when a call gives none (bench/erasure_gpu.py sweeps them)."""
+TUNING: dict[str, dict[str, int]] = {
+    "1": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
+    "few": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
+    "mid": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
+    "many": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
+}
+"""Launch parameters by number of sources (:func:`bucket`); bench/erasure_gpu.py sweeps
+them on the H200 and prints the best, which are recorded here."""
+
+
+def bucket(n_src: int) -> str:
+    """Tuning bucket of a launch with ``n_src`` sources."""
+    if n_src <= 1:
+        return "1"
+    if n_src <= 12:
+        return "few"
+    if n_src <= 128:
+        return "mid"
+    return "many"
 
 
 @triton.jit
+def _ld(ptr, ptr2, base, base2, col_off, ok, b: tl.constexpr, HAS_SRC2: tl.constexpr):
+    """Input plane ``b`` of one source (XOR of the two inputs for an update)."""
+    x = tl.load(ptr + base + col_off + b * 32, mask=ok, other=0)
+    if HAS_SRC2:
+        x = x ^ tl.load(ptr2 + base2 + col_off + b * 32, mask=ok, other=0)
+    return x
+
+
+@triton.jit
+def _mac(acc, x, mrow, b: tl.constexpr, n_rows, row_ok):
+    """``acc ^= mask_b & x``: one AND-XOR (LOP3) per output plane per word."""
+    m = tl.load(mrow + b * n_rows, mask=row_ok, other=0)
+    return acc ^ (m[:, None] & x[None, :])
+
+
+@triton.jit
+def _src_base(off_ptr, stride, j, SRC_TABLE: tl.constexpr):
+    if SRC_TABLE:
+        base = tl.load(off_ptr + j)
+    else:
+        base = tl.cast(j, tl.int64) * stride
+    return base
+
+
+@triton.jit(do_not_specialize=["mask_first", "dst_base"])
 def _gf16_mac_kernel(
     src_ptr,
     src2_ptr,
     src_off_ptr,
+    src_stride,
+    src2_stride,
     mask_ptr,
+    mask_first,
     dst_ptr,
     dst_off_ptr,
+    dst_stride,
+    dst_base,
     n_src,
     n_out,
     n_cols,
     HAS_SRC2: tl.constexpr,
+    SRC_TABLE: tl.constexpr,
+    DST_TABLE: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    PREFETCH: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -70,22 +133,104 @@ def _gf16_mac_kernel(
     out_idx = pid_o * OUT_BLOCK + rows // 16
     row_ok = out_idx < n_out
     n_rows = n_out * 16
+    mbase = mask_ptr + tl.cast(mask_first, tl.int64) * 16 * n_rows + pid_o * OUT_BLOCK * 16 + rows
     acc = tl.zeros([OUT_BLOCK * 16, BLOCK_N], dtype=tl.int32)
-    for j in range(n_src):
-        base = tl.load(src_off_ptr + j)
-        mrow = mask_ptr + j * 16 * n_rows + pid_o * OUT_BLOCK * 16 + rows
-        for b in tl.static_range(16):
-            x = tl.load(src_ptr + base + col_off + b * 32, mask=col_ok, other=0)
-            if HAS_SRC2:
-                x = x ^ tl.load(src2_ptr + base + col_off + b * 32, mask=col_ok, other=0)
-            m = tl.load(mrow + b * n_rows, mask=row_ok, other=0)
-            acc = acc ^ (m[:, None] & x[None, :])
-    dst_base = tl.load(dst_off_ptr + out_idx, mask=row_ok, other=0)
-    ptrs = dst_ptr + (dst_base + (rows % 16) * 32)[:, None] + col_off[None, :]
+    if PREFETCH:
+        # Software pipeline over sources: the 16 planes of source j + 1 are loaded while
+        # source j is multiplied, so HBM latency hides behind 16 x OUT_BLOCK*16 LOP3s.
+        if SRC_TABLE:
+            b0 = tl.load(src_off_ptr)
+            c0 = b0
+        else:
+            b0 = 0
+            c0 = 0
+        ok = col_ok & (n_src > 0)
+        x0 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 0, HAS_SRC2)
+        x1 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 1, HAS_SRC2)
+        x2 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 2, HAS_SRC2)
+        x3 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 3, HAS_SRC2)
+        x4 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 4, HAS_SRC2)
+        x5 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 5, HAS_SRC2)
+        x6 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 6, HAS_SRC2)
+        x7 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 7, HAS_SRC2)
+        x8 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 8, HAS_SRC2)
+        x9 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 9, HAS_SRC2)
+        x10 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 10, HAS_SRC2)
+        x11 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 11, HAS_SRC2)
+        x12 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 12, HAS_SRC2)
+        x13 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 13, HAS_SRC2)
+        x14 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 14, HAS_SRC2)
+        x15 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 15, HAS_SRC2)
+        for j in range(n_src):
+            mrow = mbase + tl.cast(j, tl.int64) * 16 * n_rows
+            jn = j + 1
+            ok = col_ok & (jn < n_src)
+            if SRC_TABLE:
+                bn = tl.load(src_off_ptr + jn, mask=jn < n_src, other=0)
+                cn = bn
+            else:
+                bn = tl.cast(jn, tl.int64) * src_stride
+                cn = tl.cast(jn, tl.int64) * src2_stride
+            acc = _mac(acc, x0, mrow, 0, n_rows, row_ok)
+            x0 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 0, HAS_SRC2)
+            acc = _mac(acc, x1, mrow, 1, n_rows, row_ok)
+            x1 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 1, HAS_SRC2)
+            acc = _mac(acc, x2, mrow, 2, n_rows, row_ok)
+            x2 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 2, HAS_SRC2)
+            acc = _mac(acc, x3, mrow, 3, n_rows, row_ok)
+            x3 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 3, HAS_SRC2)
+            acc = _mac(acc, x4, mrow, 4, n_rows, row_ok)
+            x4 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 4, HAS_SRC2)
+            acc = _mac(acc, x5, mrow, 5, n_rows, row_ok)
+            x5 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 5, HAS_SRC2)
+            acc = _mac(acc, x6, mrow, 6, n_rows, row_ok)
+            x6 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 6, HAS_SRC2)
+            acc = _mac(acc, x7, mrow, 7, n_rows, row_ok)
+            x7 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 7, HAS_SRC2)
+            acc = _mac(acc, x8, mrow, 8, n_rows, row_ok)
+            x8 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 8, HAS_SRC2)
+            acc = _mac(acc, x9, mrow, 9, n_rows, row_ok)
+            x9 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 9, HAS_SRC2)
+            acc = _mac(acc, x10, mrow, 10, n_rows, row_ok)
+            x10 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 10, HAS_SRC2)
+            acc = _mac(acc, x11, mrow, 11, n_rows, row_ok)
+            x11 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 11, HAS_SRC2)
+            acc = _mac(acc, x12, mrow, 12, n_rows, row_ok)
+            x12 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 12, HAS_SRC2)
+            acc = _mac(acc, x13, mrow, 13, n_rows, row_ok)
+            x13 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 13, HAS_SRC2)
+            acc = _mac(acc, x14, mrow, 14, n_rows, row_ok)
+            x14 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 14, HAS_SRC2)
+            acc = _mac(acc, x15, mrow, 15, n_rows, row_ok)
+            x15 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 15, HAS_SRC2)
+    else:
+        for j in range(n_src):
+            mrow = mbase + tl.cast(j, tl.int64) * 16 * n_rows
+            base = _src_base(src_off_ptr, src_stride, j, SRC_TABLE)
+            base2 = base if SRC_TABLE else tl.cast(j, tl.int64) * src2_stride
+            for b in tl.static_range(16):
+                x = _ld(src_ptr, src2_ptr, base, base2, col_off, col_ok, b, HAS_SRC2)
+                acc = _mac(acc, x, mrow, b, n_rows, row_ok)
+    if DST_TABLE:
+        dbase = tl.load(dst_off_ptr + out_idx, mask=row_ok, other=0)
+    else:
+        dbase = dst_base + tl.cast(out_idx, tl.int64) * dst_stride
+    ptrs = dst_ptr + (dbase + (rows % 16) * 32)[:, None] + col_off[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if ACCUMULATE:
         acc = acc ^ tl.load(ptrs, mask=ok, other=0)
     tl.store(ptrs, acc, mask=ok)
+
+
+def _params(n_src: int, n_out: int, kw: dict) -> tuple[int, int, int, int]:
+    t = TUNING[bucket(n_src)]
+    ob = kw.get("out_block") or t["out_block"]
+    ob = min(ob, triton.next_power_of_2(n_out))
+    bn = kw.get("block_n") or t["block_n"]
+    nw = kw.get("num_warps") or t["num_warps"]
+    pf = kw.get("prefetch")
+    pf = t["prefetch"] if pf is None else pf
+    return ob, bn, nw, int(bool(pf))
 
 
 def gf16_mac(
@@ -98,9 +243,7 @@ def gf16_mac(
     *,
     accumulate: bool,
     src2: torch.Tensor | None = None,
-    out_block: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
+    **launch: int,
 ) -> None:
     """``dst[o] (^)= sum_j coef[o][j] * (src[j] ^ src2[j])`` on ``n_tiles`` tiles.
 
@@ -108,7 +251,8 @@ def gf16_mac(
     n_out * 16]``) on the kernel's device. ``src``/``src2``/``dst`` are flat int32 views;
     ``src_off``/``dst_off`` (int64, on the device) give the word offset of the first tile
     of each source / output range. ``src2`` (same offsets as ``src``) is XORed into the
-    sources: the incremental update passes old and new contents.
+    sources: the incremental update passes old and new contents. ``launch`` may override
+    ``out_block``, ``block_n``, ``num_warps``, ``prefetch``.
     """
     n_src, planes, n_rows = masks.shape
     n_out = n_rows // 16
@@ -120,24 +264,47 @@ def gf16_mac(
     for name, t in (("masks", masks), ("src_off", src_off), ("dst_off", dst_off)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel indexes it flat)")
-    out_block = out_block or min(TUNING["out_block"], triton.next_power_of_2(n_out))
-    block_n = block_n or TUNING["block_n"]
-    num_warps = num_warps or TUNING["num_warps"]
+    ob, bn, nw, pf = _params(n_src, n_out, launch)
     n_cols = n_tiles * 32
-    grid = (triton.cdiv(n_cols, block_n), triton.cdiv(n_out, out_block))
+    grid = (triton.cdiv(n_cols, bn), triton.cdiv(n_out, ob))
     _gf16_mac_kernel[grid](
-        src,
-        src2 if src2 is not None else src,
-        src_off,
-        masks,
-        dst,
-        dst_off,
-        n_src,
-        n_out,
-        n_cols,
-        HAS_SRC2=src2 is not None,
-        ACCUMULATE=accumulate,
-        OUT_BLOCK=out_block,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
+        src, src2 if src2 is not None else src, src_off, 0, 0, masks, 0,
+        dst, dst_off, 0, 0, n_src, n_out, n_cols,
+        HAS_SRC2=src2 is not None, SRC_TABLE=True, DST_TABLE=True, ACCUMULATE=accumulate,
+        PREFETCH=pf, OUT_BLOCK=ob, BLOCK_N=bn, num_warps=nw,
+    )
+
+
+def gf16_mac_strided(
+    masks: torch.Tensor,
+    mask_first: int,
+    n_src: int,
+    src: torch.Tensor,
+    src_stride: int,
+    dst: torch.Tensor,
+    dst_base: int,
+    dst_stride: int,
+    n_tiles: int,
+    *,
+    accumulate: bool,
+    src2: torch.Tensor | None = None,
+    src2_stride: int = 0,
+    **launch: int,
+) -> None:
+    """The per-chunk form: sources ``j < n_src`` start at word ``j * src_stride`` of
+    ``src`` (and ``j * src2_stride`` of ``src2``) and use the masks of matrix column
+    ``mask_first + j`` of ``masks`` (``[N, 16, n_out * 16]``, e.g. the whole encode
+    matrix); output ``o`` starts at word ``dst_base + o * dst_stride`` of ``dst``.
+
+    All int32 views on one device. No tensor is built and nothing is copied: one launch.
+    """
+    n_out = masks.shape[2] // 16
+    ob, bn, nw, pf = _params(n_src, n_out, launch)
+    n_cols = n_tiles * 32
+    grid = (triton.cdiv(n_cols, bn), triton.cdiv(n_out, ob))
+    _gf16_mac_kernel[grid](
+        src, src2 if src2 is not None else src, src, src_stride, src2_stride,
+        masks, mask_first, dst, dst, dst_stride, dst_base, n_src, n_out, n_cols,
+        HAS_SRC2=src2 is not None, SRC_TABLE=False, DST_TABLE=False, ACCUMULATE=accumulate,
+        PREFETCH=pf, OUT_BLOCK=ob, BLOCK_N=bn, num_warps=nw,
     )

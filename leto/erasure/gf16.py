@@ -111,22 +111,30 @@ def mat_inv(m: list[list[int]]) -> list[list[int]]:
     submatrix means the code was misconstructed: recovery must not go on.
     """
     n = len(m)
-    a = [list(row) + [1 if i == j else 0 for j in range(n)] for i, row in enumerate(m)]
+    a = np.zeros((n, 2 * n), dtype=np.int64)
+    a[:, :n] = np.asarray(m, dtype=np.int64).reshape(n, n)
+    a[:, n:] = np.eye(n, dtype=np.int64)
     for col in range(n):
-        pivot = next((r for r in range(col, n) if a[r][col]), None)
-        if pivot is None:
+        nz = np.flatnonzero(a[col:, col])
+        if nz.size == 0:
             raise UnrecoverableStateError(
                 "decode matrix is singular; the parity cannot rebuild these pages, "
                 "restore from the checkpoint"
             )
-        a[col], a[pivot] = a[pivot], a[col]
-        scale = inv(a[col][col])
-        a[col] = [mul(v, scale) for v in a[col]]
-        for r in range(n):
-            if r != col and a[r][col]:
-                f = a[r][col]
-                a[r] = [v ^ mul(f, p) for v, p in zip(a[r], a[col], strict=True)]
-    return [row[n:] for row in a]
+        pivot = col + int(nz[0])
+        if pivot != col:
+            a[[col, pivot]] = a[[pivot, col]]
+        a[col] = _outer_mul(np.array([inv(int(a[col, col]))]), a[col])[0]
+        f = a[:, col].copy()
+        f[col] = 0
+        a ^= _outer_mul(f, a[col])  # row r -= f[r] * pivot row (vectorised over rows)
+    return a[:, n:].tolist()
+
+
+def _outer_mul(f: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """``[len(f), len(row)]`` products ``f[r] * row[c]`` over the field (log/antilog)."""
+    prod = EXP_NP[LOG_NP[f][:, None] + LOG_NP[row][None, :]]
+    return np.where((f[:, None] == 0) | (row[None, :] == 0), 0, prod)
 
 
 def mat_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -38,6 +38,8 @@ class RebuildReport:
     """Tier 2 could not rebuild the lost tier-1 pages (too many tier-2-code erasures), so
     tier 1 rebuilt them from the data and tier 2 was re-encoded."""
     seconds: float
+    plan_seconds: float = 0.0
+    """Of ``seconds``, the host-side planning (matrix inversion and composition)."""
 
 
 def _check_flat(name: str, t: torch.Tensor, nbytes: int | None = None) -> None:
@@ -205,6 +207,64 @@ class ProtectionGroup:
         engine.mac(col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend,
                    masks=masks)
 
+    def update_pages(self, parity: torch.Tensor, first_page: int, k: int, byte_offset: int,
+                     old: torch.Tensor, new: torch.Tensor) -> None:
+        """:meth:`update_into` for a chunk of ``k`` consecutive pages, in one launch.
+
+        Bytes ``[byte_offset, +n)`` of data pages ``first_page .. first_page + k - 1``
+        changed from ``old`` to ``new``. ``old``/``new`` are either flat uint8 tensors of
+        ``k * n`` bytes (page ``first_page + i`` at ``[i * n, (i + 1) * n)``) or ``[k, n]``
+        uint8 views with unit inner stride (e.g. ``data.view(D, page_bytes)[j0:j0 + k,
+        lo:hi]``). ``parity`` is the tier-1 scratch of :meth:`update_into`; the range of
+        every parity page is read and written once. On CUDA the call does no host-side
+        work beyond argument checks: the encode masks are cached on the device (built at
+        the first call), offsets are scalars, and the kernel is launched once, so it can
+        also be captured in a CUDA graph. :meth:`commit_tier1` refreshes tier 2 after.
+        """
+        pb, h1 = self.config.page_bytes, self.config.tier1_parity
+        o2, n2 = self._chunk_view("old", old, k), self._chunk_view("new", new, k)
+        n = o2.shape[1]
+        if new.device != old.device or n2.shape[1] != n:
+            raise ValueError("old and new must have the same shape and device")
+        if not (0 <= first_page and first_page + k <= self.num_pages):
+            raise IndexError(f"pages [{first_page}, +{k}) not in group of {self.num_pages}")
+        if byte_offset % TILE_BYTES or n % TILE_BYTES or byte_offset < 0 or byte_offset + n > pb:
+            raise ValueError(f"update range [{byte_offset}, +{n}) must be whole "
+                             f"{TILE_BYTES}-byte tiles inside the page")
+        if parity.dtype != torch.uint8 or parity.numel() != h1 * pb:
+            raise ValueError(f"parity must be {h1 * pb} uint8 bytes")
+        if n == 0 or k == 0:
+            return
+        if self._on_device() and parity.device == old.device == new.device:
+            from triton_kernels.gf16_mac import gf16_mac_strided
+
+            masks = self._device_masks("c1", self._c1)
+            gf16_mac_strided(
+                masks, first_page, k, n2.view(torch.int32), n2.stride(0) // 4,
+                parity.view(torch.int32), byte_offset // 4, pb // 4, n // TILE_BYTES,
+                accumulate=True, src2=o2.view(torch.int32), src2_stride=o2.stride(0) // 4)
+            return
+        coef = [row[first_page : first_page + k] for row in self._c1]
+        dests = [parity[p * pb + byte_offset : p * pb + byte_offset + n] for p in range(h1)]
+        engine.mac(coef, [n2[i] for i in range(k)], dests, accumulate=True,
+                   srcs_xor=[o2[i] for i in range(k)], backend="torch")
+
+    @staticmethod
+    def _chunk_view(name: str, t: torch.Tensor, k: int) -> torch.Tensor:
+        """``t`` as a ``[k, n]`` uint8 view (see :meth:`update_pages`)."""
+        if t.dtype != torch.uint8:
+            raise TypeError(f"{name} must be uint8, got {t.dtype}")
+        if t.dim() == 1:
+            if k <= 0 or t.numel() % k or not t.is_contiguous():
+                raise ValueError(f"{name}: {t.numel()} contiguous bytes are not {k} equal rows")
+            t = t.view(k, -1)
+        if t.dim() != 2 or t.shape[0] != k or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be [k, n] with unit inner stride, got "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+        if t.stride(0) % 4 or t.data_ptr() % 4:
+            raise ValueError(f"{name} rows must be 4-byte aligned")
+        return t
+
     def commit_tier1(self, parity: torch.Tensor) -> None:
         """Install a tier-1 buffer kept current by :meth:`update_into` and refresh tier 2."""
         _check_flat("parity", parity, self.tier1.numel())
@@ -240,6 +300,7 @@ class ProtectionGroup:
         # Plan everything before writing anything: failure must leave the state untouched.
         plan1 = self.code1.decode_plan(ld, t1_erasures, present_data=self.num_pages)
         plan2 = self.code2.decode_plan(l1, l2) if via_tier2 else None
+        t_plan = time.perf_counter() - t0
         if plan2 is not None:
             self._run_plan(plan2, self.tier1_page, self.tier2_page)
         if plan1.outputs:
@@ -248,7 +309,7 @@ class ProtectionGroup:
         if reencode:
             self.encode_tier2()
         report = RebuildReport(tuple(ld), tuple(l1), tuple(l2), reencode,
-                               time.perf_counter() - t0)
+                               time.perf_counter() - t0, t_plan)
         logger.info("rebuilt pages", extra={"data": ld, "tier1": l1, "tier2": l2,
                                             "seconds": report.seconds})
         return report
@@ -260,26 +321,70 @@ class ProtectionGroup:
         engine.mac(plan.coef, srcs, outs, accumulate=False, backend=self.backend)
 
     def _run_plan_t1(self, plan: DecodePlan) -> None:
-        if not self._on_device() or self.tier1.device == self.data.device:
+        if not self._on_device():
             self._run_plan(plan, self.data_page, self.tier1_page)
             return
-        # Data on the GPU, tier 1 on the host: bring the used parity pages over, decode
-        # into device scratch, then scatter the outputs to their homes.
+        # Kernel path (data on the GPU, tier 1 usually on the host). Lost data pages are
+        # written in place by one launch over the surviving data pages (offset tables,
+        # masks built on the device from the plan's matrix); meanwhile the parity pages it
+        # needs travel host -> device on a side stream (async when tier 1 is pinned), and a
+        # second, small launch folds them in. Lost tier-1 pages go through device scratch.
+        from triton_kernels.gf16_mac import gf16_mac
+
         pb, dev = self.config.page_bytes, self.data.device
-        used = [r.index for r in plan.sources if r.kind == "parity"]
-        par = torch.empty(max(len(used), 1) * pb, dtype=torch.uint8, device=dev)
-        for k, p in enumerate(used):
-            par[k * pb : (k + 1) * pb].copy_(self.tier1_page(p), non_blocking=True)
-        pos = {p: k for k, p in enumerate(used)}
-        n_data_src = len(plan.sources) - len(used)
-        out = torch.empty(len(plan.outputs) * pb, dtype=torch.uint8, device=dev)
-        outs = [out[k * pb : (k + 1) * pb] for k in range(len(plan.outputs))]
-        coef = torch.tensor(plan.coef, dtype=torch.int64).to(dev, non_blocking=True)
-        coef_d, coef_p = coef[:, :n_data_src], coef[:, n_data_src:]
-        engine.mac(coef_d, [self.data_page(r.index) for r in plan.sources[:n_data_src]], outs,
-                   accumulate=False, backend=self.backend, masks=plane_masks_tensor(coef_d))
+        pw = pb // 4
+        base = self.data.view(torch.int32)
+        nd = sum(1 for r in plan.sources if r.kind == "data")
+        used = [r.index for r in plan.sources[nd:]]
+        lost_par = [r.index for r in plan.outputs if r.kind == "parity"]
+        par_in = torch.empty(max(len(used), 1) * pb, dtype=torch.uint8, device=dev)
+        par_out = torch.empty(max(len(lost_par), 1) * pb, dtype=torch.uint8, device=dev)
+        cuda = dev.type == "cuda"
+        side = torch.cuda.Stream(device=dev) if cuda and used else None
         if used:
-            engine.mac(coef_p, [par[pos[p] * pb : (pos[p] + 1) * pb] for p in used], outs,
-                       accumulate=True, backend=self.backend, masks=plane_masks_tensor(coef_p))
-        for k, r in enumerate(plan.outputs):
-            (self.data_page if r.kind == "data" else self.tier1_page)(r.index).copy_(outs[k])
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                par_in.record_stream(side)
+            with torch.cuda.stream(side) if side is not None else _nullctx():
+                for k, p in enumerate(used):
+                    par_in[k * pb : (k + 1) * pb].copy_(self.tier1_page(p), non_blocking=True)
+        matrix = plan.matrix if plan.matrix is not None else np.array(plan.coef, np.int64)
+        masks = plane_masks_tensor(torch.from_numpy(matrix).to(dev))  # [n_src, 16, n_out*16]
+
+        def rel(t: torch.Tensor) -> int:
+            return (t.data_ptr() - self.data.data_ptr()) // 4
+
+        dst, kp = [], 0
+        for r in plan.outputs:
+            if r.kind == "data":
+                dst.append(r.index * pw)
+            else:
+                dst.append(rel(par_out) + kp * pw)
+                kp += 1
+        src = np.array([r.index * pw for r in plan.sources[:nd]] +
+                       [rel(par_in) + k * pw for k in range(len(used))], dtype=np.int64)
+        offs = torch.from_numpy(np.concatenate([src, np.array(dst, dtype=np.int64)]))
+        offs = offs.to(dev)
+        src_off, dst_off = offs[: len(src)], offs[len(src) :]
+        n_tiles = pb // TILE_BYTES
+        if nd:
+            gf16_mac(masks[:nd], base, src_off[:nd], base, dst_off, n_tiles, accumulate=False)
+        else:
+            for r in plan.outputs:
+                if r.kind == "data":
+                    self.data_page(r.index).zero_()
+            par_out.zero_()
+        if used:
+            if side is not None:
+                torch.cuda.current_stream(dev).wait_stream(side)
+            gf16_mac(masks[nd:], base, src_off[nd:], base, dst_off, n_tiles, accumulate=True)
+        for k, p in enumerate(lost_par):
+            self.tier1_page(p).copy_(par_out[k * pb : (k + 1) * pb])
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -12,7 +12,7 @@ the engines (:mod:`leto.erasure.engine`) apply to pages.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,6 +37,8 @@ class DecodePlan:
     sources: tuple[PageRef, ...]
     outputs: tuple[PageRef, ...]
     coef: tuple[tuple[int, ...], ...]
+    matrix: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """``coef`` as an int64 ``[outputs, sources]`` array (what the GPU path uploads)."""
 
 
 class CauchyCode:
@@ -90,8 +92,9 @@ class CauchyCode:
                 f"{len(ld)} data and {len(lp)} parity pages lost, but the code tolerates "
                 f"{self.parity_pages} erasures per group; restore from the checkpoint"
             )
-        surv_d = [j for j in range(d) if j not in set(ld)]
-        use_p = [p for p in range(self.parity_pages) if p not in set(lp)][: len(ld)]
+        ld_set, lp_set = set(ld), set(lp)
+        surv_d = [j for j in range(d) if j not in ld_set]
+        use_p = [p for p in range(self.parity_pages) if p not in lp_set][: len(ld)]
         c = self._matrix[:, :d]
         n_src = len(surv_d) + len(use_p)
         rows: list[np.ndarray] = []
@@ -115,5 +118,7 @@ class CauchyCode:
         sources = tuple(PageRef("data", j) for j in surv_d) + tuple(
             PageRef("parity", p) for p in use_p)
         outputs = tuple(PageRef("data", j) for j in ld) + tuple(PageRef("parity", p) for p in lp)
-        coef = tuple(tuple(int(v) for v in row) for row in rows)
-        return DecodePlan(sources=sources, outputs=outputs, coef=coef)
+        matrix = (np.stack(rows).astype(np.int64) if rows
+                  else np.zeros((0, n_src), dtype=np.int64))
+        coef = tuple(tuple(row) for row in matrix.tolist())
+        return DecodePlan(sources=sources, outputs=outputs, coef=coef, matrix=matrix)
