@@ -99,7 +99,7 @@ def _src_base(off_ptr, stride, j, SRC_TABLE: tl.constexpr):
     return base
 
 
-@triton.jit(do_not_specialize=["mask_first", "dst_base"])
+@triton.jit(do_not_specialize=["mask_first", "dst_base", "n_src"])
 def _gf16_mac_kernel(
     src_ptr,
     src2_ptr,
@@ -144,7 +144,7 @@ def _gf16_mac_kernel(
         else:
             b0 = 0
             c0 = 0
-        ok = col_ok & (n_src > 0)
+        ok = col_ok & ((cols * 0 + n_src) > 0)
         x0 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 0, HAS_SRC2)
         x1 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 1, HAS_SRC2)
         x2 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 2, HAS_SRC2)
@@ -164,9 +164,9 @@ def _gf16_mac_kernel(
         for j in range(n_src):
             mrow = mbase + tl.cast(j, tl.int64) * 16 * n_rows
             jn = j + 1
-            ok = col_ok & (jn < n_src)
+            ok = col_ok & ((cols * 0 + jn) < n_src)
             if SRC_TABLE:
-                bn = tl.load(src_off_ptr + jn, mask=jn < n_src, other=0)
+                bn = tl.load(src_off_ptr + tl.minimum(jn, n_src - 1))  # clamped: unused at the end
                 cn = bn
             else:
                 bn = tl.cast(jn, tl.int64) * src_stride
@@ -244,7 +244,7 @@ def gf16_mac(
     accumulate: bool,
     src2: torch.Tensor | None = None,
     **launch: int,
-) -> None:
+) -> object:
     """``dst[o] (^)= sum_j coef[o][j] * (src[j] ^ src2[j])`` on ``n_tiles`` tiles.
 
     ``masks`` is ``leto.erasure.bitslice.plane_masks(coef)`` (int32 ``[n_src, 16,
@@ -252,7 +252,8 @@ def gf16_mac(
     ``src_off``/``dst_off`` (int64, on the device) give the word offset of the first tile
     of each source / output range. ``src2`` (same offsets as ``src``) is XORed into the
     sources: the incremental update passes old and new contents. ``launch`` may override
-    ``out_block``, ``block_n``, ``num_warps``, ``prefetch``.
+    ``out_block``, ``block_n``, ``num_warps``, ``prefetch``. Returns Triton's handle of
+    the compiled kernel (``n_regs``, ``n_spills``), or None under the interpreter.
     """
     n_src, planes, n_rows = masks.shape
     n_out = n_rows // 16
@@ -267,7 +268,7 @@ def gf16_mac(
     ob, bn, nw, pf = _params(n_src, n_out, launch)
     n_cols = n_tiles * 32
     grid = (triton.cdiv(n_cols, bn), triton.cdiv(n_out, ob))
-    _gf16_mac_kernel[grid](
+    return _gf16_mac_kernel[grid](
         src, src2 if src2 is not None else src, src_off, 0, 0, masks, 0,
         dst, dst_off, 0, 0, n_src, n_out, n_cols,
         HAS_SRC2=src2 is not None, SRC_TABLE=True, DST_TABLE=True, ACCUMULATE=accumulate,
@@ -290,7 +291,7 @@ def gf16_mac_strided(
     src2: torch.Tensor | None = None,
     src2_stride: int = 0,
     **launch: int,
-) -> None:
+) -> object:
     """The per-chunk form: sources ``j < n_src`` start at word ``j * src_stride`` of
     ``src`` (and ``j * src2_stride`` of ``src2``) and use the masks of matrix column
     ``mask_first + j`` of ``masks`` (``[N, 16, n_out * 16]``, e.g. the whole encode
@@ -302,7 +303,7 @@ def gf16_mac_strided(
     ob, bn, nw, pf = _params(n_src, n_out, launch)
     n_cols = n_tiles * 32
     grid = (triton.cdiv(n_cols, bn), triton.cdiv(n_out, ob))
-    _gf16_mac_kernel[grid](
+    return _gf16_mac_kernel[grid](
         src, src2 if src2 is not None else src, src, src_stride, src2_stride,
         masks, mask_first, dst, dst, dst_stride, dst_base, n_src, n_out, n_cols,
         HAS_SRC2=src2 is not None, SRC_TABLE=False, DST_TABLE=False, ACCUMULATE=accumulate,
