@@ -40,6 +40,9 @@ class Kind(str, Enum):
     STEP_DONE = "step_done"
     DIGEST = "digest"
     FAULT_INJECTED = "fault_injected"
+    PAGES_ERASED = "pages_erased"
+    PAGES_REBUILT = "pages_rebuilt"
+    UNRECOVERABLE = "unrecoverable_state"
 
 
 class EventLog:

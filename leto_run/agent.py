@@ -21,6 +21,8 @@ promoted trainer has finished its first step, so they never slow the recovery it
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import signal
@@ -73,6 +75,9 @@ class LetoAgent(LocalElasticAgent):
         self._uses_leto = False
         self._recovery: dict[str, Any] | None = None
         self._pidfds: dict[int, int] = {}
+        self._raw_store: dist.Store | None = None
+        self._erased: set[int] = set()
+        self._fired: set[int] = set()
         self._worker_store: dist.TCPStore | None = None
         self._detected_t: float | None = None
         self._root_pid: int | None = None
@@ -94,6 +99,8 @@ class LetoAgent(LocalElasticAgent):
             "LETO_CONSISTENCY": self._leto.consistency,
             "LETO_DIGEST": "1" if self._leto.digest else "0",
             faults.ENV_FAULTS: faults.encode(self._leto.faults),
+            faults.ENV_FAULTS_FIRED: ",".join(map(str, sorted(self._fired))),
+            "LETO_ERASURE": json.dumps(dataclasses.asdict(self._leto.erasure)) if self._leto.erasure else "",
             ENV_EVENTS_FILE: str(self._events.path or ""),
         }
         active = self._pcontext
@@ -133,6 +140,7 @@ class LetoAgent(LocalElasticAgent):
         raw = dist.TCPStore(
             worker_group.master_addr, worker_group.master_port, is_master=False, timeout=timedelta(seconds=60)
         )
+        self._raw_store = raw
         self._store = dist.PrefixStore(store_prefix(self._restart_count()), raw)
         self._generation, self._uses_leto, self._recovery = 0, False, None
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
@@ -152,6 +160,7 @@ class LetoAgent(LocalElasticAgent):
         return result
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._note_fired_faults()
         self._close_pidfds()
         self._close_shadows()
         super()._stop_workers(worker_group)
@@ -250,6 +259,7 @@ class LetoAgent(LocalElasticAgent):
         t_stopped = time.time()
         self._events.emit(Kind.ACTIVES_STOPPED, gen=self._generation, stop_s=t_stopped - t_detect)
         self._close_pidfds()
+        self._inject_erasures()
         self._generation += 1
         t_promote = time.time()
         self._store.set(f"promote/{self._generation}", str(epoch))
@@ -259,6 +269,28 @@ class LetoAgent(LocalElasticAgent):
         self._events.emit(Kind.SHADOWS_PROMOTED, gen=self._generation, epoch=epoch, promote_t=t_promote)
         self.recoveries += 1
         self._recovery = {"gen": self._generation, "epoch": epoch, "detected_t": t_detect, "stopped_t": t_stopped}
+
+    def _note_fired_faults(self) -> None:
+        """Faults are claimed in the attempt's store; remember them across group restarts."""
+        if self._raw_store is None:
+            return
+        for i in range(len(self._leto.faults)):
+            if i not in self._fired and self._raw_store.check([f"/leto/faults/{i}"]):
+                self._fired.add(i)
+
+    def _inject_erasures(self) -> None:
+        """Page losses scheduled with a fault that has now fired (tests and demos)."""
+        erasure = self._leto.erasure
+        if erasure is None or self._sm is None:
+            return
+        pool = self._sm.client()
+        try:
+            for i, fault in enumerate(self._leto.faults):
+                if fault.erases and i not in self._erased and self._raw_store.check([f"/leto/faults/{i}"]):
+                    self._erased.add(i)
+                    faults.erase_pages(pool, fault, i, erasure, self._events)
+        finally:
+            pool.close()
 
     def _watch_recovery(self, worker_group: WorkerGroup) -> None:
         """When every promoted trainer has stepped once, the recovery is done: new shadows."""

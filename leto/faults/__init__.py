@@ -16,10 +16,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from leto.config import PHASES, FaultSpec
+from leto.erasure.config import ErasureConfig
 from leto.errors import ConfigError
 from leto.events import EventLog, Kind
+from leto.pool.client import PoolClient
 
 ENV_FAULTS = "LETO_FAULTS"
+ENV_FAULTS_FIRED = "LETO_FAULTS_FIRED"  # ids that fired in an earlier group attempt
 
 
 def encode(faults: list[FaultSpec]) -> str:
@@ -43,18 +46,20 @@ class FaultInjector:
         faults: list[FaultSpec],
         events: EventLog,
         claim: Callable[[int], bool],
+        fired: frozenset[int] = frozenset(),
     ) -> None:
         """``claim(i)`` marks fault i as fired job-wide; False when it already fired."""
         self.rank = rank
         self.events = events
         self._claim = claim
-        self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank]
+        self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank and i not in fired]
         self.injected = 0
         self.step = -1
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
-        return cls(rank, decode(os.environ.get(ENV_FAULTS, "[]")), events, claim)
+        fired = frozenset(int(i) for i in os.environ.get(ENV_FAULTS_FIRED, "").split(",") if i)
+        return cls(rank, decode(os.environ.get(ENV_FAULTS, "[]")), events, claim, fired)
 
     def fail_at(self, rank: int, step: int, phase: str = "forward") -> FaultInjector:
         """Chainable: add a fault (tests that drive a trainer in-process)."""
@@ -75,3 +80,23 @@ class FaultInjector:
     @property
     def pending(self) -> bool:
         return bool(self._mine)
+
+def erase_pages(pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: ErasureConfig, events: EventLog) -> None:
+    """Lose the pages a fault asks for, at recovery time (the agent calls this on its node).
+
+    Device pages come from the rank's model state ("state"), host pages from its tier-1
+    parity ("state.p1"); the choice is deterministic in the fault's index.
+    """
+    from leto.trainer.protection import pages_to_erase
+
+    for region, count, group_pages in (
+        ("state", fault.erase_device_pages, erasure.data_pages),
+        ("state.p1", fault.erase_host_pages, erasure.tier1_parity),
+    ):
+        spec = pool.describe(fault.rank, region)
+        if not count or spec is None:
+            continue
+        total = spec.nbytes // erasure.page_bytes
+        pages = pages_to_erase(total, count, group_pages, fault.erase_group, seed=fault_id)
+        pool.erase(fault.rank, region, erasure.page_bytes, pages)
+        events.emit(Kind.PAGES_ERASED, rank=fault.rank, region=region, pages=pages, fault=fault_id)

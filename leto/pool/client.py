@@ -74,6 +74,19 @@ class PoolClient:
         spec = RegionSpec(**reply["spec"])
         return MappedRegion(spec=spec, existing=True, buffer=_map(fds, spec.nbytes))
 
+    def describe(self, rank: int, name: str) -> RegionSpec | None:
+        spec = self.request({"op": "describe", "rank": rank, "name": name})[0]["spec"]
+        return None if spec is None else RegionSpec(**spec)
+
+    def localize(self, rank: int, name: str, page_bytes: int) -> list[int]:
+        """Failed pages of a region, found and remapped (zeroed) by the state manager."""
+        reply, _ = self.request({"op": "localize", "rank": rank, "name": name, "page_bytes": page_bytes})
+        return [int(p) for p in reply["pages"]]
+
+    def erase(self, rank: int, name: str, page_bytes: int, pages: list[int]) -> None:
+        """Fault injection: lose these pages of a region (see the state manager)."""
+        self.request({"op": "erase", "rank": rank, "name": name, "page_bytes": page_bytes, "pages": pages})
+
     def stats(self) -> dict[str, Any]:
         return self.request({"op": "stats"})[0]
 

@@ -135,6 +135,14 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def punch_hole(fd: int, offset: int, nbytes: int) -> None:
+    """Drop ``nbytes`` of the memfd at ``offset``: its physical pages are freed, reads give 0."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes):
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE) of {nbytes} bytes at {offset} failed: "
+                           f"{os.strerror(err)}")
+
+
 def remap_pages(addr: int, fd: int, fd_offset: int, page_bytes: int, pages: list[int]) -> None:
     """Replace failed pages of a shared memfd mapping with healthy zeroed memory, in place.
 
@@ -145,10 +153,7 @@ def remap_pages(addr: int, fd: int, fd_offset: int, page_bytes: int, pages: list
     """
     for first, count in _runs(pages):
         off, n = first * page_bytes, count * page_bytes
-        if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, fd_offset + off, n):
-            err = ctypes.get_errno()
-            raise OSError(err, f"fallocate(PUNCH_HOLE) of pages {first}..{first + count - 1} "
-                               f"failed: {os.strerror(err)}")
+        punch_hole(fd, fd_offset + off, n)
         got = _libc.mmap(addr + off, n, mmap.PROT_READ | mmap.PROT_WRITE,
                          mmap.MAP_SHARED | MAP_FIXED, fd, fd_offset + off)
         if got in (None, MAP_FAILED) or got != addr + off:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from leto.errors import LetoError, PoolError
-from leto.pool import protocol
+from leto.pool import localize, protocol
 from leto.pool.protocol import RegionSpec
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,19 @@ DEFAULT_MAX_REGION_BYTES = 1 << 40
 class _Region:
     spec: RegionSpec
     fd: int
+    addr: int | None = None
+    """The state manager's own mapping, made only for localisation (never read)."""
+
+    def mapping(self) -> int:
+        if self.addr is None:
+            self.addr = localize.map_memfd(self.fd, self.spec.nbytes)
+        return self.addr
+
+    def close(self) -> None:
+        if self.addr is not None:
+            localize.unmap(self.addr, self.spec.nbytes)
+            self.addr = None
+        os.close(self.fd)
 
 
 class StateManager:
@@ -102,10 +115,14 @@ class StateManager:
             return {"ok": True, "found": False}, []
         return {"ok": True, "found": True, "spec": asdict(region.spec)}, [region.fd]
 
+    def _op_describe(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        region = self._regions.get((request.get("rank"), request.get("name")))
+        return {"ok": True, "spec": None if region is None else asdict(region.spec)}, []
+
     def _op_free(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         region = self._regions.pop((request.get("rank"), request.get("name")), None)
         if region is not None:
-            os.close(region.fd)
+            region.close()
         return {"ok": True, "freed": region is not None}, []
 
     def _op_reset(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -120,9 +137,47 @@ class StateManager:
             by_tier[region.spec.tier] += region.spec.nbytes
         return {"ok": True, "regions": len(self._regions), "bytes": by_tier}, []
 
+    def _paged_region(self, request: dict[str, Any]) -> tuple[_Region, int]:
+        region = self._regions.get((request.get("rank"), request.get("name")))
+        if region is None:
+            raise PoolError(f"rank {request.get('rank')} has no region {request.get('name')!r}")
+        page_bytes = request.get("page_bytes")
+        if not isinstance(page_bytes, int) or page_bytes <= 0 or region.spec.nbytes % page_bytes:
+            raise PoolError(f"page_bytes {page_bytes!r} does not divide region {region.spec.name!r}")
+        return region, page_bytes
+
+    def _op_localize(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Find the region's failed pages (madvise scan + bisection) and remap them healthy.
+
+        Contents of remapped pages are zero; rebuilding them is the trainer's job.
+        """
+        region, page_bytes = self._paged_region(request)
+        addr = region.mapping()
+        pages = localize.scan_failed_pages(addr, region.spec.nbytes, page_bytes)
+        if pages:
+            localize.remap_pages(addr, region.fd, 0, page_bytes, pages)
+        return {"ok": True, "pages": pages}, []
+
+    def _op_erase(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Fault injection: lose pages the way a memory failure would.
+
+        Their contents are dropped (hole punched in the memfd: every mapping reads zeros)
+        and they become inaccessible to the localisation probe (PROT_NONE here).
+        """
+        region, page_bytes = self._paged_region(request)
+        pages = request.get("pages")
+        total = region.spec.nbytes // page_bytes
+        if not isinstance(pages, list) or not all(isinstance(p, int) and 0 <= p < total for p in pages):
+            raise PoolError(f"erase: pages must be indices below {total}")
+        addr = region.mapping()
+        for p in pages:
+            localize.punch_hole(region.fd, p * page_bytes, page_bytes)
+        localize.make_inaccessible(addr, page_bytes, pages)
+        return {"ok": True, "pages": pages}, []
+
     def close(self) -> None:
         for region in self._regions.values():
-            os.close(region.fd)
+            region.close()
         self._regions.clear()
 
 

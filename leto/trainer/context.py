@@ -15,6 +15,7 @@ group never meets the stale keys of the one it replaces.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
+from leto.erasure import ErasureConfig
 from leto.errors import LetoError, ProtocolError
 from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
@@ -56,6 +58,7 @@ class TrainerEnv:
     shadow_level: int
     consistency: str
     digest: bool
+    erasure: ErasureConfig | None
 
     @classmethod
     def from_environ(cls) -> TrainerEnv:
@@ -76,6 +79,7 @@ class TrainerEnv:
                 shadow_level=int(env.get("LETO_SHADOW_LEVEL", "3")),
                 consistency=env.get("LETO_CONSISTENCY", "snapshot"),
                 digest=env.get("LETO_DIGEST", "0") == "1",
+                erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
             )
         except KeyError as e:
             raise ProtocolError(f"leto-run did not set {e.args[0]} for this trainer") from None

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from leto.erasure import padded_bytes
 from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+from leto.trainer.protection import ProtectedRegion
 
 if TYPE_CHECKING:
     from leto.trainer.context import Context
@@ -53,10 +55,14 @@ class RetainedState:
         self.layout = Layout.plan(self.params, self.buffers, optimizer)
         t0 = time.perf_counter()
         pool, rank = ctx.pool, ctx.rank
+        erasure = ctx.env.erasure
+        state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
+        if erasure is not None:  # protected regions are whole pages
+            state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
         self._regions = {
-            "state": pool.alloc(rank, "state", self.layout.state_bytes, "uint8", "device"),
-            "grads": pool.alloc(rank, "grads", self.layout.grad_bytes, "uint8", "device"),
-            "snapshot": pool.alloc(rank, "snapshot", self.layout.state_bytes, "uint8", "host"),
+            "state": pool.alloc(rank, "state", state_nbytes, "uint8", "device"),
+            "grads": pool.alloc(rank, "grads", grad_nbytes, "uint8", "device"),
+            "snapshot": pool.alloc(rank, "snapshot", state_nbytes, "uint8", "host"),
             "marker": pool.alloc(rank, "marker", MARKER_BYTES, "uint8", "host"),
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
             "rng_next": pool.alloc(rank, "rng_next", self.layout.rng.nbytes, "uint8", "host"),
@@ -67,8 +73,16 @@ class RetainedState:
         self.marker = Marker(views["marker"])
         self._rng_next = views["rng_next"]
         self.reattached = self.marker.is_valid()
+        self.protected = (
+            {}
+            if erasure is None
+            else {
+                name: ProtectedRegion(pool, rank, name, views[name], erasure) for name in ("state", "grads")
+            }
+        )
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
+            self._rebuild_lost_pages()
         elif any(t.is_meta for t in self.params + self.buffers):
             raise UnrecoverableStateError(
                 f"rank {rank}: no retained state to reattach to, but the model was built on "
@@ -78,6 +92,7 @@ class RetainedState:
         self._rng = self.layout.rng.view(self.state_bytes)
         if not self.reattached:
             self._rng.copy_(torch.get_rng_state())
+            self._encode("state")
             self.marker.initialise(self.layout.digest)
         self.attach_s = time.perf_counter() - t0
         self._committed_this_step = True
@@ -110,6 +125,34 @@ class RetainedState:
             if fresh:
                 data.copy_(b)
             torch.utils.swap_tensors(b, data)
+
+    def _encode(self, name: str) -> None:
+        if name in self.protected:
+            self.protected[name].encode()
+
+    def _rebuild_lost_pages(self) -> None:
+        """Localise failed pages of every protected region and rebuild what is needed.
+
+        Model state is rebuilt from its parity unless the update was in flight (then the
+        snapshot restores it and its parity is re-encoded after the update); gradients are
+        rebuilt whenever they are final (the update may have to be finished with them).
+        """
+        if not self.protected:
+            return
+        phase = self.marker.phase
+        needed = {"state": phase != Phase.UPDATING, "grads": phase != Phase.IDLE}
+        report: dict[str, dict[str, int]] = {}
+        seconds = 0.0
+        for name, region in self.protected.items():
+            lost = region.localize()
+            report[name] = {"data": len(lost.data), "tier1": len(lost.tier1), "tier2": len(lost.tier2)}
+            if lost.count and needed[name]:
+                try:
+                    seconds += region.rebuild(lost)
+                except UnrecoverableStateError as e:
+                    self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, lost=report[name], error=str(e))
+                    raise
+        self.ctx.events.emit(Kind.PAGES_REBUILT, rank=self.ctx.rank, gen=self.ctx.env.generation, lost=report, rebuild_s=seconds, phase=phase.name)
 
     def _install_fault_hooks(self) -> None:
         """Forward/backward kill points sit in the middle of the model, mid-phase."""
@@ -152,6 +195,7 @@ class RetainedState:
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm, foreach=True)
         self._rng_next.copy_(torch.get_rng_state())
+        self._encode("grads")  # final gradients stay recoverable until the update commits
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         self.marker.advance(Phase.GRADS_READY)
         # Once any rank passes this barrier, every rank's gradients of this step are final.
@@ -177,6 +221,7 @@ class RetainedState:
             group["lr"] = lr
         self.optimizer.step()
         self._rng.copy_(self._rng_next)
+        self._encode("state")
         self.ctx.injector.point("update")
         self.marker.advance(Phase.IDLE, step + 1)
         if self.ctx.env.digest:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import yaml
 
 from leto.config import PHASES, FaultSpec
 from leto.events import read_events
@@ -20,12 +23,17 @@ GPT_ARGS = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 
 
 def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list[str] = (),
-             script_args: list[str] = (), timeout_s: float = 240) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+             script_args: list[str] = (), leto: dict | None = None,
+             timeout_s: float = 240) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """One leto-run job; ``leto`` is a job file's ``leto:`` section (faults go there too)."""
     events = tmp / f"events-{len(list(tmp.glob('events-*')))}.jsonl"
     cmd = [str(LETO_RUN), "--standalone", "--nproc-per-node", "2", "--no-dashboard", "--digest",
            "--events", str(events), *extra]
-    for f in faults:
-        cmd += ["--inject-fault", f"rank={f.rank},step={f.step},phase={f.phase}"]
+    section = dict(leto or {})
+    section["faults"] = [dataclasses.asdict(f) for f in faults]
+    job = tmp / f"job-{events.stem}.yaml"
+    job.write_text(yaml.safe_dump({"leto": section}))
+    cmd += ["--config", str(job)]
     cmd += [GPT, "--steps", str(steps), *GPT_ARGS, *script_args]
     proc = subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env())
     return proc, read_events(events)
