@@ -134,7 +134,18 @@ def _gf16_mac_kernel(
     row_ok = out_idx < n_out
     n_rows = n_out * 16
     mbase = mask_ptr + tl.cast(mask_first, tl.int64) * 16 * n_rows + pid_o * OUT_BLOCK * 16 + rows
-    acc = tl.zeros([OUT_BLOCK * 16, BLOCK_N], dtype=tl.int32)
+    if DST_TABLE:
+        dbase = tl.load(dst_off_ptr + out_idx, mask=row_ok, other=0)
+    else:
+        dbase = dst_base + tl.cast(out_idx, tl.int64) * dst_stride
+    ptrs = dst_ptr + (dbase + (rows % 16) * 32)[:, None] + col_off[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        # start from the parity itself: its load is issued before the source loads, so
+        # for short chunks (k = 1) the read-modify-write overlaps the multiply
+        acc = tl.load(ptrs, mask=ok, other=0)
+    else:
+        acc = tl.zeros([OUT_BLOCK * 16, BLOCK_N], dtype=tl.int32)
     if PREFETCH:
         # Software pipeline over sources: the 16 planes of source j + 1 are loaded while
         # source j is multiplied, so HBM latency hides behind 16 x OUT_BLOCK*16 LOP3s.
@@ -144,27 +155,27 @@ def _gf16_mac_kernel(
         else:
             b0 = 0
             c0 = 0
-        ok = col_ok & ((cols * 0 + n_src) > 0)
-        x0 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 0, HAS_SRC2)
-        x1 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 1, HAS_SRC2)
-        x2 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 2, HAS_SRC2)
-        x3 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 3, HAS_SRC2)
-        x4 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 4, HAS_SRC2)
-        x5 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 5, HAS_SRC2)
-        x6 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 6, HAS_SRC2)
-        x7 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 7, HAS_SRC2)
-        x8 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 8, HAS_SRC2)
-        x9 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 9, HAS_SRC2)
-        x10 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 10, HAS_SRC2)
-        x11 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 11, HAS_SRC2)
-        x12 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 12, HAS_SRC2)
-        x13 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 13, HAS_SRC2)
-        x14 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 14, HAS_SRC2)
-        x15 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok, 15, HAS_SRC2)
+        ok0 = col_ok & ((cols * 0 + n_src) > 0)
+        x0 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 0, HAS_SRC2)
+        x1 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 1, HAS_SRC2)
+        x2 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 2, HAS_SRC2)
+        x3 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 3, HAS_SRC2)
+        x4 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 4, HAS_SRC2)
+        x5 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 5, HAS_SRC2)
+        x6 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 6, HAS_SRC2)
+        x7 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 7, HAS_SRC2)
+        x8 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 8, HAS_SRC2)
+        x9 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 9, HAS_SRC2)
+        x10 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 10, HAS_SRC2)
+        x11 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 11, HAS_SRC2)
+        x12 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 12, HAS_SRC2)
+        x13 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 13, HAS_SRC2)
+        x14 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 14, HAS_SRC2)
+        x15 = _ld(src_ptr, src2_ptr, b0, c0, col_off, ok0, 15, HAS_SRC2)
         for j in range(n_src):
             mrow = mbase + tl.cast(j, tl.int64) * 16 * n_rows
             jn = j + 1
-            ok = col_ok & ((cols * 0 + jn) < n_src)
+            okn = col_ok & ((cols * 0 + jn) < n_src)
             if SRC_TABLE:
                 bn = tl.load(src_off_ptr + tl.minimum(jn, n_src - 1))  # clamped: unused at the end
                 cn = bn
@@ -172,37 +183,37 @@ def _gf16_mac_kernel(
                 bn = tl.cast(jn, tl.int64) * src_stride
                 cn = tl.cast(jn, tl.int64) * src2_stride
             acc = _mac(acc, x0, mrow, 0, n_rows, row_ok)
-            x0 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 0, HAS_SRC2)
+            x0 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 0, HAS_SRC2)
             acc = _mac(acc, x1, mrow, 1, n_rows, row_ok)
-            x1 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 1, HAS_SRC2)
+            x1 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 1, HAS_SRC2)
             acc = _mac(acc, x2, mrow, 2, n_rows, row_ok)
-            x2 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 2, HAS_SRC2)
+            x2 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 2, HAS_SRC2)
             acc = _mac(acc, x3, mrow, 3, n_rows, row_ok)
-            x3 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 3, HAS_SRC2)
+            x3 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 3, HAS_SRC2)
             acc = _mac(acc, x4, mrow, 4, n_rows, row_ok)
-            x4 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 4, HAS_SRC2)
+            x4 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 4, HAS_SRC2)
             acc = _mac(acc, x5, mrow, 5, n_rows, row_ok)
-            x5 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 5, HAS_SRC2)
+            x5 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 5, HAS_SRC2)
             acc = _mac(acc, x6, mrow, 6, n_rows, row_ok)
-            x6 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 6, HAS_SRC2)
+            x6 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 6, HAS_SRC2)
             acc = _mac(acc, x7, mrow, 7, n_rows, row_ok)
-            x7 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 7, HAS_SRC2)
+            x7 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 7, HAS_SRC2)
             acc = _mac(acc, x8, mrow, 8, n_rows, row_ok)
-            x8 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 8, HAS_SRC2)
+            x8 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 8, HAS_SRC2)
             acc = _mac(acc, x9, mrow, 9, n_rows, row_ok)
-            x9 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 9, HAS_SRC2)
+            x9 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 9, HAS_SRC2)
             acc = _mac(acc, x10, mrow, 10, n_rows, row_ok)
-            x10 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 10, HAS_SRC2)
+            x10 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 10, HAS_SRC2)
             acc = _mac(acc, x11, mrow, 11, n_rows, row_ok)
-            x11 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 11, HAS_SRC2)
+            x11 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 11, HAS_SRC2)
             acc = _mac(acc, x12, mrow, 12, n_rows, row_ok)
-            x12 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 12, HAS_SRC2)
+            x12 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 12, HAS_SRC2)
             acc = _mac(acc, x13, mrow, 13, n_rows, row_ok)
-            x13 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 13, HAS_SRC2)
+            x13 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 13, HAS_SRC2)
             acc = _mac(acc, x14, mrow, 14, n_rows, row_ok)
-            x14 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 14, HAS_SRC2)
+            x14 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 14, HAS_SRC2)
             acc = _mac(acc, x15, mrow, 15, n_rows, row_ok)
-            x15 = _ld(src_ptr, src2_ptr, bn, cn, col_off, ok, 15, HAS_SRC2)
+            x15 = _ld(src_ptr, src2_ptr, bn, cn, col_off, okn, 15, HAS_SRC2)
     else:
         for j in range(n_src):
             mrow = mbase + tl.cast(j, tl.int64) * 16 * n_rows
@@ -211,14 +222,6 @@ def _gf16_mac_kernel(
             for b in tl.static_range(16):
                 x = _ld(src_ptr, src2_ptr, base, base2, col_off, col_ok, b, HAS_SRC2)
                 acc = _mac(acc, x, mrow, b, n_rows, row_ok)
-    if DST_TABLE:
-        dbase = tl.load(dst_off_ptr + out_idx, mask=row_ok, other=0)
-    else:
-        dbase = dst_base + tl.cast(out_idx, tl.int64) * dst_stride
-    ptrs = dst_ptr + (dbase + (rows % 16) * 32)[:, None] + col_off[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    if ACCUMULATE:
-        acc = acc ^ tl.load(ptrs, mask=ok, other=0)
     tl.store(ptrs, acc, mask=ok)
 
 
