@@ -20,6 +20,8 @@ class Recovery:
     step: int | None
     phases: dict[str, float] = field(default_factory=dict)
     total_s: float | None = None
+    pages_rebuilt: int = 0
+    """Lost pages (model state, gradients, parity) rebuilt from parity by the promoted trainers."""
 
 
 def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
@@ -41,6 +43,8 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
         ranks_promoted = [e for e in after if e["kind"] == "promoted" and e["gen"] == gen]
         resumed = [e for e in after if e["kind"] == "resumed" and e.get("gen") == gen]
         rec.phases["detect"] = t_det - t0
+        rebuilt = [e for e in after if e["kind"] == "pages_rebuilt" and e.get("gen") == gen]
+        rec.pages_rebuilt = sum(n for e in rebuilt for counts in e["lost"].values() for n in counts.values())
         if stopped:
             rec.phases["stop"] = stopped["t"] - t_det
             rec.phases["promote"] = t_promote - stopped["t"]

@@ -28,6 +28,7 @@ class _Rank:
 _PLAIN_KINDS = {
     "workers_started", "shadows_spawned", "shadow_ready", "fault_injected", "failure_detected",
     "actives_stopped", "shadows_promoted", "resumed", "recovery_done", "job_finished",
+    "pages_erased", "pages_rebuilt", "unrecoverable_state", "group_restart",
 }
 
 
@@ -122,12 +123,12 @@ class Dashboard:
 
     def summary_table(self) -> Table:
         table = Table(title="recoveries")
-        for col in ("gen", "failed ranks", "step", "phases (ms)", "total (ms)"):
+        for col in ("gen", "failed ranks", "step", "pages rebuilt", "phases (ms)", "total (ms)"):
             table.add_column(col)
         for rec in summary.recoveries(self.events):
             phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in rec.phases.items())
             total = "-" if rec.total_s is None else f"{rec.total_s * 1e3:.0f}"
-            table.add_row(str(rec.gen), str(rec.failed_ranks), str(rec.step), phases, total)
+            table.add_row(str(rec.gen), str(rec.failed_ranks), str(rec.step), str(rec.pages_rebuilt), phases, total)
         value = summary.ettr(self.events)
         table.caption = f"ETTR {value * 100:.1f} %" if value is not None else None
         return table
