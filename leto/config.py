@@ -17,6 +17,8 @@ from leto.errors import ConfigError
 
 Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
+UpdatePoint = Literal["boundary", "optimizer", "parity", "flush"]
+UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,6 +37,14 @@ class FaultSpec:
     """... and this many of its tier-1 parity pages (host memory) per group."""
     erase_group: int | None = None
     """Only in this protection group (default: in every group)."""
+    point: UpdatePoint | None = None
+    """With ``phase: update`` under ``consistency: rmu``, where inside the update:
+    boundary (a chunk boundary, before its undo copy), optimizer (mid-chunk: after the
+    in-place update, before its parity update), parity (inside the chunk's parity update),
+    flush (inside the copy of the parity to host). None: after the last chunk (rmu) or
+    after the optimizer step (snapshot)."""
+    chunk: int | None = None
+    """With ``point`` boundary/optimizer/parity: the chunk to kill in (default: the first)."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
@@ -43,6 +53,12 @@ class FaultSpec:
             raise ConfigError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}")
         if min(self.erase_device_pages, self.erase_host_pages) < 0:
             raise ConfigError("fault erase_device_pages / erase_host_pages must be >= 0")
+        if self.point is not None and (self.phase != "update" or self.point not in UPDATE_POINTS):
+            raise ConfigError(
+                f"fault point {self.point!r} needs phase: update and one of {', '.join(UPDATE_POINTS)}"
+            )
+        if self.chunk is not None and (self.point in (None, "flush") or self.chunk < 0):
+            raise ConfigError("fault chunk needs point: boundary, optimizer or parity, and must be >= 0")
 
     @property
     def erases(self) -> bool:
@@ -66,8 +82,13 @@ class LetoConfig:
 
     recovery: Literal["in_place", "restart"] = "in_place"
     """in_place: promote shadows on a trainer failure; restart: torchrun's group restart only."""
-    consistency: Literal["snapshot", "rmu"] = "snapshot"
-    """How an interrupted optimizer update is made consistent (snapshot: full pre-update copy)."""
+    consistency: Literal["snapshot", "rmu"] = "rmu"
+    """How an interrupted optimizer update is made consistent. rmu: chunk-level transactions
+    (undo buffer + incremental parity, paper §5.2); snapshot: a full pre-update host copy
+    (the §5.1 strawman, kept as the baseline)."""
+    rmu_chunk_bytes: int = 1 << 22
+    """rmu: bytes of parameters per chunk transaction (the undo buffer holds ~4x this:
+    parameters, exp_avg, exp_avg_sq, rounded out to 2 KiB tiles)."""
     shadow_level: Literal[1, 3] = 3
     """Pre-initialisation level of shadows: 1 = imports done, 3 = + process group built."""
     poll_interval_s: float = 0.02
@@ -86,6 +107,8 @@ class LetoConfig:
     model state per step; on GPU it runs in Triton kernels."""
 
     def __post_init__(self) -> None:
+        if self.rmu_chunk_bytes < 4096:
+            raise ConfigError(f"leto.rmu_chunk_bytes must be >= 4096, got {self.rmu_chunk_bytes}")
         if not 0.001 <= self.poll_interval_s <= 0.05:
             raise ConfigError(f"leto.poll_interval_s must be in [0.001, 0.05] s, got {self.poll_interval_s}")
         if self.erasure is None and any(f.erases for f in self.faults):

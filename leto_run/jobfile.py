@@ -12,7 +12,7 @@ Leto's own settings under ``leto``. Every key is checked, so a typo is a one-lin
     script: examples/train_gpt.py
     script_args: [--steps, "50"]
     leto:
-      consistency: snapshot
+      consistency: rmu
       faults: [{rank: 1, step: 5, phase: update}]
 
 The ``launch`` values become the launch parser's defaults, so command-line flags win.

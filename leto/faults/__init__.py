@@ -61,20 +61,43 @@ class FaultInjector:
         fired = frozenset(int(i) for i in os.environ.get(ENV_FAULTS_FIRED, "").split(",") if i)
         return cls(rank, decode(os.environ.get(ENV_FAULTS, "[]")), events, claim, fired)
 
-    def fail_at(self, rank: int, step: int, phase: str = "forward") -> FaultInjector:
+    def fail_at(
+        self, rank: int, step: int, phase: str = "forward", *, point: str | None = None, chunk: int | None = None
+    ) -> FaultInjector:
         """Chainable: add a fault (tests that drive a trainer in-process)."""
         if rank == self.rank:
-            self._mine.append((len(self._mine) + 1000, FaultSpec(rank=rank, step=step, phase=phase)))
+            spec = FaultSpec(rank=rank, step=step, phase=phase, point=point, chunk=chunk)  # type: ignore[arg-type]
+            self._mine.append((len(self._mine) + 1000, spec))
         return self
 
-    def point(self, phase: str) -> None:
-        """Called by the trainer at each phase point of the current step."""
+    def point(
+        self,
+        phase: str,
+        *,
+        at: str | None = None,
+        chunk: int | None = None,
+        on_fire: Callable[[], None] | None = None,
+    ) -> None:
+        """Called by the trainer at each phase point of the current step.
+
+        ``at`` / ``chunk`` name a sub-point of the update (``FaultSpec.point`` / ``chunk``);
+        ``on_fire`` runs just before the kill (e.g. to scribble over a half-written buffer,
+        as an aborted kernel or copy would leave it).
+        """
         if phase not in PHASES:
             raise ValueError(phase)
         for i, fault in self._mine:
-            if fault.step == self.step and fault.phase == phase and self._claim(i):
+            if fault.step != self.step or fault.phase != phase or fault.point != at:
+                continue
+            if fault.chunk is not None and fault.chunk != chunk:
+                continue
+            if self._claim(i):
                 self.injected += 1
-                self.events.emit(Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i)
+                self.events.emit(
+                    Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i, point=at, chunk=chunk
+                )
+                if on_fire is not None:
+                    on_fire()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     @property

@@ -57,6 +57,7 @@ class TrainerEnv:
     pool_socket: str
     shadow_level: int
     consistency: str
+    rmu_chunk_bytes: int
     digest: bool
     erasure: ErasureConfig | None
 
@@ -77,7 +78,8 @@ class TrainerEnv:
                 master_port=int(env["MASTER_PORT"]),
                 pool_socket=env["LETO_POOL_SOCKET"],
                 shadow_level=int(env.get("LETO_SHADOW_LEVEL", "3")),
-                consistency=env.get("LETO_CONSISTENCY", "snapshot"),
+                consistency=env.get("LETO_CONSISTENCY", "rmu"),
+                rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", str(1 << 22))),
                 digest=env.get("LETO_DIGEST", "0") == "1",
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
             )

@@ -1,18 +1,28 @@
 """The update marker: the last completed operation of a rank's update, in retained memory.
 
 The marker is the single source of truth a promoted trainer reads to decide where to
-resume. Its state word packs ``(step, phase)`` into one aligned 64-bit store, so a kill
-can never leave half a transition behind.
+resume. Its state word packs ``(step, chunk, parity buffer, phase)`` into one aligned
+64-bit store, so a kill can never leave half a transition behind::
 
-Transitions (``t`` = committed optimizer steps)::
+    bits 63..32 step   bits 31..9 chunk cursor   bit 8 authoritative parity buffer   bits 7..0 phase
 
-    IDLE(t) ──grads final──▶ GRADS_READY(t) ──snapshot taken──▶ UPDATING(t) ──commit──▶ IDLE(t+1)
-       ▲                          │                                 │  ▲
-       └──── re-run step t ───────┘                                 └──┘ restore + redo
+Transitions (``t`` = committed optimizer steps; ``consistency: snapshot`` on the left,
+``consistency: rmu`` on the right)::
+
+                               ┌──▶ UPDATING(t) ──commit──▶ IDLE(t+1)          (snapshot)
+    IDLE(t) ──▶ GRADS_READY(t) ┤
+       ▲             │         └──▶ PARITY_LOADED(t) ──▶ CHUNK_SAVED(t, 0) ──▶ CHUNK_COMMITTED(t, 0)
+       └── re-run ───┘                    ──▶ CHUNK_SAVED(t, 1) ──▶ ... ──▶ CHUNK_COMMITTED(t, k-1)
+                                          ──▶ FLUSHING(t) ──▶ IDLE(t+1)     (rmu)
 
 IDLE(t): model state is M_t, gradients are not (yet) final.
 GRADS_READY(t): model state is M_t, gradients of step t are final (reduced and clipped).
-UPDATING(t): the update of step t has begun; the snapshot holds M_t.
+UPDATING(t): the snapshot update of step t has begun; the snapshot holds M_t.
+PARITY_LOADED(t): the working parity buffers both hold the host tier-1 parity of M_t.
+CHUNK_SAVED(t, j): the undo buffer holds chunk j's pre-update bytes; chunk j may be
+    partially updated; the parity buffer ``sel`` matches the data with chunk j undone.
+CHUNK_COMMITTED(t, j): chunks 0..j are updated; parity buffer ``sel`` matches the data.
+FLUSHING(t): every chunk is committed; parity buffer ``sel`` is being copied to host.
 """
 
 from __future__ import annotations
@@ -24,21 +34,35 @@ import torch
 
 from leto.errors import InvalidTransitionError, UnrecoverableStateError
 
-MAGIC = 0x4C45544F_4D4B0001  # "LETO" "MK" v1
+MAGIC = 0x4C45544F_4D4B0002  # "LETO" "MK" v2 (chunk cursor in the state word)
 MARKER_BYTES = 4096
 _MAX_LR = (MARKER_BYTES // 8) - 4
+MAX_CHUNKS = 1 << 23
 
 
 class Phase(enum.IntEnum):
     IDLE = 0
     GRADS_READY = 1
     UPDATING = 2
+    PARITY_LOADED = 3
+    CHUNK_SAVED = 4
+    CHUNK_COMMITTED = 5
+    FLUSHING = 6
 
+
+UPDATE_PHASES = frozenset(
+    {Phase.UPDATING, Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED, Phase.FLUSHING}
+)
+"""Phases in which this rank has begun (and not yet committed) its optimizer update."""
 
 _ALLOWED: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.GRADS_READY}),
-    Phase.GRADS_READY: frozenset({Phase.UPDATING, Phase.IDLE}),
+    Phase.GRADS_READY: frozenset({Phase.UPDATING, Phase.PARITY_LOADED, Phase.IDLE}),
     Phase.UPDATING: frozenset({Phase.IDLE}),
+    Phase.PARITY_LOADED: frozenset({Phase.CHUNK_SAVED, Phase.FLUSHING}),
+    Phase.CHUNK_SAVED: frozenset({Phase.CHUNK_COMMITTED}),
+    Phase.CHUNK_COMMITTED: frozenset({Phase.CHUNK_SAVED, Phase.FLUSHING}),
+    Phase.FLUSHING: frozenset({Phase.IDLE}),
 }
 
 
@@ -60,7 +84,7 @@ class Marker:
     def initialise(self, layout_hash: int) -> None:
         """Mark the state as fully initialised at step 0. Written last on a fresh start."""
         self._words[1] = layout_hash
-        self._words[2] = _pack(0, Phase.IDLE)
+        self._words[2] = pack(0, Phase.IDLE)
         self._words[0] = _signed(MAGIC)
 
     def check_layout(self, layout_hash: int) -> None:
@@ -72,20 +96,48 @@ class Marker:
 
     # -- progress ---------------------------------------------------------------------------
     @property
+    def word(self) -> int:
+        return int(self._words[2])
+
+    @property
     def step(self) -> int:
-        return int(self._words[2]) >> 8
+        return self.word >> 32
 
     @property
     def phase(self) -> Phase:
-        return Phase(int(self._words[2]) & 0xFF)
+        return Phase(self.word & 0xFF)
 
-    def advance(self, phase: Phase, step: int | None = None) -> None:
-        """Move to ``phase`` (and ``step``), checking the transition table."""
-        current = self.phase
+    @property
+    def chunk(self) -> int:
+        """The chunk cursor (meaningful in CHUNK_SAVED / CHUNK_COMMITTED)."""
+        return (self.word >> 9) & (MAX_CHUNKS - 1)
+
+    @property
+    def parity_sel(self) -> int:
+        """Which of the two working parity buffers is authoritative (rmu phases)."""
+        return (self.word >> 8) & 1
+
+    def advance(self, phase: Phase, step: int | None = None, *, chunk: int = 0, sel: int | None = None) -> None:
+        """Move to ``phase`` (and ``step``, chunk, parity buffer), checking the transitions.
+
+        Chunk transactions must follow one another: CHUNK_SAVED(j) comes after
+        PARITY_LOADED (j = 0) or CHUNK_COMMITTED(j - 1), CHUNK_COMMITTED(j) after
+        CHUNK_SAVED(j).
+        """
+        current, cur_chunk = self.phase, self.chunk
         if phase not in _ALLOWED[current]:
             raise InvalidTransitionError(f"marker cannot go from {current.name} to {phase.name}")
+        if phase == Phase.CHUNK_SAVED:
+            expected = 0 if current == Phase.PARITY_LOADED else cur_chunk + 1
+            if chunk != expected:
+                raise InvalidTransitionError(f"chunk {chunk} saved after {current.name}({cur_chunk}); expected {expected}")
+        if phase == Phase.CHUNK_COMMITTED and chunk != cur_chunk:
+            raise InvalidTransitionError(f"chunk {chunk} committed while chunk {cur_chunk} is in flight")
+        if not 0 <= chunk < MAX_CHUNKS:
+            raise ValueError(f"chunk {chunk} out of range")
         new_step = self.step if step is None else step
-        self._words[2] = _pack(new_step, phase)
+        new_sel = self.parity_sel if sel is None else sel
+        self._words[2] = pack(new_step, phase, chunk, new_sel)
 
     # -- update hyper-parameters recorded with GRADS_READY -----------------------------------
     def record_lrs(self, lrs: list[float]) -> None:
@@ -100,8 +152,9 @@ class Marker:
         return [struct.unpack("<d", struct.pack("<q", int(self._words[4 + i])))[0] for i in range(n)]
 
 
-def _pack(step: int, phase: Phase) -> int:
-    return (step << 8) | int(phase)
+def pack(step: int, phase: Phase, chunk: int = 0, sel: int = 0) -> int:
+    """The 64-bit state word (signed, as the int64 view stores it)."""
+    return _signed((step << 32) | (chunk << 9) | (sel << 8) | int(phase))
 
 
 def _signed(x: int) -> int:

@@ -88,6 +88,21 @@ class ProtectedRegion:
         return time.perf_counter() - t0
 
 
+    def rebuild_data(self, lost: LostPages, working: list[ProtectionGroup]) -> float:
+        """Rebuild lost data pages from working parity (one group per protection group).
+
+        Used mid-update, when the RMU's working parity, not the host tier 1, matches the
+        data. Lost host parity pages are left alone: the update's flush rewrites them.
+        """
+        t0 = time.perf_counter()
+        d = self.cfg.data_pages
+        for i, group in enumerate(working):
+            data = [p - i * d for p in lost.data if i * d <= p < (i + 1) * d]
+            if data:
+                group.rebuild(data)
+        return time.perf_counter() - t0
+
+
 def pages_to_erase(total_pages: int, per_group: int, group_pages: int, group: int | None, seed: int) -> list[int]:
     """Deterministic choice of ``per_group`` pages in each group (or in one group)."""
     import random

@@ -8,19 +8,24 @@ step through the update marker (see ``leto.trainer.marker``):
   read-only, so a failure here costs only the re-run of this step;
 * ``GRADS_READY`` then a barrier: once any rank passes it, every rank's gradients are
   final, so any rank can finish the update alone;
+* update phase, ``consistency: rmu`` (the default, paper §5.2): the optimizer runs chunk
+  by chunk as transactions (undo copy, in-place AdamW, incremental parity, commit), see
+  ``leto.updater.rmu``;
 * update phase, ``consistency: snapshot`` (the paper's §5.1 strawman, kept as the
   baseline): copy the whole state region to a host snapshot, mark ``UPDATING``, apply the
   optimizer in place, commit.
 
 A promoted trainer resumes with one collective: if any rank began (or finished) step
-t's update, every rank finishes it — from the snapshot when it was mid-update — and
-training continues at t+1; otherwise every rank re-runs step t from its forward pass.
+t's update, every rank finishes it — from its last committed chunk (rmu) or from the
+snapshot (snapshot) — and training continues at t+1; otherwise every rank re-runs step t
+from its forward pass.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -32,13 +37,17 @@ from leto.erasure import padded_bytes
 from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.trainer.layout import Layout
-from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.protection import ProtectedRegion
+from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
 
 if TYPE_CHECKING:
     from leto.trainer.context import Context
 
 logger = logging.getLogger(__name__)
+
+ENV_RMU_PARITY = "LETO_RMU_PARITY"
+"""Test hook: "0" turns off the RMU's incremental parity (the paper's "RMP alone")."""
 
 
 class RetainedState:
@@ -59,17 +68,24 @@ class RetainedState:
         state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
         if erasure is not None:  # protected regions are whole pages
             state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
+        self.rmu = ctx.env.consistency == "rmu"
         self._regions = {
             "state": pool.alloc(rank, "state", state_nbytes, "uint8", "device"),
             "grads": pool.alloc(rank, "grads", grad_nbytes, "uint8", "device"),
-            "snapshot": pool.alloc(rank, "snapshot", state_nbytes, "uint8", "host"),
             "marker": pool.alloc(rank, "marker", MARKER_BYTES, "uint8", "host"),
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
             "rng_next": pool.alloc(rank, "rng_next", self.layout.rng.nbytes, "uint8", "host"),
         }
+        if self.rmu:  # one chunk of undo + two working parity buffers (activation memory on GPU)
+            undo_nbytes, parity_nbytes = buffer_bytes(self.layout, state_nbytes, ctx.env.rmu_chunk_bytes, erasure)
+            self._regions["rmu.undo"] = pool.alloc(rank, "rmu.undo", undo_nbytes, "uint8", "device")
+            if parity_nbytes:
+                self._regions["rmu.parity"] = pool.alloc(rank, "rmu.parity", parity_nbytes, "uint8", "device")
+        else:
+            self._regions["snapshot"] = pool.alloc(rank, "snapshot", state_nbytes, "uint8", "host")
         views = {k: torch.frombuffer(r.buffer, dtype=torch.uint8) for k, r in self._regions.items()}
         self.state_bytes, self.grad_bytes = views["state"], views["grads"]
-        self.snapshot_bytes = views["snapshot"]
+        self.snapshot_bytes = views.get("snapshot")
         self.marker = Marker(views["marker"])
         self._rng_next = views["rng_next"]
         self.reattached = self.marker.is_valid()
@@ -80,6 +96,14 @@ class RetainedState:
                 name: ProtectedRegion(pool, rank, name, views[name], erasure) for name in ("state", "grads")
             }
         )
+        self.updater: ResumableUpdater | None = None
+        if self.rmu:
+            self.updater = ResumableUpdater(
+                layout=self.layout, state=self.state_bytes, grads=self.grad_bytes, rng_next=self._rng_next,
+                optimizer=optimizer, marker=self.marker, undo=views["rmu.undo"], parity=views.get("rmu.parity"),
+                protected=self.protected.get("state"), injector=ctx.injector, chunk_bytes=ctx.env.rmu_chunk_bytes,
+                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
+            )
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
             self._rebuild_lost_pages()
@@ -133,13 +157,19 @@ class RetainedState:
     def _rebuild_lost_pages(self) -> None:
         """Localise failed pages of every protected region and rebuild what is needed.
 
-        Model state is rebuilt from its parity unless the update was in flight (then the
-        snapshot restores it and its parity is re-encoded after the update); gradients are
-        rebuilt whenever they are final (the update may have to be finished with them).
+        Model state is rebuilt from its host parity between updates; mid-update under rmu,
+        the torn chunk is first restored from the undo buffer and the data pages are rebuilt
+        from the authoritative working parity (host parity is rewritten by the flush);
+        under snapshot, the snapshot restores the state and its parity is re-encoded after
+        the update. Gradients are rebuilt whenever they are final (the update may have to be
+        finished with them).
         """
+        phase = self.marker.phase
+        working = self.updater is not None and phase in WORKING_PHASES
+        if self.updater is not None:
+            self.updater.prepare()  # undo a torn chunk, resync the scratch parity
         if not self.protected:
             return
-        phase = self.marker.phase
         needed = {"state": phase != Phase.UPDATING, "grads": phase != Phase.IDLE}
         report: dict[str, dict[str, int]] = {}
         seconds = 0.0
@@ -148,7 +178,11 @@ class RetainedState:
             report[name] = {"data": len(lost.data), "tier1": len(lost.tier1), "tier2": len(lost.tier2)}
             if lost.count and needed[name]:
                 try:
-                    seconds += region.rebuild(lost)
+                    if name == "state" and working:
+                        assert self.updater is not None
+                        seconds += region.rebuild_data(lost, self.updater.working_groups())
+                    else:
+                        seconds += region.rebuild(lost)
                 except UnrecoverableStateError as e:
                     self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, lost=report[name], error=str(e))
                     raise
@@ -212,9 +246,18 @@ class RetainedState:
         )
 
     def _update(self, step: int) -> None:
+        if self.updater is not None:
+            self.updater.run(step)
+            self._committed()
+            return
+        assert self.snapshot_bytes is not None
         self.snapshot_bytes.copy_(self.state_bytes)
         self.marker.advance(Phase.UPDATING)
         self._apply_optimizer(step)
+
+    def _committed(self) -> None:
+        if self.ctx.env.digest:
+            self.emit_digest()
 
     def _apply_optimizer(self, step: int) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.marker.recorded_lrs(), strict=True):
@@ -224,8 +267,7 @@ class RetainedState:
         self._encode("state")
         self.ctx.injector.point("update")
         self.marker.advance(Phase.IDLE, step + 1)
-        if self.ctx.env.digest:
-            self.emit_digest()
+        self._committed()
 
     def _check_grads_bound(self) -> None:
         for p, gslot in zip(self.params, self.layout.grads, strict=True):
@@ -260,11 +302,22 @@ class RetainedState:
         low = min(s for s, _ in points)
         if max(s for s, _ in points) > low + 1:
             raise UnrecoverableStateError(f"ranks are more than one step apart: {points}")
-        finish = any(s == low + 1 or (s == low and ph == Phase.UPDATING) for s, ph in points)
+        finish = any(s == low + 1 or (s == low and ph in UPDATE_PHASES) for s, ph in points)
         step, phase = self.marker.step, self.marker.phase
         action = "none"
-        if finish and step == low:
+        if finish and step == low and self.updater is not None:
+            if phase not in UPDATE_PHASES and phase != Phase.GRADS_READY:
+                raise UnrecoverableStateError(
+                    f"rank {self.ctx.rank} must finish step {step}'s update but its gradients were never final"
+                )
+            try:
+                action = self.updater.resume(step)
+            except UnrecoverableStateError as e:
+                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region="state", error=str(e))
+                raise
+        elif finish and step == low:
             if phase == Phase.UPDATING:
+                assert self.snapshot_bytes is not None
                 self.state_bytes.copy_(self.snapshot_bytes)  # idempotent: the snapshot is intact
                 action = "restore+finish"
                 self._apply_optimizer(step)

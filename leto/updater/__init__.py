@@ -1,0 +1,17 @@
+"""The resumable model updater (RMU, paper §5.2): chunk-level transactional optimizer updates.
+
+* :mod:`leto.updater.adamw` — AdamW / Adam applied to slices of the flat retained buffers,
+  equal to ``torch.optim.AdamW`` (foreach, non-capturable) within float rounding;
+* :mod:`leto.updater.plan` — the cut of the flat parameter space into chunks and the byte
+  spans of the state region each chunk touches;
+* :mod:`leto.updater.rmu` — :class:`ResumableUpdater`: per chunk undo copy → in-place update →
+  incremental parity into a scratch buffer → commit (marker + swap); resume from the marker.
+"""
+
+from __future__ import annotations
+
+from leto.updater.adamw import AdamWHyper, adamw_pieces
+from leto.updater.plan import Chunk, Piece, plan_chunks
+from leto.updater.rmu import ResumableUpdater
+
+__all__ = ["AdamWHyper", "Chunk", "Piece", "ResumableUpdater", "adamw_pieces", "plan_chunks"]

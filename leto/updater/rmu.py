@@ -1,0 +1,328 @@
+"""The resumable model updater: one optimizer step as a sequence of chunk transactions.
+
+Per step (paper Pseudocode 1, lines 5–12)::
+
+    Q[0], Q[1] <- host tier-1 parity H                   PARITY_LOADED(sel=0)
+    for chunk j:
+        U <- chunk j's pre-update bytes                   CHUNK_SAVED(j)
+        chunk j <- AdamW(chunk j, G)        (in place)
+        Q[1-sel] ^= RS_j(U xor chunk j)     (scratch)
+        commit                                            CHUNK_COMMITTED(j, sel=1-sel)
+        Q[sel_old][ranges of j] <- Q[sel]   (resync the other buffer)
+    H <- Q[sel]; refresh tier 2                           FLUSHING → IDLE(t+1)
+
+Every arrow into a marker state is one 64-bit store (``leto.trainer.marker``), so a kill
+anywhere leaves a state from which the step can be finished exactly:
+
+* CHUNK_SAVED(j): the data of chunk j may be torn; the undo buffer restores it, after
+  which ``Q[sel]`` is the parity of the data and lost pages are rebuilt from it;
+* CHUNK_COMMITTED(j) / PARITY_LOADED: the data matches ``Q[sel]``; ``Q[1-sel]`` may be
+  half-written, so it is resynchronised from ``Q[sel]``;
+* FLUSHING: every chunk is in; the host copy is redone from ``Q[sel]``.
+
+All three buffers (undo, Q[0], Q[1]) are pool regions ("rmu.undo", "rmu.parity"), so they
+survive the trainer. On a GPU they are the memory the paper borrows from activations (they
+are needed only after backward); here they are allocated once.
+
+Departure from the paper: chunks cut the flat *parameter* space, so one chunk's bytes
+(param, exp_avg, exp_avg_sq) lie in several protection groups; the working parity of every
+group is held at once (2 · H1/D of the state) and flushed after the last chunk, instead of
+one group at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from leto.erasure import ErasureConfig, ProtectionGroup, split_range
+from leto.erasure.bitslice import TILE_BYTES
+from leto.errors import ProtocolError, UnrecoverableStateError
+from leto.faults import FaultInjector
+from leto.trainer.layout import Layout
+from leto.trainer.marker import Marker, Phase
+from leto.trainer.protection import ProtectedRegion
+from leto.updater.adamw import AdamWHyper, adamw_pieces
+from leto.updater.plan import Chunk, plan_chunks
+
+logger = logging.getLogger(__name__)
+
+WORKING_PHASES = frozenset({Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED, Phase.FLUSHING})
+"""Phases in which the working parity Q[sel], not the host tier 1, matches the data."""
+
+
+def buffer_bytes(layout: Layout, state_nbytes: int, chunk_bytes: int, erasure: ErasureConfig | None) -> tuple[int, int]:
+    """Sizes of the undo buffer and of the two working parity buffers together."""
+    align = TILE_BYTES if erasure is not None else 64
+    chunks = plan_chunks(layout, chunk_bytes, align, state_nbytes)
+    undo = max(c.undo_bytes for c in chunks)
+    if erasure is None:
+        return undo, 0
+    groups = -(-state_nbytes // erasure.group_bytes)
+    return undo, 2 * groups * erasure.tier1_parity * erasure.page_bytes
+
+
+class ResumableUpdater:
+    """Applies Adam/AdamW to the retained state chunk by chunk, crash-consistently."""
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        state: torch.Tensor,
+        grads: torch.Tensor,
+        rng_next: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        marker: Marker,
+        undo: torch.Tensor,
+        parity: torch.Tensor | None,
+        protected: ProtectedRegion | None,
+        injector: FaultInjector,
+        chunk_bytes: int,
+        incremental_parity: bool = True,
+    ) -> None:
+        """``state``/``grads``/``undo``/``parity`` are flat uint8 views of retained regions.
+
+        ``incremental_parity=False`` is the paper's "RMP alone" (§8.4): chunks are still
+        applied in place, but the parity is only re-encoded from the data after the last
+        chunk, so a failure mid-update leaves parity that does not match the data. Only the
+        negative test uses it.
+        """
+        self.layout, self.state, self.marker, self.injector = layout, state, marker, injector
+        self.optimizer, self.rng_next, self.undo = optimizer, rng_next, undo
+        self.protected = protected
+        self.incremental_parity = incremental_parity
+        align = TILE_BYTES if protected is not None else 64
+        self.chunks = plan_chunks(layout, chunk_bytes, align, state.numel())
+        if undo.numel() < max(c.undo_bytes for c in self.chunks):
+            raise ProtocolError("the undo buffer is smaller than the largest chunk")
+        self._param = [s.view(state).view(-1) for s in layout.params]
+        self._m = [o["exp_avg"].view(state).view(-1) for o in layout.optim]
+        self._v = [o["exp_avg_sq"].view(state).view(-1) for o in layout.optim]
+        self._step = [o["step"].view(state) for o in layout.optim]
+        self._grad = [s.view(grads).view(-1) for s in layout.grads]
+        self._rng = layout.rng.view(state)
+        self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
+        self._working: list[list[ProtectionGroup]] = []
+        if protected is not None:
+            if parity is None:
+                raise ProtocolError("erasure protection needs the working parity buffers")
+            cfg = protected.cfg
+            h1 = cfg.tier1_parity * cfg.page_bytes
+            n = len(protected.groups)
+            if parity.numel() < 2 * n * h1:
+                raise ProtocolError("the working parity region is too small")
+            no_t2 = dataclasses.replace(cfg, tier2_parity=0)
+            empty = torch.empty(0, dtype=torch.uint8, device=parity.device)
+            self._working = [
+                [ProtectionGroup(no_t2, g.data, parity[(s * n + i) * h1 : (s * n + i + 1) * h1], empty, backend=g.backend)
+                 for i, g in enumerate(protected.groups)]
+                for s in (0, 1)
+            ]
+
+    # -- one step ----------------------------------------------------------------------------
+    def run(self, step: int) -> None:
+        """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1)."""
+        self._load_parity()
+        self.marker.advance(Phase.PARITY_LOADED, sel=0)
+        self._chunks_from(step, 0)
+
+    def resume(self, step: int) -> str:
+        """Finish step ``step``'s update from wherever the marker says it stopped.
+
+        :meth:`prepare` must have run first (undo restored, parity resynchronised, lost
+        pages rebuilt). Returns the action taken, for the ``resumed`` event.
+        """
+        self.check_counters(step)
+        phase = self.marker.phase
+        if phase == Phase.GRADS_READY:
+            self.run(step)
+            return "finish"
+        if phase == Phase.PARITY_LOADED:
+            self._chunks_from(step, 0)
+            return "resume+finish"
+        if phase == Phase.CHUNK_SAVED:
+            self._chunks_from(step, self.marker.chunk, saved=True)
+            return "restore+finish"
+        if phase == Phase.CHUNK_COMMITTED:
+            self._chunks_from(step, self.marker.chunk + 1)
+            return "resume+finish"
+        if phase == Phase.FLUSHING:
+            self._flush(step)
+            return "flush"
+        raise ProtocolError(f"cannot resume an rmu update from {phase.name}")
+
+    def prepare(self) -> None:
+        """After a failure: undo a torn chunk and resync the scratch parity buffer, so the
+        data matches ``Q[sel]`` (call before rebuilding lost pages from it)."""
+        phase = self.marker.phase
+        if phase == Phase.CHUNK_SAVED:
+            self._restore(self.chunks[self.marker.chunk])
+        if self._working and phase in (Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED):
+            sel = self.marker.parity_sel
+            for auth, other in zip(self._working[sel], self._working[1 - sel], strict=True):
+                other.tier1.copy_(auth.tier1)
+
+    def check_counters(self, step: int) -> None:
+        """Refuse to resume when the retained Adam step counters contradict the marker.
+
+        Each parameter's counter is ``step`` until the chunk holding its element 0 commits,
+        then ``step + 1``. Rebuilt pages that do not match the data (parity that lagged the
+        update) show up here first; raising beats resuming on wrong data.
+        """
+        phase, cursor = self.marker.phase, self.marker.chunk
+        done = {
+            Phase.GRADS_READY: 0, Phase.PARITY_LOADED: 0, Phase.CHUNK_SAVED: cursor,
+            Phase.CHUNK_COMMITTED: cursor + 1, Phase.FLUSHING: len(self.chunks),
+        }[phase]
+        applied = {p.param for c in self.chunks[:done] for p in c.pieces if p.owns_step}
+        bad = [(i, float(t)) for i, t in enumerate(self._step) if float(t) != step + (i in applied)]
+        if bad:
+            raise UnrecoverableStateError(
+                f"retained optimizer step counters contradict the update marker ({phase.name}, chunk "
+                f"{cursor}, step {step}): parameter {bad[0][0]} has {bad[0][1]} ({len(bad)} wrong); "
+                "the rebuilt state is inconsistent, restart the job from a checkpoint"
+            )
+
+    def working_groups(self) -> list[ProtectionGroup]:
+        """The groups over the authoritative working parity (to rebuild lost data pages)."""
+        return self._working[self.marker.parity_sel] if self._working else []
+
+    # -- internals ---------------------------------------------------------------------------
+    def _chunks_from(self, step: int, first: int, *, saved: bool = False) -> None:
+        lrs = self.marker.recorded_lrs()
+        hypers = [AdamWHyper.from_group(g, self.optimizer, lr) for g, lr in zip(self.optimizer.param_groups, lrs, strict=True)]
+        for j in range(first, len(self.chunks)):
+            self._chunk(self.chunks[j], hypers, saved=saved and j == first)
+        self._flush(step)
+
+    def _chunk(self, chunk: Chunk, hypers: list[AdamWHyper], *, saved: bool) -> None:
+        j, last = chunk.index, chunk.index == len(self.chunks) - 1
+        self.injector.point("update", at="boundary", chunk=j)
+        if not saved:
+            self._save(chunk)
+            self.marker.advance(Phase.CHUNK_SAVED, chunk=j)
+        self._apply(chunk, hypers)
+        scribble = lambda: _scribble(self.state, chunk.spans, seed=j)
+        self.injector.point("update", at="optimizer", chunk=j, on_fire=scribble)
+        if last:  # the plain "update" point: the optimizer has run, nothing is committed
+            self.injector.point("update", on_fire=scribble)
+        sel = self.marker.parity_sel
+        if self._working and self.incremental_parity:
+            self._fold_parity(chunk, self._working[1 - sel])
+        self.marker.advance(Phase.CHUNK_COMMITTED, chunk=j, sel=1 - sel if self._working else sel)
+        if self._working:
+            self._sync_ranges(chunk, src=self._working[1 - sel], dst=self._working[sel])
+
+    def _save(self, chunk: Chunk) -> None:
+        pos = 0
+        for off, n in chunk.spans:
+            self.undo[pos : pos + n].copy_(self.state[off : off + n])
+            pos += n
+
+    def _restore(self, chunk: Chunk) -> None:
+        pos = 0
+        for off, n in chunk.spans:
+            self.state[off : off + n].copy_(self.undo[pos : pos + n])
+            pos += n
+
+    def _apply(self, chunk: Chunk, hypers: list[AdamWHyper]) -> None:
+        """AdamW on the chunk's pieces, one foreach call per parameter group."""
+        by_group: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        for p in chunk.pieces:
+            i, lo, hi = p.param, p.lo, p.hi
+            lists = by_group.setdefault(self._group_of[i], ([], [], [], [], []))
+            if p.owns_step:
+                self._step[i].add_(1.0)
+            lists[0].append(self._param[i][lo:hi])
+            lists[1].append(self._grad[i][lo:hi])
+            lists[2].append(self._m[i][lo:hi])
+            lists[3].append(self._v[i][lo:hi])
+            lists[4].append(float(self._step[i]))  # type: ignore[arg-type]
+        for gi, (ps, gs, ms, vs, steps) in by_group.items():
+            adamw_pieces(ps, gs, ms, vs, steps, hypers[gi])  # type: ignore[arg-type]
+        if chunk.installs_rng:
+            self._rng.copy_(self.rng_next)
+
+    def _fold_parity(self, chunk: Chunk, groups: list[ProtectionGroup]) -> None:
+        """``Q' ^= RS_j(U xor C)`` for every page range the chunk touched."""
+        assert self.protected is not None
+        cfg, pb = self.protected.cfg, self.protected.cfg.page_bytes
+        pos, first = 0, True
+        for off, n in chunk.spans:
+            for run in _page_runs(split_range(off, n, cfg), pb):
+                g, page, k, boff, nb, roff = run
+                u0 = pos + (roff - off)
+                old = self.undo[u0 : u0 + k * nb]
+                new = self.state[roff : roff + k * nb]
+                if k > 1:
+                    old, new = old.view(k, pb), new.view(k, pb)
+                groups[g].update_pages(groups[g].tier1, page, k, boff, old, new)
+                if first:
+                    first = False
+                    scratch = [gr.tier1 for gr in groups]
+                    self.injector.point("update", at="parity", chunk=chunk.index,
+                                        on_fire=lambda s=scratch: [_scribble(t, [(0, t.numel())], seed=7) for t in s])
+            pos += n
+
+    def _sync_ranges(self, chunk: Chunk, src: list[ProtectionGroup], dst: list[ProtectionGroup]) -> None:
+        """Bring the other buffer level with the new authoritative one on this chunk's ranges."""
+        assert self.protected is not None
+        cfg, pb, h1 = self.protected.cfg, self.protected.cfg.page_bytes, self.protected.cfg.tier1_parity
+        for off, n in chunk.spans:
+            for g, _page, k, boff, nb, _roff in _page_runs(split_range(off, n, cfg), pb):
+                width = pb if k > 1 else nb
+                lo = 0 if k > 1 else boff
+                dst[g].tier1.view(h1, pb)[:, lo : lo + width].copy_(src[g].tier1.view(h1, pb)[:, lo : lo + width])
+
+    def _load_parity(self) -> None:
+        if not self._working:
+            return
+        assert self.protected is not None
+        for host, a, b in zip(self.protected.groups, self._working[0], self._working[1], strict=True):
+            a.tier1.copy_(host.tier1)
+            b.tier1.copy_(host.tier1)
+
+    def _flush(self, step: int) -> None:
+        """Install the committed parity in host memory and refresh tier 2; commit the step."""
+        if self.marker.phase != Phase.FLUSHING:
+            self.marker.advance(Phase.FLUSHING)
+        if self.protected is not None:
+            sel = self.marker.parity_sel
+            for i, host in enumerate(self.protected.groups):
+                if not self.incremental_parity:
+                    host.encode_all()
+                    continue
+                src = self._working[sel][i].tier1
+                half = src.numel() // 2 // TILE_BYTES * TILE_BYTES
+                host.tier1[:half].copy_(src[:half])
+                if i == 0:
+                    self.injector.point("update", at="flush",
+                                        on_fire=lambda h=host, a=half: _scribble(h.tier1, [(a, h.tier1.numel() - a)], seed=11))
+                host.tier1[half:].copy_(src[half:])
+                host.encode_tier2()
+        self.marker.advance(Phase.IDLE, step + 1)
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
+
+
+def _page_runs(spans: list, pb: int) -> list[tuple[int, int, int, int, int, int]]:
+    """Page spans as ``(group, first page, pages, byte offset, bytes per page, region
+    offset)``; consecutive whole pages of one group become one multi-page run."""
+    runs: list[list[int]] = []
+    for s in spans:
+        whole = s.offset == 0 and s.nbytes == pb
+        if whole and runs and runs[-1][4] == pb and runs[-1][0] == s.group and runs[-1][1] + runs[-1][2] == s.page:
+            runs[-1][2] += 1
+        else:
+            runs.append([s.group, s.page, 1, s.offset, s.nbytes, s.region_offset])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def _scribble(t: torch.Tensor, spans: tuple[tuple[int, int], ...] | list[tuple[int, int]], seed: int) -> None:
+    """Fill byte ranges with random bytes (what a kernel or copy killed midway leaves)."""
+    gen = torch.Generator().manual_seed(seed)
+    for off, n in spans:
+        t[off : off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+

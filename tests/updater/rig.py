@@ -1,0 +1,131 @@
+"""An in-process rig for the RMU: retained state in plain tensors, kills as exceptions.
+
+It builds the same layout, marker and protection groups a trainer does, but over ordinary
+CPU tensors, so a "kill" (an exception from the fault point) followed by a fresh
+:class:`ResumableUpdater` over the same memory is exactly what a promoted trainer sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
+from leto.trainer.layout import Layout
+from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+from leto.updater.rmu import ResumableUpdater, buffer_bytes
+
+
+class Killed(Exception):
+    """Raised at a fault point instead of SIGKILL."""
+
+
+class KillAt:
+    """Duck-typed FaultInjector: raises at one (point, chunk) of one step, once."""
+
+    def __init__(self, point: str | None = None, chunk: int | None = None, *, legacy: bool = False) -> None:
+        self.target, self.chunk, self.legacy = point, chunk, legacy
+        self.fired = 0
+        self.seen: list[tuple[str | None, int | None]] = []
+
+    def point(self, phase: str, *, at: str | None = None, chunk: int | None = None, on_fire=None) -> None:
+        self.seen.append((at, chunk))
+        hit = (self.legacy and at is None) or (
+            not self.legacy and at is not None and at == self.target and (self.chunk is None or chunk == self.chunk)
+        )
+        if hit and not self.fired:
+            self.fired += 1
+            if on_fire is not None:
+                on_fire()
+            raise Killed(f"{at} {chunk}")
+
+
+def model(seed: int = 0, dim: int = 24) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(dim, 3 * dim), nn.GELU(), nn.LayerNorm(3 * dim), nn.Linear(3 * dim, dim))
+
+
+@dataclasses.dataclass
+class Rig:
+    """One rank's retained state; ``updater()`` makes a fresh updater (a promoted trainer)."""
+
+    layout: Layout
+    opt: torch.optim.Optimizer
+    state: torch.Tensor
+    grads: torch.Tensor
+    rng_next: torch.Tensor
+    marker_mem: torch.Tensor
+    undo: torch.Tensor
+    parity: torch.Tensor | None
+    protected: SimpleNamespace | None
+    chunk_bytes: int
+    incremental: bool = True
+
+    @classmethod
+    def build(cls, net: nn.Module, *, erasure: ErasureConfig | None, chunk_bytes: int, lr: float = 1e-2,
+              incremental: bool = True) -> Rig:
+        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True)
+        params = list(net.parameters())
+        layout = Layout.plan(params, [], opt)
+        nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
+        state = torch.zeros(nbytes, dtype=torch.uint8)
+        grads = torch.zeros(layout.grad_bytes, dtype=torch.uint8)
+        for p, slot in zip(params, layout.params, strict=True):
+            slot.view(state).copy_(p.detach())
+        undo_n, par_n = buffer_bytes(layout, nbytes, chunk_bytes, erasure)
+        protected = None
+        if erasure is not None:
+            pb = erasure.page_bytes
+            spans = plan_groups(nbytes, erasure)
+            p1 = torch.zeros(len(spans) * erasure.tier1_parity * pb, dtype=torch.uint8)
+            p2 = torch.zeros(len(spans) * erasure.tier2_parity * pb, dtype=torch.uint8)
+            h1, h2 = erasure.tier1_parity * pb, erasure.tier2_parity * pb
+            groups = [ProtectionGroup(erasure, state[s.byte_offset : s.byte_offset + s.nbytes],
+                                      p1[i * h1 : (i + 1) * h1], p2[i * h2 : (i + 1) * h2], backend="torch")
+                      for i, s in enumerate(spans)]
+            for g in groups:
+                g.encode_all()
+            protected = SimpleNamespace(cfg=erasure, groups=groups)
+        rig = cls(layout, opt, state, grads, torch.get_rng_state().clone(), torch.zeros(MARKER_BYTES, dtype=torch.uint8),
+                  torch.zeros(undo_n, dtype=torch.uint8), torch.zeros(par_n, dtype=torch.uint8) if par_n else None,
+                  protected, chunk_bytes, incremental)
+        Marker(rig.marker_mem).initialise(layout.digest)
+        return rig
+
+    @property
+    def marker(self) -> Marker:
+        return Marker(self.marker_mem)
+
+    def updater(self, injector: object) -> ResumableUpdater:
+        return ResumableUpdater(
+            layout=self.layout, state=self.state, grads=self.grads, rng_next=self.rng_next, optimizer=self.opt,
+            marker=self.marker, undo=self.undo, parity=self.parity, protected=self.protected,  # type: ignore[arg-type]
+            injector=injector, chunk_bytes=self.chunk_bytes, incremental_parity=self.incremental,  # type: ignore[arg-type]
+        )
+
+    def set_grads(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for slot in self.layout.grads:
+            slot.view(self.grads).copy_(torch.randn(slot.shape, generator=g))
+        self.rng_next.copy_(torch.randint(0, 256, self.rng_next.shape, dtype=torch.uint8, generator=g))
+
+    def grads_ready(self, lr: float) -> None:
+        m = self.marker
+        m.record_lrs([lr] * len(self.opt.param_groups))
+        m.advance(Phase.GRADS_READY)
+
+    def erase_pages(self, per_group: int, seed: int) -> list[int]:
+        """Zero ``per_group`` data pages of every group (their contents are lost)."""
+        assert self.protected is not None
+        cfg = self.protected.cfg
+        g = torch.Generator().manual_seed(seed)
+        lost = []
+        for i, grp in enumerate(self.protected.groups):
+            pages = torch.randperm(grp.num_pages, generator=g)[:per_group].tolist()
+            for p in pages:
+                grp.data_page(p).zero_()
+            lost += [i * cfg.data_pages + p for p in sorted(pages)]
+        return lost

@@ -1,0 +1,179 @@
+"""The RMU in-process: AdamW equals torch's; a kill at any point of the update, plus H1
+lost pages per group, finishes bit-identically; without incremental parity it does not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from leto.erasure import ErasureConfig
+from leto.errors import InvalidTransitionError
+from leto.trainer.marker import MARKER_BYTES, Marker, Phase, pack
+from leto.updater.rmu import WORKING_PHASES
+from tests.updater.rig import KillAt, Killed, Rig, model
+
+ERASURE = ErasureConfig(page_bytes=4096, data_pages=8, tier1_parity=4, tier2_parity=1)
+CHUNK = 4096  # bytes of parameters per chunk: the rig's model makes 4 chunks
+LRS = [1e-2, 2e-2, 3e-2]
+
+
+def _params(rig: Rig) -> list[torch.Tensor]:
+    return [s.view(rig.state) for s in rig.layout.params]
+
+
+def _clip(rig: Rig, max_norm: float = 1.0) -> None:
+    """clip_grad_norm_'s arithmetic on the retained gradient views (they have no .grad)."""
+    grads = [s.view(rig.grads) for s in rig.layout.grads]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+def _step(rig: Rig, step: int, injector: object) -> None:
+    rig.set_grads(seed=100 + step)
+    _clip(rig)
+    rig.grads_ready(LRS[step])
+    rig.updater(injector).run(step)
+
+
+def _recover(rig: Rig, step: int, erase_per_group: int) -> str:
+    """What a promoted trainer does: prepare, lose pages, rebuild, resume."""
+    updater = rig.updater(KillAt())
+    phase = rig.marker.phase
+    updater.prepare()
+    if rig.protected is not None and erase_per_group:
+        lost = rig.erase_pages(erase_per_group, seed=step)
+        d = ERASURE.data_pages
+        groups = updater.working_groups() if phase in WORKING_PHASES else rig.protected.groups
+        for i, g in enumerate(groups):
+            g.rebuild([p - i * d for p in lost if i * d <= p < (i + 1) * d])
+    return updater.resume(step)
+
+
+def _reference(erasure: ErasureConfig | None, steps: int = 3) -> Rig:
+    rig = Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK)
+    for s in range(steps):
+        _step(rig, s, KillAt())
+    return rig
+
+
+# -- the optimizer -------------------------------------------------------------------------------
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("kind", ["adamw", "adam_l2"])
+def test_chunked_adamw_equals_torch(foreach: bool, kind: str) -> None:
+    net = model(seed=1)
+    ref = copy.deepcopy(net)
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    ref_opt = cls(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach)
+    rig = Rig.build(net, erasure=ERASURE, chunk_bytes=CHUNK)
+    if kind == "adam_l2":
+        rig.opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=0.1)
+    assert len(rig.updater(KillAt()).chunks) >= 3
+    for step in range(3):
+        rig.set_grads(seed=step)
+        for p, slot in zip(ref.parameters(), rig.layout.grads, strict=True):
+            p.grad = slot.view(rig.grads).clone()
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+        for g in ref_opt.param_groups:
+            g["lr"] = LRS[step]
+        ref_opt.step()
+        _clip(rig)
+        rig.grads_ready(LRS[step])
+        rig.updater(KillAt()).run(step)
+    exact = foreach  # same foreach kernels: bit-equal; the for-loop path: float rounding
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-7}
+    for p, slot, oslots in zip(ref.parameters(), rig.layout.params, rig.layout.optim, strict=True):
+        torch.testing.assert_close(slot.view(rig.state), p.detach(), **tol)
+        st = ref_opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(oslots[key].view(rig.state), st[key], **tol)
+    # parity was kept current chunk by chunk: equal to a fresh encode of the data
+    for g in rig.protected.groups:
+        t1, t2 = g.tier1.clone(), g.tier2.clone()
+        g.encode_all()
+        assert torch.equal(t1, g.tier1) and torch.equal(t2, g.tier2)
+
+
+# -- the marker ------------------------------------------------------------------------------------
+def test_marker_packs_chunk_and_checks_transactions() -> None:
+    m = Marker(torch.zeros(MARKER_BYTES, dtype=torch.uint8))
+    m.initialise(7)
+    m.advance(Phase.GRADS_READY)
+    m.advance(Phase.PARITY_LOADED, sel=0)
+    with pytest.raises(InvalidTransitionError):
+        m.advance(Phase.CHUNK_SAVED, chunk=1)
+    m.advance(Phase.CHUNK_SAVED, chunk=0)
+    with pytest.raises(InvalidTransitionError):
+        m.advance(Phase.FLUSHING)
+    m.advance(Phase.CHUNK_COMMITTED, chunk=0, sel=1)
+    m.advance(Phase.CHUNK_SAVED, chunk=1)
+    assert (m.step, m.phase, m.chunk, m.parity_sel) == (0, Phase.CHUNK_SAVED, 1, 1)
+    assert m.word == pack(0, Phase.CHUNK_SAVED, 1, 1)
+    m.advance(Phase.CHUNK_COMMITTED, chunk=1, sel=0)
+    m.advance(Phase.FLUSHING)
+    m.advance(Phase.IDLE, 1)
+    assert (m.step, m.phase, m.chunk) == (1, Phase.IDLE, 0)
+
+
+# -- kill-point sweep ------------------------------------------------------------------------------
+def _points(n_chunks: int) -> list[tuple[str | None, int | None]]:
+    pts: list[tuple[str | None, int | None]] = []
+    for j in range(n_chunks):
+        pts += [("boundary", j), ("optimizer", j), ("parity", j)]
+    return [*pts, ("flush", None), (None, None)]
+
+
+@pytest.mark.parametrize("erasure", [ERASURE, None], ids=["parity", "no-erasure"])
+def test_every_kill_point_with_lost_pages_finishes_exactly(erasure: ErasureConfig | None) -> None:
+    ref = _reference(erasure)
+    n_chunks = len(ref.updater(KillAt()).chunks)
+    assert n_chunks >= 3
+    actions = set()
+    for point, chunk in _points(n_chunks):
+        if erasure is None and point in ("parity", "flush"):
+            continue
+        rig = Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK)
+        _step(rig, 0, KillAt())
+        kill = KillAt(point, chunk, legacy=point is None)
+        with pytest.raises(Killed):
+            _step(rig, 1, kill)
+        actions.add(_recover(rig, 1, erase_per_group=ERASURE.tier1_parity if erasure else 0))
+        assert rig.marker.step == 2 and rig.marker.phase == Phase.IDLE
+        _step(rig, 2, KillAt())
+        assert torch.equal(rig.state, ref.state), f"diverged after a kill at {point} {chunk}"
+        if erasure is not None:
+            for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
+                assert torch.equal(g.tier1, r.tier1) and torch.equal(g.tier2, r.tier2)
+    assert {"restore+finish", "resume+finish"} <= actions
+
+
+def test_kill_during_the_parity_load_reruns_from_grads_ready() -> None:
+    """A kill before PARITY_LOADED: host parity still matches M_t; the update starts over."""
+    ref = _reference(ERASURE)
+    rig = Rig.build(model(), erasure=ERASURE, chunk_bytes=CHUNK)
+    _step(rig, 0, KillAt())
+    rig.set_grads(seed=101)
+    _clip(rig)
+    rig.grads_ready(LRS[1])
+    rig.parity.random_(0, 255)  # torn load
+    assert _recover(rig, 1, erase_per_group=4) == "finish"
+    _step(rig, 2, KillAt())
+    assert torch.equal(rig.state, ref.state)
+
+
+def test_without_incremental_parity_a_mid_update_rebuild_is_wrong() -> None:
+    """The paper's "RMP alone": parity lags the partially updated data, so the pages
+    rebuilt after the kill are wrong (the run diverges)."""
+    ref = _reference(ERASURE)
+    fault_free = Rig.build(model(), erasure=ERASURE, chunk_bytes=CHUNK, incremental=False)
+    for s in range(3):
+        _step(fault_free, s, KillAt())
+    assert torch.equal(fault_free.state, ref.state), "without faults the data path is the same"
+    rig = Rig.build(model(), erasure=ERASURE, chunk_bytes=CHUNK, incremental=False)
+    _step(rig, 0, KillAt())
+    with pytest.raises(Killed):
+        _step(rig, 1, KillAt("optimizer", 2))
+    _recover(rig, 1, erase_per_group=ERASURE.tier1_parity)
+    _step(rig, 2, KillAt())
+    assert not torch.equal(rig.state, ref.state)
