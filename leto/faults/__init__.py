@@ -55,6 +55,8 @@ class FaultInjector:
         self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank and i not in fired]
         self.injected = 0
         self.step = -1
+        self.report_fatal: Callable[[], None] = lambda: None
+        """Called before the kill of a ``kind: fatal`` fault (the trainer tells its agent)."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -74,12 +76,17 @@ class FaultInjector:
         for i, fault in self._mine:
             if fault.step == self.step and fault.phase == phase and self._claim(i):
                 self.injected += 1
-                self.events.emit(Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i)
-                os.kill(os.getpid(), signal.SIGKILL)
+                self.events.emit(
+                    Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i, fault_kind=fault.kind
+                )
+                if fault.kind == "fatal":
+                    self.report_fatal()
+                os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
 
     @property
     def pending(self) -> bool:
         return bool(self._mine)
+
 
 def erase_pages(pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: ErasureConfig, events: EventLog) -> None:
     """Lose the pages a fault asks for, at recovery time (the agent calls this on its node).
