@@ -19,6 +19,8 @@ Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
 UpdatePoint = Literal["boundary", "optimizer", "parity", "flush"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
+FaultKind = Literal["kill", "fatal", "hang"]
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +47,10 @@ class FaultSpec:
     after the optimizer step (snapshot)."""
     chunk: int | None = None
     """With ``point`` boundary/optimizer/parity: the chunk to kill in (default: the first)."""
+    kind: FaultKind = "kill"
+    """kill: SIGKILL, a hardware-operable failure (HOF), recovered in place; fatal: a fatal
+    failure (FF), the trainer reports its hardware unusable and the job takes the checkpoint
+    path; hang: SIGSTOP, the trainer stops making progress (found by the heartbeat)."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
@@ -59,6 +65,8 @@ class FaultSpec:
             )
         if self.chunk is not None and (self.point in (None, "flush") or self.chunk < 0):
             raise ConfigError("fault chunk needs point: boundary, optimizer or parity, and must be >= 0")
+        if self.kind not in FAULT_KINDS:
+            raise ConfigError(f"fault kind {self.kind!r} is not one of {', '.join(FAULT_KINDS)}")
 
     @property
     def erases(self) -> bool:
@@ -74,6 +82,38 @@ class FaultSpec:
                 raise ConfigError(f"--inject-fault {text!r}: expected key=value pairs like rank=1,step=5,phase=update")
             fields[key.strip()] = value.strip()
         return from_dict(cls, fields, where="--inject-fault")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """The checkpoint kept for fatal failures (FFs): torch.distributed.checkpoint, async."""
+
+    dir: str
+    """Directory of the checkpoints (one sub-directory per saved step)."""
+    interval_steps: int | None = None
+    """Save every N committed steps; None: Young's interval for the FF rate (below)."""
+    mttf_s: float = 86400.0
+    """Mean time to failure of the job, all failures counted (HOFs and FFs)."""
+    hof_ratio: float = 0.9
+    """Fraction h of failures recovered in place; a checkpoint serves only the others, so
+    Young's interval uses the FF MTTF, ``mttf_s / (1 - h)``."""
+    keep: int = 2
+    """Complete checkpoints kept on disk; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        if self.interval_steps is not None and self.interval_steps < 1:
+            raise ConfigError(f"checkpoint.interval_steps must be >= 1, got {self.interval_steps}")
+        if self.mttf_s <= 0:
+            raise ConfigError(f"checkpoint.mttf_s must be > 0, got {self.mttf_s}")
+        if not 0.0 <= self.hof_ratio < 1.0:
+            raise ConfigError(f"checkpoint.hof_ratio must be in [0, 1), got {self.hof_ratio}")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+    @property
+    def ff_mttf_s(self) -> float:
+        """Mean time between fatal failures: the failures a checkpoint must cover."""
+        return self.mttf_s / (1.0 - self.hof_ratio)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,6 +145,17 @@ class LetoConfig:
     """Two-tier Reed-Solomon protection of retained state (page_bytes, data_pages,
     tier1_parity, tier2_parity). Off unless given: on CPU parity costs ~15 ms per MB of
     model state per step; on GPU it runs in Triton kernels."""
+    hang_timeout_s: float = 60.0
+    """A trainer whose heartbeat makes no progress for this long is killed and recovered."""
+    first_step_timeout_s: float = 600.0
+    """The same limit until a trainer's first step (compilation and data loading are slow)."""
+    peer_failure_grace_s: float = 2.0
+    """Multi-node: how long a node whose trainers raised (a peer's death breaks their
+    collectives) waits for another node's recovery epoch before restarting the group."""
+    checkpoint: CheckpointConfig | None = None
+    """The checkpoint kept for fatal failures; None: none (an FF restarts from step 0)."""
+    warm_restarts: bool = True
+    """Start the workers of a group restart from a fork server that has imported torch."""
 
     def __post_init__(self) -> None:
         if self.rmu_chunk_bytes < 4096:
@@ -113,6 +164,13 @@ class LetoConfig:
             raise ConfigError(f"leto.poll_interval_s must be in [0.001, 0.05] s, got {self.poll_interval_s}")
         if self.erasure is None and any(f.erases for f in self.faults):
             raise ConfigError("faults erase pages, but leto.erasure is not configured")
+        if self.hang_timeout_s <= 0 or self.first_step_timeout_s < self.hang_timeout_s:
+            raise ConfigError(
+                "leto.hang_timeout_s must be > 0 and first_step_timeout_s >= hang_timeout_s, got "
+                f"{self.hang_timeout_s} and {self.first_step_timeout_s}"
+            )
+        if self.peer_failure_grace_s < 0:
+            raise ConfigError(f"leto.peer_failure_grace_s must be >= 0, got {self.peer_failure_grace_s}")
 
 
 def from_dict(cls: type, data: Any, *, where: str) -> Any:

@@ -28,7 +28,8 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
     """Pair each failure with the promotion and first steps that answered it."""
     out: list[Recovery] = []
     faults = [e for e in events if e["kind"] == "fault_injected"]
-    for det in (e for e in events if e["kind"] == "failure_detected"):
+    # Only failures answered in place; an FF or a script error restarts the group instead.
+    for det in (e for e in events if e["kind"] == "failure_detected" and e.get("failure", "hof") == "hof"):
         t_det = det.get("detected_t", det["t"])
         after = [e for e in events if e["t"] >= t_det]
         prior_faults = [f for f in faults if f["t"] <= t_det]
@@ -80,3 +81,10 @@ def ettr(events: list[dict[str, Any]], rank: int = 0) -> float | None:
 
 def _first(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
     return next((e for e in events if e["kind"] == kind), None)
+
+
+def restarts_and_recoveries(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """Group restarts (torchrun's path, counted against --max-restarts) and in-place recoveries."""
+    restarts = sum(1 for e in events if e["kind"] == "group_restart")
+    recoveries = sum(1 for e in events if e["kind"] == "shadows_promoted")
+    return restarts, recoveries

@@ -7,12 +7,17 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
 * for every local rank, an active trainer and a shadow trainer: the same script with
   ``LETO_ROLE=active|shadow`` and a generation number. Each generation is one torch
   ``PContext``, so logs, redirects and tee behave exactly as torchrun's;
-* failure handling in ``_monitor_workers``: when an active dies from a signal (a
-  hardware-operable failure on CPU) and the script uses the leto API, bump the recovery
-  epoch in the store, SIGKILL the surviving actives (they are stuck in collectives and
-  must not touch retained state again), promote the shadow generation through the
-  store, and report the group HEALTHY. Anything else — a plain torchrun script, a script
-  that raised, no shadows, a dead state manager — takes torchrun's group restart.
+* failure handling in ``_monitor_workers``, job-wide through the recovery epoch
+  (``leto.epoch``): the agent that sees a failure classifies it (``leto.health``: HOF =
+  killed by a signal or hung; FF = reported fatal by the trainer, or a dead state
+  manager; ERROR = the script raised) and publishes one record per generation in the
+  job's store. Every agent polls that record: on ``in_place`` it SIGKILLs its surviving
+  actives (stuck in collectives; they must not touch retained state again) and only then
+  sets its own ranks' ``promote/{gen}/{rank}`` keys; on ``restart`` it takes torchrun's
+  group restart and the trainers load the newest checkpoint (``leto.checkpoint``).
+  A plain torchrun script never enters this: it gets torchrun's behaviour unchanged;
+* hang detection: a shared-memory heartbeat per local rank (``leto.health``); a rank
+  without progress for ``hang_timeout_s`` is SIGKILLed and handled as the crash it is.
 
 Shadows are spawned only after every local active has called ``leto.init()``, so a plain
 torchrun script never sees one. Replacements after a recovery are spawned once every
@@ -39,12 +44,16 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest, PContext
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from leto import faults
 from leto.config import LetoConfig
+from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, Kind
+from leto.health import ENV_HEARTBEAT, FailureClass, HangWatch, HeartbeatBoard
 from leto.pool.process import StateManagerProcess
-from leto.trainer.context import ROLE_ACTIVE, ROLE_SHADOW, store_prefix
+from leto.trainer.context import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW, store_prefix
+from leto_run.warm_start import ForkServer, warm_spawns
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +90,14 @@ class LetoAgent(LocalElasticAgent):
         self._worker_store: dist.TCPStore | None = None
         self._detected_t: float | None = None
         self._root_pid: int | None = None
+        self._epochs: EpochBoard | None = None
+        self._board: HeartbeatBoard | None = None
+        self._hangs: HangWatch | None = None
+        self._restart_reason = ""
+        self.forkserver: ForkServer | None = None
+        """Set by launch: group restarts start their workers from it (warm restarts)."""
         self.recoveries = 0
+        self.restarts = 0
 
     # -- worker environment: the one seam torch offers inside _start_workers -----------------
     def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
@@ -103,10 +119,13 @@ class LetoAgent(LocalElasticAgent):
             faults.ENV_FAULTS_FIRED: ",".join(map(str, sorted(self._fired))),
             "LETO_ERASURE": json.dumps(dataclasses.asdict(self._leto.erasure)) if self._leto.erasure else "",
             ENV_EVENTS_FILE: str(self._events.path or ""),
+            ENV_HEARTBEAT: self._board.path if self._board is not None else "",
+            ENV_CHECKPOINT: json.dumps(dataclasses.asdict(self._leto.checkpoint)) if self._leto.checkpoint else "",
         }
         active = self._pcontext
         try:
-            super()._start_workers(worker_group)
+            with warm_spawns(self.forkserver if self._restart_count() > 0 else None):
+                super()._start_workers(worker_group)
             return self._pcontext  # type: ignore[return-value]
         finally:
             if role == ROLE_SHADOW:
@@ -144,21 +163,42 @@ class LetoAgent(LocalElasticAgent):
         self._raw_store = raw
         self._store = dist.PrefixStore(store_prefix(self._restart_count()), raw)
         self._generation, self._uses_leto, self._recovery = 0, False, None
+        self._epochs = EpochBoard(self._store, f"{worker_group.master_addr}:{worker_group.master_port}")
+        if self._board is None:
+            self._board = HeartbeatBoard(worker_group.spec.local_world_size)
+        self._hangs = HangWatch(self._board, self._leto.hang_timeout_s, self._leto.first_step_timeout_s)
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
-        self._events.emit(Kind.WORKERS_STARTED, restart=self._restart_count(), pids=pcontext.pids())
+        self._events.emit(
+            Kind.WORKERS_STARTED, restart=self._restart_count(), pids=pcontext.pids(),
+            warm=self.forkserver is not None and self._restart_count() > 0,
+        )
         return pcontext.pids()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._watch_registration(worker_group)
         self._watch_recovery(worker_group)
+        if self._uses_leto and self._epochs is not None:
+            record = self._epochs.poll(self._generation + 1)
+            if record is not None:  # another node saw a failure: do as it decided
+                return self._follow(worker_group, record, None)
+            self._watch_hangs(worker_group)
         self._detect_killed_active()
         result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.FAILED and self._can_recover(result):
-            self._recover(worker_group, result)
-            return RunResult(state=WorkerState.HEALTHY)
+        if result.state == WorkerState.FAILED and self._uses_leto and self._epochs is not None:
+            return self._decide(worker_group, result)
         if result.state == WorkerState.SUCCEEDED:
             self._close_shadows()
         return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """torchrun's group restart (counted against --max-restarts), recorded as an event."""
+        self.restarts += 1
+        self._events.emit(
+            Kind.GROUP_RESTART, restart=self._restart_count(), reason=self._restart_reason or "worker failure",
+            recoveries=self.recoveries,
+        )
+        self._restart_reason = ""
+        super()._restart_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._note_fired_faults()
@@ -179,6 +219,9 @@ class LetoAgent(LocalElasticAgent):
             if self._sm is not None:
                 self._sm.stop()
                 self._sm = None
+            if self._board is not None:
+                self._board.close()
+                self._board = None
 
     # -- leto --------------------------------------------------------------------------------
     def _restart_count(self) -> int:
@@ -198,15 +241,134 @@ class LetoAgent(LocalElasticAgent):
     def _spawn_shadows(self, worker_group: WorkerGroup) -> None:
         self._shadows = self._spawn(worker_group, ROLE_SHADOW, self._generation + 1)
         self._events.emit(Kind.SHADOWS_SPAWNED, gen=self._generation + 1, pids=self._shadows.pids())
+        assert self._store is not None
+        self._store.set(f"shadows/{self._generation + 1}/{worker_group.group_rank}", "1")
 
-    def _can_recover(self, result: RunResult) -> bool:
-        if not self._uses_leto or self._shadows is None or self._sm is None or not self._sm.alive():
-            return False
-        if self._shadows.wait(0) is not None:  # a shadow died: the generation is incomplete
-            return False
-        # Killed by a signal: the hardware is still usable (a HOF on CPU). A script that
-        # raised would raise again: that is torchrun's business (restart or fail).
-        return any(f.exitcode < 0 for f in result.failures.values())
+    # -- failure handling: classify, decide once for all nodes (the epoch), follow ----------
+    def _classify(self, result: RunResult) -> FailureClass:
+        """FF when the state manager is gone or a trainer reported its hardware unusable;
+        HOF when a trainer was killed by a signal (on CPU the hardware is then usable);
+        ERROR when a script raised (an in-place retry would raise again)."""
+        assert self._epochs is not None
+        if self._sm is None or not self._sm.alive():
+            return FailureClass.FF
+        if any(self._epochs.check([f"fatal/{rank}"]) for rank in result.failures):
+            return FailureClass.FF
+        # Killed by a signal (seen first through a pidfd, or any signal but the SIGTERM torch
+        # sends a failed trainer's peers): on CPU the hardware is still usable.
+        if self._detected_t is not None or any(
+            f.exitcode < 0 and f.exitcode != -int(signal.SIGTERM) for f in result.failures.values()
+        ):
+            return FailureClass.HOF
+        return FailureClass.ERROR
+
+    def _local_shadows_ok(self) -> bool:
+        return (
+            self._shadows is not None and self._shadows.wait(0) is None
+            and self._sm is not None and self._sm.alive()
+        )
+
+    def _all_shadows_ready(self, worker_group: WorkerGroup) -> bool:
+        assert self._epochs is not None
+        nodes = range(worker_group.group_world_size)
+        return self._local_shadows_ok() and self._epochs.check(
+            [f"shadows/{self._generation + 1}/{n}" for n in nodes]
+        )
+
+    def _decide(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """A local failure: publish the job-wide answer (or find a peer's) and follow it."""
+        assert self._epochs is not None
+        failure = self._classify(result)
+        epoch = self._generation + 1
+        if failure is FailureClass.ERROR and worker_group.group_world_size > 1:
+            # A trainer on another node died, breaking our collectives: its agent's record
+            # is on its way and explains our error.
+            record = self._epochs.wait(epoch, self._leto.peer_failure_grace_s)
+            if record is not None:
+                return self._follow(worker_group, record, result)
+        failed = {str(rank): f.exitcode for rank, f in result.failures.items()}
+        root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(result.failures)
+        detected_t = self._detected_t or time.time()
+        self._events.emit(
+            Kind.FAILURE_DETECTED, ranks=failed, root_ranks=root, gen=self._generation,
+            detected_t=detected_t, failure=failure.value,
+        )
+        in_place = (
+            failure is FailureClass.HOF and self._leto.recovery == "in_place"
+            and self._all_shadows_ready(worker_group)
+        )
+        reason = {
+            FailureClass.HOF: "trainer killed" if in_place else "trainer killed, no shadows ready on every node",
+            FailureClass.FF: "fatal failure: hardware or retained state unusable",
+            FailureClass.ERROR: "trainer exited with an error"
+            + (" (no other node reported a failure: is another node's agent gone?)"
+               if worker_group.group_world_size > 1 else ""),
+        }[failure]
+        record = self._epochs.publish(EpochRecord(
+            epoch=epoch, action="in_place" if in_place else "restart", failure=failure.value,
+            node=worker_group.group_rank, ranks=failed, root_ranks=root, reason=reason, detected_t=detected_t,
+        ))
+        return self._follow(worker_group, record, result)
+
+    def _follow(self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None) -> RunResult:
+        """Act on the job-wide decision for this generation: promote, or restart the group."""
+        assert self._epochs is not None
+        while record.action == "in_place" and not self._local_shadows_ok():
+            # This node cannot follow (a shadow died): every node must restart instead. The
+            # others have promoted by now and watch the next epoch.
+            record = self._epochs.publish(EpochRecord(
+                epoch=record.epoch + 1, action="restart", failure=FailureClass.FF.value,
+                node=worker_group.group_rank, reason=f"node {worker_group.group_rank} has no live shadows",
+                detected_t=time.time(),
+            ))
+        self._events.emit(
+            Kind.EPOCH, epoch=record.epoch, action=record.action, failure=record.failure,
+            node=record.node, remote=record.node != worker_group.group_rank,
+        )
+        if record.action == "in_place":
+            self._recover(worker_group, record)
+            return RunResult(state=WorkerState.HEALTHY)
+        self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
+        if self._remaining_restarts > 0:
+            logger.warning("group restart: %s", self._restart_reason)
+        else:
+            logger.error(
+                "the job fails (no restarts left, --max-restarts %d): %s",
+                worker_group.spec.max_restarts, self._restart_reason,
+            )
+        if result is not None and result.state == WorkerState.FAILED:
+            return result
+        # Our own workers are healthy but the job is restarting: stop them, report them.
+        assert self._pcontext is not None
+        pids = self._pcontext.pids()
+        self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
+        failures = {
+            w.global_rank: ProcessFailure(
+                local_rank=w.local_rank, pid=pids[w.local_rank], exitcode=-int(signal.SIGKILL), error_file=""
+            )
+            for w in worker_group.workers
+        }
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _watch_hangs(self, worker_group: WorkerGroup) -> None:
+        """Kill the active whose heartbeat stalled longest; it is then recovered as a crash."""
+        if self._hangs is None or self._detected_t is not None or self._pcontext is None:
+            return
+        stalls = self._hangs.check()
+        if not stalls:
+            return
+        stall = stalls[0]
+        worker = worker_group.workers[stall.slot]
+        self._events.emit(
+            Kind.HANG_DETECTED, rank=worker.global_rank, gen=self._generation,
+            idle_s=round(stall.idle_s, 3), timeout_s=stall.limit_s,
+        )
+        logger.warning("rank %d made no progress for %.1f s: killing it", worker.global_rank, stall.idle_s)
+        try:
+            os.kill(worker.id, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._hangs.arm()  # one verdict per stall; the kill is seen by _detect_killed_active
 
     def _detect_killed_active(self) -> None:
         """See a trainer killed by a signal without reaping it, and stop its peers at once.
@@ -246,16 +408,12 @@ class LetoAgent(LocalElasticAgent):
         self._pidfds.clear()
         self._detected_t = self._root_pid = None
 
-    def _recover(self, worker_group: WorkerGroup, result: RunResult) -> None:
+    def _recover(self, worker_group: WorkerGroup, record: EpochRecord) -> None:
+        """Stop this node's actives and promote its shadows (every node does this)."""
         t_detect = self._detected_t or time.time()
         assert self._store is not None and self._pcontext is not None and self._shadows is not None
-        failed = {rank: f.exitcode for rank, f in result.failures.items()}
-        root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(failed)
-        self._events.emit(
-            Kind.FAILURE_DETECTED, ranks=failed, root_ranks=root, gen=self._generation, detected_t=t_detect
-        )
-        epoch = self._store.add("epoch", 1)
-        self._events.emit(Kind.EPOCH, epoch=epoch)
+        assert record.epoch == self._generation + 1, (record.epoch, self._generation)
+        epoch = record.epoch
         self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
         t_stopped = time.time()
         self._events.emit(Kind.ACTIVES_STOPPED, gen=self._generation, stop_s=t_stopped - t_detect)
@@ -263,11 +421,17 @@ class LetoAgent(LocalElasticAgent):
         self._inject_erasures()
         self._generation += 1
         t_promote = time.time()
-        self._store.set(f"promote/{self._generation}", str(epoch))
+        for worker in worker_group.workers:
+            self._store.set(f"promote/{self._generation}/{worker.global_rank}", str(epoch))
         self._pcontext, self._shadows = self._shadows, None
+        if self._hangs is not None:
+            self._hangs.arm()
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
             worker.id = pid
-        self._events.emit(Kind.SHADOWS_PROMOTED, gen=self._generation, epoch=epoch, promote_t=t_promote)
+        self._events.emit(
+            Kind.SHADOWS_PROMOTED, gen=self._generation, epoch=epoch, promote_t=t_promote,
+            node=worker_group.group_rank,
+        )
         self.recoveries += 1
         self._recovery = {"gen": self._generation, "epoch": epoch, "detected_t": t_detect, "stopped_t": t_stopped}
 

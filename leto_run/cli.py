@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from leto.config import FaultSpec, LetoConfig
+from leto.config import CheckpointConfig, FaultSpec, LetoConfig
 from leto.errors import ConfigError, LetoError
 from leto_run.jobfile import JobFile, launch_actions, load_jobfile
 
@@ -109,6 +109,16 @@ def _add_leto_group(parser: argparse.ArgumentParser) -> None:
         "--digest", action="store_const", const=True,
         help="Emit a digest of all retained state after every step (exactness tests).",
     )
+    g.add_argument("--hang-timeout", dest="hang_timeout_s", type=float, metavar="S",
+                   help="Kill and recover a trainer that makes no progress for S seconds.")
+    g.add_argument("--first-step-timeout", dest="first_step_timeout_s", type=float, metavar="S",
+                   help="The same limit until a trainer's first step (default 600).")
+    g.add_argument("--no-warm-restarts", dest="warm_restarts", action="store_const", const=False,
+                   help="Group restarts start workers cold, as torchrun does.")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="Keep a torch.distributed.checkpoint here for fatal failures.")
+    g.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="Checkpoint every N steps (default: Young's interval for the FF rate).")
 
 
 def _leto_choices(name: str) -> list[object]:
@@ -162,8 +172,19 @@ def _unset_by_env(launch: dict[str, object], parser: argparse.ArgumentParser) ->
 
 def _merge_leto(base: LetoConfig, args: argparse.Namespace) -> LetoConfig:
     """The job file's leto section with the given flags on top; faults are concatenated."""
-    names = ("recovery", "consistency", "shadow_level", "dashboard", "events_file", "digest")
+    names = ("recovery", "consistency", "shadow_level", "dashboard", "events_file", "digest",
+             "hang_timeout_s", "first_step_timeout_s", "warm_restarts")
     changes = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.checkpoint_dir is not None or args.checkpoint_every is not None:
+        ckpt = base.checkpoint
+        if ckpt is None and args.checkpoint_dir is None:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir (or leto.checkpoint.dir)")
+        fields = {"dir": args.checkpoint_dir} if args.checkpoint_dir is not None else {}
+        if args.checkpoint_every is not None:
+            fields["interval_steps"] = args.checkpoint_every
+        changes["checkpoint"] = (
+            CheckpointConfig(**fields) if ckpt is None else dataclasses.replace(ckpt, **fields)
+        )
     return dataclasses.replace(base, **changes, faults=[*base.faults, *(args.faults or [])])
 
 

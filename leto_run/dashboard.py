@@ -29,6 +29,7 @@ _PLAIN_KINDS = {
     "workers_started", "shadows_spawned", "shadow_ready", "fault_injected", "failure_detected",
     "actives_stopped", "shadows_promoted", "resumed", "recovery_done", "job_finished",
     "pages_erased", "pages_rebuilt", "unrecoverable_state", "group_restart",
+    "epoch", "hang_detected", "checkpoint_loaded",
 }
 
 
@@ -130,5 +131,7 @@ class Dashboard:
             total = "-" if rec.total_s is None else f"{rec.total_s * 1e3:.0f}"
             table.add_row(str(rec.gen), str(rec.failed_ranks), str(rec.step), str(rec.pages_rebuilt), phases, total)
         value = summary.ettr(self.events)
-        table.caption = f"ETTR {value * 100:.1f} %" if value is not None else None
+        restarts, recoveries = summary.restarts_and_recoveries(self.events)
+        counts = f"in-place recoveries {recoveries} · group restarts {restarts}"
+        table.caption = f"ETTR {value * 100:.1f} % · {counts}" if value is not None else counts
         return table

@@ -26,6 +26,7 @@ from leto.config import LetoConfig
 from leto.errors import ConfigError
 from leto.events import EventLog, Kind
 from leto_run.agent import GenerationLogsSpecs, LetoAgent
+from leto_run.warm_start import ForkServer
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
         f"leto-events-{config.run_id}.jsonl",
     )
     events = EventLog(events_path, source="agent")
+    # Before any thread of ours exists: a fork server that has imported torch.
+    forkserver = ForkServer() if leto.warm_restarts else None
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -83,6 +86,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
     )
+    agent.forkserver = forkserver
     events.emit(Kind.AGENT_STARTED, entrypoint=_get_entrypoint_name(entrypoint, args), nproc=config.nproc_per_node)
     from leto_run.dashboard import Dashboard
 
@@ -94,21 +98,23 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
         elastic_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
             raise ChildFailedError(name=_get_entrypoint_name(entrypoint, args), failures=result.failures)
-        events.emit(Kind.JOB_FINISHED, ok=True, recoveries=agent.recoveries)
+        events.emit(Kind.JOB_FINISHED, ok=True, recoveries=agent.recoveries, restarts=agent.restarts)
         return result.return_values
     except ChildFailedError:
-        events.emit(Kind.JOB_FINISHED, ok=False, recoveries=agent.recoveries)
+        events.emit(Kind.JOB_FINISHED, ok=False, recoveries=agent.recoveries, restarts=agent.restarts)
         raise
     except Exception as e:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         if isinstance(e, SignalException):
             shutdown_rdzv = False
-        events.emit(Kind.JOB_FINISHED, ok=False, recoveries=agent.recoveries, error=type(e).__name__)
+        events.emit(Kind.JOB_FINISHED, ok=False, recoveries=agent.recoveries, restarts=agent.restarts, error=type(e).__name__)
         elastic_events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:
         dashboard.stop()
         events.close()
+        if forkserver is not None:
+            forkserver.close()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()

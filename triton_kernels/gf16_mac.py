@@ -54,13 +54,13 @@ TILE_WORDS = 512
 """int32 words per 2 KiB tile (16 planes x 32 words)."""
 
 TUNING: dict[str, dict[str, int]] = {
-    "1": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
-    "few": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
-    "mid": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
-    "many": {"out_block": 2, "block_n": 512, "num_warps": 4, "prefetch": 0},
+    "1": {"out_block": 1, "block_n": 256, "num_warps": 2, "prefetch": 1},
+    "few": {"out_block": 2, "block_n": 128, "num_warps": 1, "prefetch": 1},
+    "mid": {"out_block": 2, "block_n": 128, "num_warps": 1, "prefetch": 1},
+    "many": {"out_block": 2, "block_n": 128, "num_warps": 1, "prefetch": 0},
 }
-"""Launch parameters by number of sources (:func:`bucket`); bench/erasure_gpu.py sweeps
-them on the H200 and prints the best, which are recorded here."""
+"""Launch parameters by number of sources (:func:`bucket`): the best of the sweep of
+bench/erasure_gpu.py on an H200, 2026-11-30 (docs/ERASURE.md has the table)."""
 
 
 def bucket(n_src: int) -> str:

@@ -55,6 +55,8 @@ class FaultInjector:
         self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank and i not in fired]
         self.injected = 0
         self.step = -1
+        self.report_fatal: Callable[[], None] = lambda: None
+        """Called before the kill of a ``kind: fatal`` fault (the trainer tells its agent)."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -94,15 +96,19 @@ class FaultInjector:
             if self._claim(i):
                 self.injected += 1
                 self.events.emit(
-                    Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i, point=at, chunk=chunk
+                    Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i, point=at, chunk=chunk,
+                    fault_kind=fault.kind,
                 )
                 if on_fire is not None:
                     on_fire()
-                os.kill(os.getpid(), signal.SIGKILL)
+                if fault.kind == "fatal":
+                    self.report_fatal()
+                os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
 
     @property
     def pending(self) -> bool:
         return bool(self._mine)
+
 
 def erase_pages(pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: ErasureConfig, events: EventLog) -> None:
     """Lose the pages a fault asks for, at recovery time (the agent calls this on its node).

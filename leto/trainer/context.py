@@ -31,14 +31,18 @@ from leto.erasure import ErasureConfig
 from leto.errors import LetoError, ProtocolError
 from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
+from leto.health import Heartbeat
 from leto.pool.client import PoolClient
 
 if TYPE_CHECKING:
+    from leto.checkpoint import Checkpointer
+    from leto.config import CheckpointConfig
     from leto.trainer.state import RetainedState
 
 logger = logging.getLogger(__name__)
 
 ROLE_ACTIVE, ROLE_SHADOW = "active", "shadow"
+ENV_CHECKPOINT = "LETO_CHECKPOINT"  # JSON of leto.config.CheckpointConfig, or empty
 _WAIT_SLICE = timedelta(seconds=60)
 
 
@@ -103,6 +107,10 @@ class Context:
         self.injector = FaultInjector.from_env(
             env.rank, self.events, claim=lambda i: raw_store.add(f"/leto/faults/{i}", 1) == 1
         )
+        # An injected fatal failure tells the agent before dying: it is classified as an FF.
+        self.injector.report_fatal = lambda: store.set(f"fatal/{env.rank}", "injected")
+        self.heartbeat = Heartbeat.from_env(env.local_rank)
+        self.checkpointer: Checkpointer | None = None
         self.promoted_at: float | None = None
         self._started = time.time()
         self._build_group: Callable[[], None] = lambda: None
@@ -142,17 +150,55 @@ class Context:
             yield target
 
     def retain(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: CheckpointConfig | None = None,
     ) -> RetainedState:
         """Back parameters, gradients and optimizer state by retained pool memory.
 
         In a shadow this is where it waits, fully pre-initialised, until promotion.
+        ``checkpoint`` (default: the job's ``leto.checkpoint``) keeps an asynchronous
+        torch.distributed.checkpoint for fatal failures; a fresh start (no retained state,
+        e.g. after a group restart) loads the newest one.
         """
         from leto.trainer.state import RetainedState
 
         if self.is_shadow:
             self._wait_for_promotion()
-        return RetainedState(self, model, optimizer)
+        state = RetainedState(self, model, optimizer)
+        self._install_heartbeat(model, optimizer)
+        config = checkpoint or _checkpoint_from_env()
+        if config is not None:
+            from leto.checkpoint import Checkpointer
+
+            self.checkpointer = Checkpointer(config, state)
+            if not state.reattached:
+                self.checkpointer.restore()
+        return state
+
+    def committed(self, state: RetainedState) -> None:
+        """Called by ``RetainedState`` after each committed step: heartbeat, checkpoint."""
+        if self.heartbeat is not None:
+            self.heartbeat.stepped()
+        if self.checkpointer is not None:
+            self.checkpointer.committed()
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
+
+    def _install_heartbeat(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Progress beats inside long phases: every leaf forward, every gradient, the update."""
+        hb = self.heartbeat
+        if hb is None:
+            return
+        for module in model.modules():
+            if not list(module.children()):
+                module.register_forward_pre_hook(hb.beat)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(hb.beat)
+        optimizer.register_step_pre_hook(hb.beat)
+        optimizer.register_step_post_hook(hb.beat)
 
     def _wait_for_promotion(self) -> None:
         env = self.env
@@ -160,7 +206,7 @@ class Context:
             Kind.SHADOW_READY, rank=env.rank, gen=env.generation, level=env.shadow_level,
             init_s=time.time() - self._started,
         )
-        key = f"promote/{env.generation}"
+        key = f"promote/{env.generation}/{env.rank}"  # set by this node's agent, after it stopped the actives
         while True:
             try:
                 self.store.wait([key], _WAIT_SLICE)
@@ -177,6 +223,7 @@ class Context:
 def init(backend: str = "gloo", timeout_s: float = 300.0) -> Context:
     """Join the job; a shadow pre-initialises and returns (it waits in ``retain``)."""
     env = TrainerEnv.from_environ()
+    _die_with_agent()
     raw = dist.TCPStore(
         env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
@@ -203,6 +250,30 @@ def init(backend: str = "gloo", timeout_s: float = 300.0) -> Context:
         build_group()
         dist.barrier()  # the communicator's connections are made now, not at recovery
     return ctx
+
+
+def _checkpoint_from_env() -> CheckpointConfig | None:
+    from leto.config import CheckpointConfig
+
+    text = os.environ.get(ENV_CHECKPOINT)
+    return CheckpointConfig(**json.loads(text)) if text else None
+
+
+def _die_with_agent() -> None:
+    """SIGKILL this trainer when its agent dies, as the agent's state manager does.
+
+    Otherwise a killed agent leaves trainers behind, blocked in collectives with the other
+    nodes; dying with it breaks those collectives at once and the job fails cleanly.
+    """
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() == 1:  # the agent died before the prctl
+        os._exit(1)
 
 
 def warm_up() -> None:

@@ -81,10 +81,10 @@ class Marker:
     def layout_hash(self) -> int:
         return int(self._words[1])
 
-    def initialise(self, layout_hash: int) -> None:
-        """Mark the state as fully initialised at step 0. Written last on a fresh start."""
+    def initialise(self, layout_hash: int, step: int = 0) -> None:
+        """Mark the state as fully initialised at ``step`` (0, or a loaded checkpoint's)."""
         self._words[1] = layout_hash
-        self._words[2] = pack(0, Phase.IDLE)
+        self._words[2] = pack(step, Phase.IDLE)
         self._words[0] = _signed(MAGIC)
 
     def check_layout(self, layout_hash: int) -> None:

@@ -244,6 +244,7 @@ class RetainedState:
             iter_s=time.perf_counter() - self._step_started,
             loss=None if loss is None else float(loss.detach()),
         )
+        self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
 
     def _update(self, step: int) -> None:
         if self.updater is not None:

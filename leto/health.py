@@ -1,0 +1,149 @@
+"""Trainer heartbeats and failure classes.
+
+Each active trainer bumps a progress counter in a small shared-memory board (one file per
+node, mapped by the agent and by every local trainer): at every leaf module's forward, at
+every gradient accumulated in backward, around the optimizer step, and once per committed
+step. A collective that never returns, a deadlock or a SIGSTOP freezes the counter; the
+agent's :class:`HangWatch` sees no progress for ``hang_timeout_s`` (``first_step_timeout_s``
+until the trainer's first step, so compilation and data loading are not hangs) and kills
+the trainer, which is then recovered like any other crash.
+
+The board costs one increment of a shared 64-bit word per beat: no syscall, no store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+ENV_HEARTBEAT = "LETO_HEARTBEAT_FILE"
+_WORDS = 2  # per local rank: progress beats, committed steps
+
+
+class FailureClass(str, enum.Enum):
+    """How the agent answers a failure.
+
+    HOF (hardware-operable: killed by a signal, or hung and killed) → in-place recovery;
+    FF (fatal: the hardware or the retained state is unusable, or the state manager died)
+    → group restart from the newest checkpoint; ERROR (the script raised: an in-place
+    retry would raise again) → torchrun's group restart.
+    """
+
+    HOF = "hof"
+    FF = "ff"
+    ERROR = "error"
+
+
+class HeartbeatBoard:
+    """The agent's side: a shared file of ``(progress, steps)`` words per local rank."""
+
+    def __init__(self, nslots: int) -> None:
+        self._dir = tempfile.mkdtemp(prefix="leto-hb-")
+        self.path = os.path.join(self._dir, "heartbeat")
+        self.nslots = nslots
+        with open(self.path, "wb") as f:
+            f.truncate(max(mmap.PAGESIZE, nslots * _WORDS * 8))
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self._words = (ctypes.c_uint64 * (nslots * _WORDS)).from_buffer(self._mm)
+
+    def read(self, slot: int) -> tuple[int, int]:
+        """``(progress, steps)`` of local rank ``slot``."""
+        return self._words[slot * _WORDS], self._words[slot * _WORDS + 1]
+
+    def reset(self) -> None:
+        """Zero every slot (a new generation of trainers starts counting afresh)."""
+        for i in range(self.nslots * _WORDS):
+            self._words[i] = 0
+
+    def close(self) -> None:
+        del self._words
+        self._mm.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class Heartbeat:
+    """A trainer's side: ``beat()`` for progress, ``stepped()`` after each committed step."""
+
+    def __init__(self, path: str, slot: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self._progress = ctypes.c_uint64.from_buffer(self._mm, slot * _WORDS * 8)
+        self._steps = ctypes.c_uint64.from_buffer(self._mm, (slot * _WORDS + 1) * 8)
+
+    @classmethod
+    def from_env(cls, local_rank: int) -> Heartbeat | None:
+        path = os.environ.get(ENV_HEARTBEAT)
+        return cls(path, local_rank) if path else None
+
+    def beat(self, *_: object) -> None:
+        """Progress (any arguments are ignored, so this is usable directly as a hook)."""
+        self._progress.value += 1
+
+    def stepped(self) -> None:
+        self._steps.value += 1
+        self._progress.value += 1
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """A local rank that made no progress for longer than its limit."""
+
+    slot: int
+    idle_s: float
+    limit_s: float
+
+
+class HangWatch:
+    """Turns a :class:`HeartbeatBoard` into stall verdicts (the agent calls ``check`` per poll)."""
+
+    def __init__(
+        self,
+        board: HeartbeatBoard,
+        hang_timeout_s: float,
+        first_step_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.board = board
+        self.hang_timeout_s = hang_timeout_s
+        self.first_step_timeout_s = first_step_timeout_s
+        self._clock = clock
+        self._seen: list[tuple[int, float]] = []
+        self.arm()
+
+    def arm(self) -> None:
+        """Start watching a new generation: counters zeroed, clocks restarted."""
+        self.board.reset()
+        now = self._clock()
+        self._seen = [(0, now)] * self.board.nslots
+
+    def check(self) -> list[Stall]:
+        """Ranks over their limit, the one idle longest first."""
+        now = self._clock()
+        stalls = []
+        for slot in range(self.board.nslots):
+            progress, steps = self.board.read(slot)
+            last, since = self._seen[slot]
+            if progress != last:
+                self._seen[slot] = (progress, now)
+                continue
+            limit = self.hang_timeout_s if steps > 0 else self.first_step_timeout_s
+            if now - since > limit:
+                stalls.append(Stall(slot, now - since, limit))
+        return sorted(stalls, key=lambda s: -s.idle_s)

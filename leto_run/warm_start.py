@@ -1,0 +1,151 @@
+"""Warm restarts: torch's worker processes, started from Leto's pre-warmed fork server.
+
+torch's ``SubprocessContext`` starts each worker through ``get_subprocess_handler``; while
+``warm_spawns(server)`` is active that factory returns a handler whose "Popen" is a worker
+forked by :mod:`leto.forkserver` (torch already imported) and re-parented to this agent.
+Everything else — environment, log files, tee, exit codes, ``killpg`` on close — is
+torch's own code, so a plain torchrun script restarts exactly as under torchrun, only
+without paying for interpreter start-up and ``import torch`` again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import api as mp_api
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from leto.errors import ProtocolError
+from leto.forkserver import served_argv
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+class ForkServer:
+    """The agent's handle on its fork server process (started before any agent thread)."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="leto-fs-")
+        self.path = os.path.join(self._dir, "sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "leto.forkserver", self.path], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        )
+        self._sock: socket.socket | None = None
+        # Workers forked by the server are re-parented to us: we wait on them as on children.
+        if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise ProtocolError("prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable")
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            assert self.proc.stdout is not None
+            if self.proc.stdout.readline().strip() != b"ready":  # waits for its imports, once
+                raise ProtocolError(f"the fork server exited (code {self.proc.wait()}) before it was ready")
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._sock.connect(self.path)
+        return self._sock
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdout_fd: int, stderr_fd: int) -> int:
+        """Fork a worker running ``argv`` (a served Python command line); returns its pid."""
+        sock = self._connect()
+        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+        socket.send_fds(sock, [request], [stdout_fd, stderr_fd])
+        reply = json.loads(sock.recv(1 << 16))
+        if "pid" not in reply:
+            raise ProtocolError(f"the fork server could not start a worker: {reply.get('error')}")
+        return int(reply["pid"])
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class WarmPopen:
+    """The part of ``subprocess.Popen`` torch uses, for a re-parented child of this agent."""
+
+    def __init__(self, pid: int, args: tuple[str, ...]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: report it as gone
+                self.returncode = -int(signal.SIGKILL)
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(list(self.args), timeout or 0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _handler_class(server: ForkServer) -> type[SubprocessHandler]:
+    class WarmHandler(SubprocessHandler):
+        def _popen(self, args: tuple[str, ...], env: dict[str, str]) -> Any:
+            if args[0] != sys.executable or not served_argv(list(args)):
+                return super()._popen(args, env)
+            out = self._stdout.fileno() if self._stdout else sys.stdout.fileno()
+            err = self._stderr.fileno() if self._stderr else sys.stderr.fileno()
+            return WarmPopen(server.spawn([str(a) for a in args], env, out, err), args)
+
+    return WarmHandler
+
+
+@contextlib.contextmanager
+def warm_spawns(server: ForkServer | None) -> Iterator[None]:
+    """Within this block torch starts binary workers from ``server`` (None: as usual)."""
+    if server is None:
+        yield
+        return
+    handler = _handler_class(server)
+    original = mp_api.get_subprocess_handler
+
+    def get_handler(**kwargs: Any) -> SubprocessHandler:
+        return handler(**kwargs)
+
+    mp_api.get_subprocess_handler = get_handler  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        mp_api.get_subprocess_handler = original  # type: ignore[assignment]

@@ -1,0 +1,29 @@
+"""HangWatch verdicts from a real shared-memory board and a fake clock."""
+
+from __future__ import annotations
+
+from leto.health import HangWatch, Heartbeat, HeartbeatBoard
+
+
+def test_stall_limits_before_and_after_the_first_step() -> None:
+    board = HeartbeatBoard(2)
+    now = [100.0]
+    try:
+        watch = HangWatch(board, hang_timeout_s=5.0, first_step_timeout_s=30.0, clock=lambda: now[0])
+        hb0, hb1 = Heartbeat(board.path, 0), Heartbeat(board.path, 1)
+        now[0] += 20.0  # slow first step: no verdict yet
+        assert watch.check() == []
+        hb0.stepped()
+        hb1.beat()
+        assert watch.check() == []
+        now[0] += 6.0  # rank 0 has stepped: 5 s limit; rank 1 has not: 30 s limit
+        (stall,) = watch.check()
+        assert (stall.slot, stall.limit_s) == (0, 5.0) and stall.idle_s == 6.0
+        hb0.beat()
+        assert watch.check() == []
+        now[0] += 25.0
+        assert [s.slot for s in watch.check()] == [1, 0]  # longest idle first
+        watch.arm()  # a new generation: counters zeroed, clocks restarted
+        assert board.read(0) == (0, 0) and watch.check() == []
+    finally:
+        board.close()

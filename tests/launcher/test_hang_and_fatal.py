@@ -1,0 +1,69 @@
+"""Hangs are found by the heartbeat and recovered in place; fatal failures take the
+checkpoint path. Real leto-run jobs, 2 CPU ranks; digests equal the fault-free run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from leto.config import FaultSpec
+from tests.launcher.harness import digests, run_leto
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], set[str]]:
+    proc, events = run_leto(tmp_path_factory.mktemp("ref"), steps=STEPS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = digests(events)
+    assert set(ref) == {(r, s) for r in (0, 1) for s in range(1, STEPS + 1)}
+    return ref
+
+
+def _assert_exact(reference: dict, events: list[dict]) -> None:
+    got = digests(events)
+    assert set(got) >= set(reference), f"missing digests: {sorted(set(reference) - set(got))}"
+    for key, values in got.items():
+        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+
+
+@pytest.mark.timeout(240)
+def test_sigstopped_trainer_is_killed_within_timeout_and_recovered_exactly(tmp_path, reference) -> None:
+    timeout_s = 3.0
+    faults = [FaultSpec(rank=1, step=7, phase="backward", kind="hang")]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
+                            extra=["--hang-timeout", str(timeout_s), "--first-step-timeout", "60"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_exact(reference, events)
+    (stopped,) = [e for e in events if e["kind"] == "fault_injected"]
+    (hang,) = [e for e in events if e["kind"] == "hang_detected"]
+    assert hang["timeout_s"] == timeout_s
+    # Found within the timeout (plus polling and a loaded machine's slack), not later.
+    assert timeout_s <= hang["t"] - stopped["t"] <= timeout_s + 2.0, hang["t"] - stopped["t"]
+    (epoch,) = [e for e in events if e["kind"] == "epoch"]
+    assert (epoch["action"], epoch["failure"]) == ("in_place", "hof")
+    assert not [e for e in events if e["kind"] == "group_restart"]
+
+
+@pytest.mark.timeout(240)
+def test_fatal_failure_restarts_from_the_checkpoint_bit_identically(tmp_path, reference) -> None:
+    faults = [FaultSpec(rank=1, step=10, phase="forward", kind="fatal")]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
+                            extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                   "--checkpoint-every", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_exact(reference, events)
+    (epoch,) = [e for e in events if e["kind"] == "epoch"]
+    assert (epoch["action"], epoch["failure"]) == ("restart", "ff")
+    (restart,) = [e for e in events if e["kind"] == "group_restart"]
+    assert restart["restart"] == 1 and "ff" in restart["reason"]
+    assert not [e for e in events if e["kind"] == "shadows_promoted"], "an FF is never recovered in place"
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert {e["rank"] for e in loaded} == {0, 1} and len({e["step"] for e in loaded}) == 1
+    step = loaded[0]["step"]
+    assert step in (4, 8), step
+    # The restarted run re-did the steps after the checkpoint: digests of both attempts agree.
+    redone = [e for e in events if e["kind"] == "digest" and e["step"] == step + 1]
+    assert len(redone) >= 4, redone  # 2 ranks x (first attempt + after restart)
+    (done,) = [e for e in events if e["kind"] == "job_finished"]
+    assert (done["restarts"], done["recoveries"]) == (1, 0)

@@ -1,0 +1,44 @@
+"""Cross-node in-place recovery: a trainer killed on node 1 → the shadows of both nodes take
+over through the recovery epoch; no node restarts; digests equal the fault-free run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from leto.config import FaultSpec
+from tests.launcher.harness import digests, run_leto
+from tests.multinode.harness import all_events, log_tail, start_nodes, wait_nodes
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], set[str]]:
+    """The fault-free run: the same 4 ranks, one agent (gloo's ring is the same)."""
+    proc, events = run_leto(tmp_path_factory.mktemp("ref4"), steps=STEPS, extra=["--nproc-per-node", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = digests(events)
+    assert set(ref) == {(r, s) for r in range(4) for s in range(1, STEPS + 1)}
+    return ref
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_kill_on_node1_promotes_shadows_on_every_node(tmp_path, reference, backend: str) -> None:
+    faults = [FaultSpec(rank=3, step=6, phase="backward"), FaultSpec(rank=2, step=11, phase="update")]
+    nodes = start_nodes(tmp_path, backend=backend, steps=STEPS, faults=faults)
+    codes = wait_nodes(nodes, timeout_s=240)
+    assert codes == [0, 0], log_tail(tmp_path)
+    events = all_events(nodes)
+    got = digests(events)
+    assert set(got) >= set(reference), f"missing digests: {sorted(set(reference) - set(got))}"
+    for key, values in got.items():
+        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+    assert len([e for e in events if e["kind"] == "fault_injected"]) == 2
+    promoted = [e for e in events if e["kind"] == "shadows_promoted"]
+    assert sorted((e["epoch"], e["node"]) for e in promoted) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    epochs = [e for e in events if e["kind"] == "epoch"]
+    assert {(e["epoch"], e["remote"]) for e in epochs} == {(1, False), (1, True), (2, False), (2, True)}
+    assert all(e["action"] == "in_place" for e in epochs)
+    assert not [e for e in events if e["kind"] == "group_restart"], "no node may restart its workers"
+    assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 0]
