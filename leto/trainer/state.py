@@ -19,7 +19,6 @@ training continues at t+1; otherwise every rank re-runs step t from its forward 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+from leto.trainer.memory import RegionMemory
 from leto.trainer.protection import ProtectedRegion
 
 if TYPE_CHECKING:
@@ -52,22 +52,24 @@ class RetainedState:
         if len({id(p) for p in self.params}) != len(self.params):
             raise ProtocolError("a parameter appears twice in the optimizer's groups")
         self.buffers = [b for b in model.buffers()]
-        self.layout = Layout.plan(self.params, self.buffers, optimizer)
+        self.device = ctx.device if self.params[0].is_meta else self.params[0].device
+        self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel())
         t0 = time.perf_counter()
         pool, rank = ctx.pool, ctx.rank
         erasure = ctx.env.erasure
         state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
         if erasure is not None:  # protected regions are whole pages
             state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
-        self._regions = {
-            "state": pool.alloc(rank, "state", state_nbytes, "uint8", "device"),
-            "grads": pool.alloc(rank, "grads", grad_nbytes, "uint8", "device"),
-            "snapshot": pool.alloc(rank, "snapshot", state_nbytes, "uint8", "host"),
-            "marker": pool.alloc(rank, "marker", MARKER_BYTES, "uint8", "host"),
+        self.memory = RegionMemory(pool, rank, self.device)
+        mem = self.memory
+        views = {
+            "state": mem.device_region("state", state_nbytes)[0],
+            "grads": mem.device_region("grads", grad_nbytes)[0],
+            "snapshot": mem.host_region("snapshot", state_nbytes)[0],
+            "marker": mem.host_region("marker", MARKER_BYTES)[0],
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
-            "rng_next": pool.alloc(rank, "rng_next", self.layout.rng.nbytes, "uint8", "host"),
+            "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
         }
-        views = {k: torch.frombuffer(r.buffer, dtype=torch.uint8) for k, r in self._regions.items()}
         self.state_bytes, self.grad_bytes = views["state"], views["grads"]
         self.snapshot_bytes = views["snapshot"]
         self.marker = Marker(views["marker"])
@@ -91,7 +93,7 @@ class RetainedState:
         self._bind()
         self._rng = self.layout.rng.view(self.state_bytes)
         if not self.reattached:
-            self._rng.copy_(torch.get_rng_state())
+            self._rng.copy_(rng_blob(self.device))
             self._encode("state")
             self.marker.initialise(self.layout.digest)
         self.attach_s = time.perf_counter() - t0
@@ -180,7 +182,7 @@ class RetainedState:
         self._committed_this_step = False
         self._step_started = time.perf_counter()
         self.ctx.injector.step = step
-        torch.set_rng_state(self._rng.clone())  # set_rng_state needs an owning tensor
+        set_rng_blob(self._rng, self.device)
         self.grad_bytes.zero_()
         for p, gslot in zip(self.params, self.layout.grads, strict=True):
             if p.grad is None or p.grad.data_ptr() != gslot.view(self.grad_bytes).data_ptr():
@@ -194,9 +196,10 @@ class RetainedState:
         self._allreduce_grads()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm, foreach=True)
-        self._rng_next.copy_(torch.get_rng_state())
+        self._rng_next.copy_(rng_blob(self.device))
         self._encode("grads")  # final gradients stay recoverable until the update commits
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
+        self.memory.fence()
         self.marker.advance(Phase.GRADS_READY)
         # Once any rank passes this barrier, every rank's gradients of this step are final.
         dist.barrier()
@@ -214,6 +217,7 @@ class RetainedState:
 
     def _update(self, step: int) -> None:
         self.snapshot_bytes.copy_(self.state_bytes)
+        self.memory.fence()
         self.marker.advance(Phase.UPDATING)
         self._apply_optimizer(step)
 
@@ -224,6 +228,7 @@ class RetainedState:
         self._rng.copy_(self._rng_next)
         self._encode("state")
         self.ctx.injector.point("update")
+        self.memory.fence()
         self.marker.advance(Phase.IDLE, step + 1)
         if self.ctx.env.digest:
             self.emit_digest()
@@ -254,7 +259,7 @@ class RetainedState:
     def _resume(self) -> int:
         """Agree with every rank on the resume point and bring this rank to it."""
         t0 = time.perf_counter()
-        mine = torch.tensor([self.marker.step, int(self.marker.phase)], dtype=torch.int64)
+        mine = torch.tensor([self.marker.step, int(self.marker.phase)], dtype=torch.int64, device=self.ctx.collective_device)
         gathered = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, mine)
         points = [(int(t[0]), Phase(int(t[1]))) for t in gathered]
@@ -291,6 +296,22 @@ class RetainedState:
         return resume_at
 
     def emit_digest(self) -> str:
-        digest = hashlib.blake2b(memoryview(self._regions["state"].buffer), digest_size=16).hexdigest()
+        digest = self.memory.digest(self.state_bytes)
         self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
         return digest
+
+
+def rng_blob(device: torch.device) -> torch.Tensor:
+    """Every RNG state a step consumes (CPU, and the CUDA device's), as one byte tensor."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    return torch.cat(parts)
+
+
+def set_rng_blob(blob: torch.Tensor, device: torch.device) -> None:
+    blob = blob.cpu().clone()  # set_rng_state needs an owning CPU tensor
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(blob[:cpu].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(blob[cpu:].clone(), device)

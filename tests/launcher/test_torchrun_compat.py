@@ -17,7 +17,7 @@ DDP = str(REPO / "examples" / "plain_ddp.py")
 
 
 def _leto_run(tmp, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [str(LETO_RUN), "--standalone", "--nproc-per-node", "2", "--no-dashboard",
+    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard",
            "--events", str(tmp / "events.jsonl"), *args]
     return subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=240, env=_env())
 
@@ -75,7 +75,7 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path) -> None:
     """SIGINT to leto-run mid-run: every trainer, shadow and the state manager are gone,
     and no socket directory outlives the job (memfd regions die with their last fd)."""
     events = tmp_path / "events.jsonl"
-    cmd = [str(LETO_RUN), "--standalone", "--nproc-per-node", "2", "--no-dashboard",
+    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard",
            "--events", str(events), str(REPO / "examples" / "train_gpt.py"), "--steps", "100000",
            "--vocab", "64", "--dim", "16", "--layers", "1", "--seq", "8", "--batch", "2", "--heads", "2"]
     sm_dirs_before = {d for d in os.listdir("/tmp") if d.startswith("leto-sm-")}
