@@ -132,10 +132,15 @@ class Context:
     @property
     def resuming(self) -> bool:
         """True when this trainer will reattach to retained state (shadows always do)."""
-        from leto.trainer.marker import Marker
 
         if self.env.role == ROLE_SHADOW:
             return True
+        return self.state_retained()
+
+    def state_retained(self) -> bool:
+        """True when this rank's retained state exists and was fully initialised."""
+        from leto.trainer.marker import Marker
+
         region = self.pool.lookup(self.rank, "marker")
         if region is None:
             return False
@@ -166,9 +171,8 @@ class Context:
         """
         from leto.trainer.state import RetainedState
 
-        if self.is_shadow:
-            self._wait_for_promotion()
-        state = RetainedState(self, model, optimizer)
+        wait = self._wait_for_promotion if self.is_shadow else None
+        state = RetainedState(self, model, optimizer, wait_for_promotion=wait)
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()
         if config is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +44,12 @@ logger = logging.getLogger(__name__)
 class RetainedState:
     """The retained state of one rank and its crash-consistent step protocol."""
 
-    def __init__(self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        wait_for_promotion: Callable[[], None] | None = None,
+    ) -> None:
+        """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
+        they exist: mapping reads nothing) and waits, so promotion costs no mapping work."""
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -54,34 +59,18 @@ class RetainedState:
         self.buffers = [b for b in model.buffers()]
         self.device = ctx.device if self.params[0].is_meta else self.params[0].device
         self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel())
+        # Regions exist once the first trainer initialised them (marker written last); only
+        # then may a shadow map them ahead: mapping never creates, never reads the data.
+        mapped_ahead = wait_for_promotion is None or ctx.state_retained()
+        if mapped_ahead:
+            self._map_regions()
+        if wait_for_promotion is not None:
+            wait_for_promotion()
         t0 = time.perf_counter()
-        pool, rank = ctx.pool, ctx.rank
-        erasure = ctx.env.erasure
-        state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
-        if erasure is not None:  # protected regions are whole pages
-            state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
-        self.memory = RegionMemory(pool, rank, self.device)
-        mem = self.memory
-        views = {
-            "state": mem.device_region("state", state_nbytes)[0],
-            "grads": mem.device_region("grads", grad_nbytes)[0],
-            "snapshot": mem.host_region("snapshot", state_nbytes)[0],
-            "marker": mem.host_region("marker", MARKER_BYTES)[0],
-            # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
-            "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
-        }
-        self.state_bytes, self.grad_bytes = views["state"], views["grads"]
-        self.snapshot_bytes = views["snapshot"]
-        self.marker = Marker(views["marker"])
-        self._rng_next = views["rng_next"]
+        if not mapped_ahead:
+            self._map_regions()
+        rank = ctx.rank
         self.reattached = self.marker.is_valid()
-        self.protected = (
-            {}
-            if erasure is None
-            else {
-                name: ProtectedRegion(pool, rank, name, views[name], erasure) for name in ("state", "grads")
-            }
-        )
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
             self._rebuild_lost_pages()
@@ -103,6 +92,31 @@ class RetainedState:
         self._install_fault_hooks()
 
     # -- placement ---------------------------------------------------------------------------
+    def _map_regions(self) -> None:
+        """Allocate or reattach every region of this rank (and its parity regions)."""
+        pool, rank, erasure = self.ctx.pool, self.ctx.rank, self.ctx.env.erasure
+        state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
+        if erasure is not None:  # protected regions are whole pages
+            state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
+        self.memory = mem = RegionMemory(pool, rank, self.device)
+        views = {
+            "state": mem.device_region("state", state_nbytes)[0],
+            "grads": mem.device_region("grads", grad_nbytes)[0],
+            "snapshot": mem.host_region("snapshot", state_nbytes)[0],
+            "marker": mem.host_region("marker", MARKER_BYTES)[0],
+            # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
+            "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
+        }
+        self.state_bytes, self.grad_bytes = views["state"], views["grads"]
+        self.snapshot_bytes = views["snapshot"]
+        self.marker = Marker(views["marker"])
+        self._rng_next = views["rng_next"]
+        self.protected = (
+            {}
+            if erasure is None
+            else {name: ProtectedRegion(pool, rank, name, views[name], erasure) for name in ("state", "grads")}
+        )
+
     def _bind(self) -> None:
         """Make params, grads and optimizer state views of retained memory (zero copy)."""
         fresh = not self.reattached
