@@ -39,16 +39,25 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--bf16", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=120))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = "nccl" if device.type == "cuda" and local <= torch.cuda.device_count() else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world,
+                            device_id=device if backend == "nccl" else None)
     events = EventLog.from_env(f"trainer{rank}")
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
+    with device:
+        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
     start = 0
     ckpts = sorted(Path(args.ckpt_dir).glob("step_*/.done"), key=lambda d: int(d.parent.name[5:]))
@@ -65,18 +74,22 @@ def main() -> None:
         began = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = batch(step, rank, args)
+        x, y = batch(step, rank, args, device)
         opt.zero_grad(set_to_none=False)
-        loss = model(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(x, y)
         loss.backward()
-        if attempt == 0 and rank == 1 and step == args.kill_at_step:
+        if attempt == 0 and rank == world - 1 and step == args.kill_at_step:
             events.emit(Kind.FAULT_INJECTED, rank=rank, step=step, phase="backward")
             os.kill(os.getpid(), signal.SIGKILL)
-        for prm in model.parameters():
-            dist.all_reduce(prm.grad)
-            prm.grad.div_(world)
+        if world > 1:
+            for prm in model.parameters():
+                dist.all_reduce(prm.grad)
+                prm.grad.div_(world)
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         events.emit(Kind.STEP_DONE, rank=rank, step=step, iter_s=time.perf_counter() - began, attempt=attempt)
         if (step + 1) % args.ckpt_every == 0:
             t0 = time.perf_counter()

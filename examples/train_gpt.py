@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +51,10 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def batch(step: int, rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, args: argparse.Namespace, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic synthetic tokens: the data position is the step itself."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     return data[:, :-1], data[:, 1:]
 
 
@@ -76,20 +79,27 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast compute (fp32 master weights)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if torch.cuda.is_available():  # bit-exact recovery needs deterministic kernels
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.enable_flash_sdp(False)  # the math attention path is deterministic
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
 
-    ctx = leto.init()  # a shadow waits here, pre-initialised, until it is promoted
+    ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     torch.manual_seed(args.seed)
-    with ctx.init_device():
+    with ctx.init_device(ctx.device):
         model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
     state = ctx.retain(model, opt)
     for step in state.steps(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = batch(step, ctx.rank, args)
-        loss = model(x, y)
+        x, y = batch(step, ctx.rank, args, ctx.device)
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(x, y)
         loss.backward()
         state.step(max_grad_norm=1.0, loss=loss)
 

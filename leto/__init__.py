@@ -15,7 +15,19 @@ The trainer API is small::
 
 from __future__ import annotations
 
-from leto.trainer.context import Context, init
-from leto.trainer.state import RetainedState
+from typing import Any
 
 __all__ = ["Context", "RetainedState", "init"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the state manager imports leto.pool.* and must never pull in torch.
+    if name in ("Context", "init"):
+        from leto.trainer import context
+
+        return getattr(context, name)
+    if name == "RetainedState":
+        from leto.trainer.state import RetainedState
+
+        return RetainedState
+    raise AttributeError(f"module 'leto' has no attribute {name!r}")

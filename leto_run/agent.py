@@ -26,12 +26,14 @@ promoted trainer has finished its first step, so they never slow the recovery it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -58,12 +60,34 @@ from leto_run.warm_start import ForkServer, warm_spawns
 logger = logging.getLogger(__name__)
 
 
+# torch >= 2.10 builds each worker's env through this method; older releases copy the
+# agent's own environment into the workers, so there the LETO_* variables are overlaid.
+_HAS_ENV_HOOK = hasattr(LocalElasticAgent, "_set_local_rank_env")
+
+
+@contextlib.contextmanager
+def _environ_overlay(extra: dict[str, str] | None) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra or {}}
+    os.environ.update(extra or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class GenerationLogsSpecs(DefaultLogsSpecs):
     """torchrun's log layout with one folder per trainer generation: ``attempt_0/gen_1/0/``."""
 
+    generation = 0
+    """The generation being spawned (set by the agent; envs may not carry it)."""
+
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         tagged = {
-            rank: {**env, "TORCHELASTIC_RESTART_COUNT": f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}_gen{env.get('LETO_GENERATION', '0')}"}
+            rank: {**env, "TORCHELASTIC_RESTART_COUNT": f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}_gen{self.generation}"}
             for rank, env in envs.items()
         }
         return super().reify(tagged)
@@ -122,9 +146,14 @@ class LetoAgent(LocalElasticAgent):
             ENV_HEARTBEAT: self._board.path if self._board is not None else "",
             ENV_CHECKPOINT: json.dumps(dataclasses.asdict(self._leto.checkpoint)) if self._leto.checkpoint else "",
         }
+        if isinstance(self._logs_specs, GenerationLogsSpecs):
+            self._logs_specs.generation = generation
         active = self._pcontext
         try:
-            with warm_spawns(self.forkserver if self._restart_count() > 0 else None):
+            with (
+                warm_spawns(self.forkserver if self._restart_count() > 0 else None),
+                _environ_overlay(None if _HAS_ENV_HOOK else self._spawn_env),
+            ):
                 super()._start_workers(worker_group)
             return self._pcontext  # type: ignore[return-value]
         finally:
@@ -206,9 +235,9 @@ class LetoAgent(LocalElasticAgent):
         self._close_shadows()
         super()._stop_workers(worker_group)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any) -> None:
         self._close_shadows(death_sig)
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(death_sig, *args, **kwargs)
 
     def run(self, role: str = "default") -> RunResult:
         """The base run loop; the state manager outlives group restarts but not the agent."""
@@ -388,6 +417,8 @@ class LetoAgent(LocalElasticAgent):
                     fd = self._pidfds[pid] = os.pidfd_open(pid)
                 except ProcessLookupError:
                     continue
+                except OSError:  # no pidfds (e.g. gVisor): the base class's poll still sees it
+                    return
             try:
                 info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:  # already reaped by the base class: its business

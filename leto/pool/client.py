@@ -45,10 +45,10 @@ class PoolClient:
             raise PoolError(f"cannot reach the state manager at {socket_path}: {e}") from None
         self._lock = threading.Lock()
 
-    def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def request(self, message: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
             try:
-                protocol.send(self._sock, message)
+                protocol.send(self._sock, message, fds)
                 reply, fds = protocol.recv(self._sock)
             except OSError as e:
                 raise PoolError(f"state manager connection failed: {e}") from None
@@ -73,6 +73,18 @@ class PoolClient:
             return None
         spec = RegionSpec(**reply["spec"])
         return MappedRegion(spec=spec, existing=True, buffer=_map(fds, spec.nbytes))
+
+    def deposit(self, rank: int, name: str, nbytes: int, fd: int) -> None:
+        """Hand a device allocation (an exported CUDA VMM fd) to the state manager to retain."""
+        spec = RegionSpec(rank=rank, name=name, nbytes=nbytes, dtype="uint8", tier="device")
+        self.request({"op": "deposit", **_asdict(spec)}, [fd])
+
+    def fetch(self, rank: int, name: str) -> tuple[RegionSpec, str, int] | None:
+        """(spec, backing, fd) of a retained region without mapping it; the caller owns the fd."""
+        reply, fds = self.request({"op": "fetch", "rank": rank, "name": name})
+        if not reply["found"]:
+            return None
+        return RegionSpec(**reply["spec"]), str(reply["backing"]), fds[0]
 
     def describe(self, rank: int, name: str) -> RegionSpec | None:
         spec = self.request({"op": "describe", "rank": rank, "name": name})[0]["spec"]

@@ -38,10 +38,14 @@ DEFAULT_MAX_REGION_BYTES = 1 << 40
 class _Region:
     spec: RegionSpec
     fd: int
+    backing: str = "memfd"
+    """memfd (made here) or cuda (a trainer's exported CUDA VMM allocation, deposited)."""
     addr: int | None = None
     """The state manager's own mapping, made only for localisation (never read)."""
 
     def mapping(self) -> int:
+        if self.backing != "memfd":
+            raise PoolError(f"region {self.spec.name!r} is {self.backing} memory: the trainer localises it")
         if self.addr is None:
             self.addr = localize.map_memfd(self.fd, self.spec.nbytes)
         return self.addr
@@ -61,14 +65,41 @@ class StateManager:
         self._regions: dict[tuple[int, str], _Region] = {}
         self._lock = threading.Lock()
 
-    def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """Serve one request; returns the reply and the fds to attach to it."""
+    def handle(self, request: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+        """Serve one request; returns the reply and the fds to attach to it.
+
+        Only ``deposit`` takes an fd from the peer; any other fd sent is closed.
+        """
+        fds = list(fds or [])
         op = request.get("op")
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
-        if handler is None:
-            raise PoolError(f"unknown request op {op!r}")
-        with self._lock:
-            return handler(request)
+        try:
+            if handler is None:
+                raise PoolError(f"unknown request op {op!r}")
+            with self._lock:
+                if op == "deposit":
+                    return handler(request, fds)
+                return handler(request)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _op_deposit(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """Retain a device allocation a trainer made (CUDA VMM, exported as a POSIX fd)."""
+        spec = self._spec(request)
+        if len(fds) != 1:
+            raise PoolError(f"deposit of {spec.name!r} needs exactly one fd, got {len(fds)}")
+        if (spec.rank, spec.name) in self._regions:
+            raise PoolError(f"rank {spec.rank} region {spec.name!r} is already retained")
+        self._regions[(spec.rank, spec.name)] = _Region(spec, fds.pop(), backing="cuda")
+        return {"ok": True}, []
+
+    def _op_fetch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """The fd of a retained region, unmapped (CUDA regions are imported by the trainer)."""
+        region = self._regions.get((request.get("rank"), request.get("name")))
+        if region is None:
+            return {"ok": True, "found": False}, []
+        return {"ok": True, "found": True, "spec": asdict(region.spec), "backing": region.backing}, [region.fd]
 
     def _spec(self, request: dict[str, Any]) -> RegionSpec:
         try:
@@ -197,12 +228,10 @@ def _serve_connection(manager: StateManager, conn: socket.socket) -> None:
                 request, fds = protocol.recv(conn)
             except (OSError, LetoError):
                 return
-            for fd in fds:  # requests never carry fds; do not leak any a peer sends
-                os.close(fd)
             if request is None:
                 return
             try:
-                reply, reply_fds = manager.handle(request)
+                reply, reply_fds = manager.handle(request, fds)
             except (LetoError, OSError) as e:
                 reply, reply_fds = {"ok": False, "error": str(e)}, []
             try:

@@ -114,6 +114,10 @@ class Context:
         self.promoted_at: float | None = None
         self._started = time.time()
         self._build_group: Callable[[], None] = lambda: None
+        self.device = _local_device(env)
+        """Where this rank computes: its own GPU (LOCAL_RANK modulo the GPUs) or the CPU."""
+        self.collective_device = torch.device("cpu")
+        """Where collective inputs must live (the GPU under NCCL)."""
 
     @property
     def rank(self) -> int:
@@ -130,10 +134,15 @@ class Context:
     @property
     def resuming(self) -> bool:
         """True when this trainer will reattach to retained state (shadows always do)."""
-        from leto.trainer.marker import Marker
 
         if self.env.role == ROLE_SHADOW:
             return True
+        return self.state_retained()
+
+    def state_retained(self) -> bool:
+        """True when this rank's retained state exists and was fully initialised."""
+        from leto.trainer.marker import Marker
+
         region = self.pool.lookup(self.rank, "marker")
         if region is None:
             return False
@@ -164,9 +173,8 @@ class Context:
         """
         from leto.trainer.state import RetainedState
 
-        if self.is_shadow:
-            self._wait_for_promotion()
-        state = RetainedState(self, model, optimizer)
+        wait = self._wait_for_promotion if self.is_shadow else None
+        state = RetainedState(self, model, optimizer, wait_for_promotion=wait)
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()
         if config is not None:
@@ -220,8 +228,30 @@ class Context:
         self.events.emit(Kind.PROMOTED, rank=env.rank, gen=env.generation, level=env.shadow_level)
 
 
-def init(backend: str = "gloo", timeout_s: float = 300.0) -> Context:
-    """Join the job; a shadow pre-initialises and returns (it waits in ``retain``)."""
+def _local_device(env: TrainerEnv) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _pick_backend(backend: str, ctx: Context) -> str:
+    """auto: NCCL when every local rank has a GPU of its own, gloo otherwise (CPU, or
+    several ranks sharing one GPU, where NCCL refuses duplicate devices)."""
+    if backend != "auto":
+        return backend
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ctx.device.type == "cuda" and local <= torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
+
+
+def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
+    """Join the job; a shadow pre-initialises and returns (it waits in ``retain``).
+
+    ``backend="auto"`` picks NCCL (one GPU per rank) or gloo (CPU, or shared GPUs).
+    """
     env = TrainerEnv.from_environ()
     _die_with_agent()
     raw = dist.TCPStore(
@@ -231,11 +261,15 @@ def init(backend: str = "gloo", timeout_s: float = 300.0) -> Context:
     ctx = Context(env, base, raw)
     ctx.events.emit(Kind.TRAINER_STARTED, rank=env.rank, gen=env.generation, role=env.role, pid=os.getpid())
     pg_store = dist.PrefixStore(f"gen{env.generation}/pg/", base)
+    backend = _pick_backend(backend, ctx)
+    if backend == "nccl":
+        ctx.collective_device = ctx.device
 
     def build_group() -> None:
         dist.init_process_group(
             backend, store=pg_store, rank=env.rank, world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
+            device_id=ctx.device if backend == "nccl" else None,  # eager communicator
         )
 
     ctx._build_group = build_group
@@ -245,7 +279,7 @@ def init(backend: str = "gloo", timeout_s: float = 300.0) -> Context:
         return ctx
     if env.role != ROLE_SHADOW:
         raise ProtocolError(f"unknown LETO_ROLE {env.role!r}")
-    warm_up()
+    warm_up(ctx.device)
     if env.shadow_level >= 3:
         build_group()
         dist.barrier()  # the communicator's connections are made now, not at recovery
@@ -276,22 +310,28 @@ def _die_with_agent() -> None:
         os._exit(1)
 
 
-def warm_up() -> None:
+def warm_up(device: torch.device | None = None) -> None:
     """Pay PyTorch's lazy first-call costs (meta kernels, autograd, foreach AdamW) now.
 
     Measured on CPU: the first meta-device model build costs ~1 s and the first
     forward/backward/optimizer step ~0.3 s in a fresh process; a shadow pays them before
-    any failure instead of during recovery.
+    any failure instead of during recovery. On a GPU this is also level 2: the CUDA
+    context exists and cuBLAS (plain and bf16 autocast) has been called.
     """
+    device = device or torch.device("cpu")
     with torch.device("meta"):
         torch.nn.Linear(8, 8)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU())
-    attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()).to(device)
+    attn = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(device)
     params = list(net.parameters()) + list(attn.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    x = torch.randn(2, 4, 8)
-    h = net(x)
-    loss = torch.nn.functional.cross_entropy(attn(h, h, h, need_weights=False)[0].reshape(-1, 8), torch.zeros(8, dtype=torch.long))
+    x = torch.randn(2, 4, 8, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        h = net(x)
+        out = attn(h, h, h, need_weights=False)[0].reshape(-1, 8)
+    loss = torch.nn.functional.cross_entropy(out.float(), torch.zeros(8, dtype=torch.long, device=device))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
     opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

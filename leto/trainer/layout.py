@@ -48,7 +48,8 @@ class Layout:
 
     @classmethod
     def plan(
-        cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], optimizer: torch.optim.Optimizer
+        cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+        rng_bytes: int,
     ) -> Layout:
         state_keys = optimizer_state_keys(optimizer)
         cursor = 0
@@ -67,7 +68,7 @@ class Layout:
                 slots[key] = Slot(cursor, shape, dtype)
                 cursor = _align(cursor + slots[key].nbytes)
             optim_slots.append(slots)
-        rng = Slot(cursor, tuple(torch.get_rng_state().shape), torch.uint8)
+        rng = Slot(cursor, (rng_bytes,), torch.uint8)
         state_bytes = _align(cursor + rng.nbytes)
         cursor, grad_slots = 0, []
         for p in params:

@@ -69,7 +69,8 @@ class ProtectedRegion:
     def localize(self) -> LostPages:
         """Ask the state manager which pages failed (they come back remapped and zeroed)."""
         pb = self.cfg.page_bytes
-        lost = LostPages(data=self.pool.localize(self.rank, self.name, pb))
+        # Device pages on GPU need the trainer's mapping query (not built yet): host only.
+        lost = LostPages(data=[] if self.data.is_cuda else self.pool.localize(self.rank, self.name, pb))
         lost.tier1 = self.pool.localize(self.rank, f"{self.name}.p1", pb)
         if "p2" in self._regions:
             lost.tier2 = self.pool.localize(self.rank, f"{self.name}.p2", pb)

@@ -23,11 +23,10 @@ from its forward pass.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +37,7 @@ from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
+from leto.trainer.memory import RegionMemory
 from leto.trainer.protection import ProtectedRegion
 from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
 
@@ -53,7 +53,12 @@ ENV_RMU_PARITY = "LETO_RMU_PARITY"
 class RetainedState:
     """The retained state of one rank and its crash-consistent step protocol."""
 
-    def __init__(self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        wait_for_promotion: Callable[[], None] | None = None,
+    ) -> None:
+        """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
+        they exist: mapping reads nothing) and waits, so promotion costs no mapping work."""
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -61,49 +66,20 @@ class RetainedState:
         if len({id(p) for p in self.params}) != len(self.params):
             raise ProtocolError("a parameter appears twice in the optimizer's groups")
         self.buffers = [b for b in model.buffers()]
-        self.layout = Layout.plan(self.params, self.buffers, optimizer)
+        self.device = ctx.device if self.params[0].is_meta else self.params[0].device
+        self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel())
+        # Regions exist once the first trainer initialised them (marker written last); only
+        # then may a shadow map them ahead: mapping never creates, never reads the data.
+        mapped_ahead = wait_for_promotion is None or ctx.state_retained()
+        if mapped_ahead:
+            self._map_regions()
+        if wait_for_promotion is not None:
+            wait_for_promotion()
         t0 = time.perf_counter()
-        pool, rank = ctx.pool, ctx.rank
-        erasure = ctx.env.erasure
-        state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
-        if erasure is not None:  # protected regions are whole pages
-            state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
-        self.rmu = ctx.env.consistency == "rmu"
-        self._regions = {
-            "state": pool.alloc(rank, "state", state_nbytes, "uint8", "device"),
-            "grads": pool.alloc(rank, "grads", grad_nbytes, "uint8", "device"),
-            "marker": pool.alloc(rank, "marker", MARKER_BYTES, "uint8", "host"),
-            # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
-            "rng_next": pool.alloc(rank, "rng_next", self.layout.rng.nbytes, "uint8", "host"),
-        }
-        if self.rmu:  # one chunk of undo + two working parity buffers (activation memory on GPU)
-            undo_nbytes, parity_nbytes = buffer_bytes(self.layout, state_nbytes, ctx.env.rmu_chunk_bytes, erasure)
-            self._regions["rmu.undo"] = pool.alloc(rank, "rmu.undo", undo_nbytes, "uint8", "device")
-            if parity_nbytes:
-                self._regions["rmu.parity"] = pool.alloc(rank, "rmu.parity", parity_nbytes, "uint8", "device")
-        else:
-            self._regions["snapshot"] = pool.alloc(rank, "snapshot", state_nbytes, "uint8", "host")
-        views = {k: torch.frombuffer(r.buffer, dtype=torch.uint8) for k, r in self._regions.items()}
-        self.state_bytes, self.grad_bytes = views["state"], views["grads"]
-        self.snapshot_bytes = views.get("snapshot")
-        self.marker = Marker(views["marker"])
-        self._rng_next = views["rng_next"]
+        if not mapped_ahead:
+            self._map_regions()
+        rank = ctx.rank
         self.reattached = self.marker.is_valid()
-        self.protected = (
-            {}
-            if erasure is None
-            else {
-                name: ProtectedRegion(pool, rank, name, views[name], erasure) for name in ("state", "grads")
-            }
-        )
-        self.updater: ResumableUpdater | None = None
-        if self.rmu:
-            self.updater = ResumableUpdater(
-                layout=self.layout, state=self.state_bytes, grads=self.grad_bytes, rng_next=self._rng_next,
-                optimizer=optimizer, marker=self.marker, undo=views["rmu.undo"], parity=views.get("rmu.parity"),
-                protected=self.protected.get("state"), injector=ctx.injector, chunk_bytes=ctx.env.rmu_chunk_bytes,
-                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
-            )
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
             self._rebuild_lost_pages()
@@ -115,7 +91,7 @@ class RetainedState:
         self._bind()
         self._rng = self.layout.rng.view(self.state_bytes)
         if not self.reattached:
-            self._rng.copy_(torch.get_rng_state())
+            self._rng.copy_(rng_blob(self.device))
             self._encode("state")
             self.marker.initialise(self.layout.digest)
         self.attach_s = time.perf_counter() - t0
@@ -125,6 +101,47 @@ class RetainedState:
         self._install_fault_hooks()
 
     # -- placement ---------------------------------------------------------------------------
+    def _map_regions(self) -> None:
+        """Allocate or reattach every region of this rank (and its parity regions)."""
+        pool, rank, erasure = self.ctx.pool, self.ctx.rank, self.ctx.env.erasure
+        state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
+        if erasure is not None:  # protected regions are whole pages
+            state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
+        self.memory = mem = RegionMemory(pool, rank, self.device)
+        views = {
+            "state": mem.device_region("state", state_nbytes)[0],
+            "grads": mem.device_region("grads", grad_nbytes)[0],
+            "marker": mem.host_region("marker", MARKER_BYTES)[0],
+            # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
+            "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
+        }
+        self.rmu = self.ctx.env.consistency == "rmu"
+        if self.rmu:  # one chunk of undo + two working parity buffers (activation memory on GPU)
+            undo_nbytes, parity_nbytes = buffer_bytes(self.layout, state_nbytes, self.ctx.env.rmu_chunk_bytes, erasure)
+            views["rmu.undo"] = mem.device_region("rmu.undo", undo_nbytes)[0]
+            if parity_nbytes:
+                views["rmu.parity"] = mem.device_region("rmu.parity", parity_nbytes)[0]
+        else:
+            views["snapshot"] = mem.host_region("snapshot", state_nbytes)[0]
+        self.state_bytes, self.grad_bytes = views["state"], views["grads"]
+        self.snapshot_bytes = views.get("snapshot")
+        self.marker = Marker(views["marker"])
+        self._rng_next = views["rng_next"]
+        self.protected = (
+            {}
+            if erasure is None
+            else {name: ProtectedRegion(pool, rank, name, views[name], erasure) for name in ("state", "grads")}
+        )
+        self.updater: ResumableUpdater | None = None
+        if self.rmu:
+            self.updater = ResumableUpdater(
+                layout=self.layout, state=self.state_bytes, grads=self.grad_bytes, rng_next=self._rng_next,
+                optimizer=self.optimizer, marker=self.marker, undo=views["rmu.undo"], parity=views.get("rmu.parity"),
+                protected=self.protected.get("state"), injector=self.ctx.injector,
+                chunk_bytes=self.ctx.env.rmu_chunk_bytes,
+                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
+            )
+
     def _bind(self) -> None:
         """Make params, grads and optimizer state views of retained memory (zero copy)."""
         fresh = not self.reattached
@@ -214,7 +231,7 @@ class RetainedState:
         self._committed_this_step = False
         self._step_started = time.perf_counter()
         self.ctx.injector.step = step
-        torch.set_rng_state(self._rng.clone())  # set_rng_state needs an owning tensor
+        set_rng_blob(self._rng, self.device)
         self.grad_bytes.zero_()
         for p, gslot in zip(self.params, self.layout.grads, strict=True):
             if p.grad is None or p.grad.data_ptr() != gslot.view(self.grad_bytes).data_ptr():
@@ -228,9 +245,10 @@ class RetainedState:
         self._allreduce_grads()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm, foreach=True)
-        self._rng_next.copy_(torch.get_rng_state())
+        self._rng_next.copy_(rng_blob(self.device))
         self._encode("grads")  # final gradients stay recoverable until the update commits
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
+        self.memory.fence()
         self.marker.advance(Phase.GRADS_READY)
         # Once any rank passes this barrier, every rank's gradients of this step are final.
         dist.barrier()
@@ -253,6 +271,7 @@ class RetainedState:
             return
         assert self.snapshot_bytes is not None
         self.snapshot_bytes.copy_(self.state_bytes)
+        self.memory.fence()
         self.marker.advance(Phase.UPDATING)
         self._apply_optimizer(step)
 
@@ -267,6 +286,7 @@ class RetainedState:
         self._rng.copy_(self._rng_next)
         self._encode("state")
         self.ctx.injector.point("update")
+        self.memory.fence()
         self.marker.advance(Phase.IDLE, step + 1)
         self._committed()
 
@@ -296,7 +316,7 @@ class RetainedState:
     def _resume(self) -> int:
         """Agree with every rank on the resume point and bring this rank to it."""
         t0 = time.perf_counter()
-        mine = torch.tensor([self.marker.step, int(self.marker.phase)], dtype=torch.int64)
+        mine = torch.tensor([self.marker.step, int(self.marker.phase)], dtype=torch.int64, device=self.ctx.collective_device)
         gathered = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, mine)
         points = [(int(t[0]), Phase(int(t[1]))) for t in gathered]
@@ -344,6 +364,22 @@ class RetainedState:
         return resume_at
 
     def emit_digest(self) -> str:
-        digest = hashlib.blake2b(memoryview(self._regions["state"].buffer), digest_size=16).hexdigest()
+        digest = self.memory.digest(self.state_bytes)
         self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
         return digest
+
+
+def rng_blob(device: torch.device) -> torch.Tensor:
+    """Every RNG state a step consumes (CPU, and the CUDA device's), as one byte tensor."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    return torch.cat(parts)
+
+
+def set_rng_blob(blob: torch.Tensor, device: torch.device) -> None:
+    blob = blob.cpu().clone()  # set_rng_state needs an owning CPU tensor
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(blob[:cpu].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(blob[cpu:].clone(), device)

@@ -16,25 +16,25 @@ from leto.config import PHASES, FaultSpec
 from leto.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
-LETO_RUN = Path(sys.executable).with_name("leto-run")
+LETO_RUN = [sys.executable, "-m", "leto_run"]  # the console script, without needing it installed
 GPT = str(REPO / "examples" / "train_gpt.py")
 # Small enough to be quick on 2 cores, large enough to have a middle module to kill in.
 GPT_ARGS = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 
 
 def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list[str] = (),
-             script_args: list[str] = (), leto: dict | None = None,
-             timeout_s: float = 240) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+             script_args: list[str] = (), leto: dict | None = None, nproc: int = 2,
+             model_args: list[str] = GPT_ARGS, timeout_s: float = 240) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """One leto-run job; ``leto`` is a job file's ``leto:`` section (faults go there too)."""
     events = tmp / f"events-{len(list(tmp.glob('events-*')))}.jsonl"
-    cmd = [str(LETO_RUN), "--standalone", "--nproc-per-node", "2", "--no-dashboard", "--digest",
+    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard", "--digest",
            "--events", str(events), *extra]
     section = dict(leto or {})
     section["faults"] = [dataclasses.asdict(f) for f in faults]
     job = tmp / f"job-{events.stem}.yaml"
     job.write_text(yaml.safe_dump({"leto": section}))
     cmd += ["--config", str(job)]
-    cmd += [GPT, "--steps", str(steps), *GPT_ARGS, *script_args]
+    cmd += [GPT, "--steps", str(steps), *model_args, *script_args]
     proc = subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env())
     return proc, read_events(events)
 

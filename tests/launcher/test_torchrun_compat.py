@@ -17,7 +17,7 @@ DDP = str(REPO / "examples" / "plain_ddp.py")
 
 
 def _leto_run(tmp, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [str(LETO_RUN), "--standalone", "--nproc-per-node", "2", "--no-dashboard",
+    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard",
            "--events", str(tmp / "events.jsonl"), *args]
     return subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=240, env=_env())
 
@@ -75,10 +75,9 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path) -> None:
     """SIGINT to leto-run mid-run: every trainer, shadow and the state manager are gone,
     and no socket directory outlives the job (memfd regions die with their last fd)."""
     events = tmp_path / "events.jsonl"
-    cmd = [str(LETO_RUN), "--standalone", "--nproc-per-node", "2", "--no-dashboard",
+    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard",
            "--events", str(events), str(REPO / "examples" / "train_gpt.py"), "--steps", "100000",
            "--vocab", "64", "--dim", "16", "--layers", "1", "--seq", "8", "--batch", "2", "--heads", "2"]
-    sm_dirs_before = {d for d in os.listdir("/tmp") if d.startswith("leto-sm-")}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # steady state: actives training, shadows ready
@@ -91,10 +90,16 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path) -> None:
         pytest.fail("job never reached steady state")
     family = _descendants(proc.pid)
     assert len(family) >= 5, f"expected 2 actives, 2 shadows and a state manager, got {family}"
+    sm_dirs = set()  # this job's state-manager socket directory, from its command line
+    for pid in family:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        if "leto.pool.server" in argv:
+            sm_dirs.add(os.path.dirname(argv[argv.index("leto.pool.server") + 1]))
+    assert len(sm_dirs) == 1, sm_dirs
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     assert proc.returncode != 0
     time.sleep(0.5)
     assert [p for p in family if _alive(p)] == [], "processes outlived leto-run"
-    sm_dirs_after = {d for d in os.listdir("/tmp") if d.startswith("leto-sm-")}
-    assert not (sm_dirs_after - sm_dirs_before), "the state manager's socket directory leaked"
+    assert not any(os.path.exists(d) for d in sm_dirs), "the state manager's socket directory leaked"

@@ -1,0 +1,142 @@
+"""Recovery time on one GPU: leto-run vs torchrun restart + checkpoint (in memory, on disk).
+
+The paper's §8.1 metric: recovery = initialisation (kill → training resumes) + recomputation
+(regaining the progress lost since the last checkpoint). One call, one model (a GPT of
+about 1.1 B parameters, bf16 compute, fp32 master weights and AdamW state), world size 1
+with NCCL:
+
+(a) leto-run: SIGKILLs in backward and in the update, each after the shadow is ready;
+    recovery measured end to end (kill → the interrupted step completes again).
+(b) torchrun + in-memory checkpoint (Gemini-style; DCP to a tmpfs, i.e. host memory):
+    the kill lands just after a checkpoint, so the run measures restart + load exactly;
+    the recomputation a random failure costs on average, I/2 iterations with I from
+    Young's formula sqrt(2·C·MTTF)/T_iter (C the measured save cost, MTTF 10 min), is
+    added from the measured iteration time.
+(c) the same with the checkpoint on local disk.
+
+    python bench/recovery_gpu.py --json OUT.json [--mem-dir /dev/shm/x] [--disk-dir /tmp/x]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from leto import summary
+from leto.events import read_events
+
+MTTF_S = 600.0
+MODEL = ["--vocab", "32000", "--dim", "2048", "--layers", "20", "--heads", "16", "--seq", "512",
+         "--batch", "4", "--bf16"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env.update(extra)
+    return env
+
+
+def run_leto(tmp: Path, steps: int, kills: list[tuple[int, str]]) -> list[dict]:
+    events = tmp / "leto.jsonl"
+    cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", "1", "--no-dashboard",
+           "--events", str(events)]
+    for step, phase in kills:
+        cmd += ["--inject-fault", f"rank=0,step={step},phase={phase}"]
+    cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
+    proc = subprocess.run(cmd, check=False, env=_env(), cwd=tmp, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"leto-run failed:\n{proc.stderr[-4000:]}")
+    return read_events(events)
+
+
+def run_torchrun(tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, name: str) -> list[dict]:
+    events = tmp / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "--max-restarts", "1", str(REPO / "examples/torchrun_gpt_ckpt.py"), "--steps", str(steps),
+           "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(every), "--kill-at-step", str(kill), *MODEL]
+    proc = subprocess.run(cmd, check=False, env=_env(LETO_EVENTS_FILE=str(events)), cwd=tmp, capture_output=True, text=True)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    if proc.returncode:
+        raise SystemExit(f"torchrun baseline {name} failed:\n{proc.stderr[-4000:]}")
+    return read_events(events)
+
+
+def baseline(events: list[dict]) -> dict[str, float]:
+    fault = next(e for e in events if e["kind"] == "fault_injected")
+    loaded = min(e["t"] for e in events if e["kind"] == "resumed")
+    iters = [e["iter_s"] for e in events if e["kind"] == "step_done" and e.get("attempt") == 0 and e["step"] > 1]
+    save = statistics.median(e["save_s"] for e in events if e["kind"] == "digest")
+    iter_s = statistics.median(iters)
+    interval = max(1, round(math.sqrt(2 * save * MTTF_S) / iter_s))
+    init = loaded - fault["t"]
+    recompute = interval / 2 * iter_s
+    return {"iteration_s": iter_s, "checkpoint_s": save, "young_interval_steps": interval,
+            "restart_and_load_s": init, "expected_recompute_s": recompute, "recovery_s": init + recompute}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json", default=str(REPO / "bench/results/recovery_gpu.json"))
+    p.add_argument("--mem-dir", default="/dev/shm/leto-bench-ckpt")
+    p.add_argument("--disk-dir", default=str(Path(tempfile.gettempdir()) / "leto-bench-ckpt"))
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
+    args = p.parse_args()
+    if args.small:
+        MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
+    t_start = time.time()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        leto_events = run_leto(tmp, args.steps, [(40, "backward"), (args.steps - 12, "update")])
+        print(f"[{time.time() - t_start:.0f}s] leto-run done", flush=True)
+        recs = [r for r in summary.recoveries(leto_events) if r.total_s is not None]
+        print("leto recoveries (ms): " + "; ".join(
+            ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items()) + f" → {r.total_s * 1e3:.0f}" for r in recs
+        ), flush=True)
+        mem = baseline(run_torchrun(tmp, Path(args.mem_dir), 5, 6, 9, "mem"))
+        print(f"[{time.time() - t_start:.0f}s] torchrun + in-memory checkpoint done", flush=True)
+        disk = baseline(run_torchrun(tmp, Path(args.disk_dir), 5, 6, 9, "disk"))
+        print(f"[{time.time() - t_start:.0f}s] torchrun + disk checkpoint done", flush=True)
+    leto_iter = statistics.median(e["iter_s"] for e in leto_events if e["kind"] == "step_done")
+    params = next((e for e in leto_events if e["kind"] == "step_done"), {})
+    leto_median = statistics.median(r.total_s for r in recs)
+    print(f"model ~1.1B params (dim 2048 x 20 layers, vocab 32000), bf16 compute, fp32 AdamW; leto iteration "
+          f"{leto_iter * 1e3:.0f} ms (snapshot consistency)")
+    for r in recs:
+        print(f"  leto recovery at step {r.step}: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
+              + f" ms → total {r.total_s * 1e3:.0f} ms")
+    for name, b in (("in-memory", mem), ("disk", disk)):
+        print(f"  torchrun + {name} ckpt: iteration {b['iteration_s'] * 1e3:.0f} ms, save {b['checkpoint_s']:.2f} s, "
+              f"Young I={b['young_interval_steps']}, restart+load {b['restart_and_load_s']:.2f} s, "
+              f"expected recompute {b['expected_recompute_s']:.2f} s")
+    print(f"{'system':42s} {'recovery (s)':>12s}")
+    print(f"{'(a) leto-run in place (median)':42s} {leto_median:12.3f}")
+    print(f"{'(b) torchrun + in-memory checkpoint':42s} {mem['recovery_s']:12.3f}")
+    print(f"{'(c) torchrun + disk checkpoint':42s} {disk['recovery_s']:12.3f}")
+    ettr = summary.ettr(leto_events)
+    result = {"date": time.strftime("%Y-%m-%d"), "leto_recovery_s": [r.total_s for r in recs],
+              "leto_phases_s": [r.phases for r in recs], "leto_iteration_s": leto_iter, "leto_ettr": ettr,
+              "torchrun_mem": mem, "torchrun_disk": disk, "first_step_event": params,
+              "speedup_vs_mem": mem["recovery_s"] / leto_median, "speedup_vs_disk": disk["recovery_s"] / leto_median}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"leto ETTR over the run: {ettr * 100:.1f} % (two failures in {args.steps} steps)")
+    print(f"speedup vs disk: {result['speedup_vs_disk']:.1f}x")
+    print(f"speedup vs in-memory: {result['speedup_vs_mem']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
