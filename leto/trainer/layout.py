@@ -49,8 +49,9 @@ class Layout:
     @classmethod
     def plan(
         cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-        rng_bytes: int,
+        rng_bytes: int | None = None,
     ) -> Layout:
+        """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state)."""
         state_keys = optimizer_state_keys(optimizer)
         cursor = 0
         param_slots, optim_slots = [], []
@@ -68,7 +69,7 @@ class Layout:
                 slots[key] = Slot(cursor, shape, dtype)
                 cursor = _align(cursor + slots[key].nbytes)
             optim_slots.append(slots)
-        rng = Slot(cursor, (rng_bytes,), torch.uint8)
+        rng = Slot(cursor, (rng_bytes or torch.get_rng_state().numel(),), torch.uint8)
         state_bytes = _align(cursor + rng.nbytes)
         cursor, grad_slots = 0, []
         for p in params:
