@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,sim]'
 	touch $(STAMP)
 
-.PHONY: venv demo test bench
+.PHONY: venv demo test bench gpu-test
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -22,3 +22,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/recovery_cpu.py
+
+# On a GPU machine: the GPU tests (CPU CI skips them, saying why) and the GPU benchmark.
+gpu-test:
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python3 -m pytest -q tests/gpu
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python3 bench/recovery_gpu.py

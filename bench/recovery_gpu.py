@@ -3,7 +3,7 @@
 The paper's §8.1 metric: recovery = initialisation (kill → training resumes) + recomputation
 (regaining the progress lost since the last checkpoint). One call, one model (a GPT of
 about 1.1 B parameters, bf16 compute, fp32 master weights and AdamW state), world size 1
-with NCCL:
+with NCCL (or ``--nproc 2``: DP=2, one GPU per rank, each shadow with its own NCCL communicator):
 
 (a) leto-run: SIGKILLs in backward and in the update, each after the shadow is ready;
     recovery measured end to end (kill → the interrupted step completes again).
@@ -49,12 +49,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_leto(tmp: Path, steps: int, kills: list[tuple[int, str]]) -> list[dict]:
+def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int) -> list[dict]:
     events = tmp / "leto.jsonl"
-    cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", "1", "--no-dashboard",
-           "--events", str(events)]
-    for step, phase in kills:
-        cmd += ["--inject-fault", f"rank=0,step={step},phase={phase}"]
+    cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard",
+           "--events", str(events), "--consistency", "snapshot"]
+    for rank, step, phase in kills:
+        cmd += ["--inject-fault", f"rank={rank},step={step},phase={phase}"]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
     proc = subprocess.run(cmd, check=False, env=_env(), cwd=tmp, capture_output=True, text=True)
     if proc.returncode:
@@ -62,9 +62,9 @@ def run_leto(tmp: Path, steps: int, kills: list[tuple[int, str]]) -> list[dict]:
     return read_events(events)
 
 
-def run_torchrun(tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, name: str) -> list[dict]:
+def run_torchrun(tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, name: str, nproc: int) -> list[dict]:
     events = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "1", str(REPO / "examples/torchrun_gpt_ckpt.py"), "--steps", str(steps),
            "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(every), "--kill-at-step", str(kill), *MODEL]
     proc = subprocess.run(cmd, check=False, env=_env(LETO_EVENTS_FILE=str(events)), cwd=tmp, capture_output=True, text=True)
@@ -94,21 +94,23 @@ def main() -> None:
     p.add_argument("--disk-dir", default=str(Path(tempfile.gettempdir()) / "leto-bench-ckpt"))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)")
     args = p.parse_args()
     if args.small:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
     t_start = time.time()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        leto_events = run_leto(tmp, args.steps, [(40, "backward"), (args.steps - 12, "update")])
+        last = args.nproc - 1
+        leto_events = run_leto(tmp, args.steps, [(last, 40, "backward"), (0, args.steps - 12, "update")], args.nproc)
         print(f"[{time.time() - t_start:.0f}s] leto-run done", flush=True)
         recs = [r for r in summary.recoveries(leto_events) if r.total_s is not None]
         print("leto recoveries (ms): " + "; ".join(
             ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items()) + f" → {r.total_s * 1e3:.0f}" for r in recs
         ), flush=True)
-        mem = baseline(run_torchrun(tmp, Path(args.mem_dir), 5, 6, 9, "mem"))
+        mem = baseline(run_torchrun(tmp, Path(args.mem_dir), 5, 6, 9, "mem", args.nproc))
         print(f"[{time.time() - t_start:.0f}s] torchrun + in-memory checkpoint done", flush=True)
-        disk = baseline(run_torchrun(tmp, Path(args.disk_dir), 5, 6, 9, "disk"))
+        disk = baseline(run_torchrun(tmp, Path(args.disk_dir), 5, 6, 9, "disk", args.nproc))
         print(f"[{time.time() - t_start:.0f}s] torchrun + disk checkpoint done", flush=True)
     leto_iter = statistics.median(e["iter_s"] for e in leto_events if e["kind"] == "step_done")
     params = next((e for e in leto_events if e["kind"] == "step_done"), {})
