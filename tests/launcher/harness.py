@@ -24,8 +24,12 @@ GPT_ARGS = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 
 def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list[str] = (),
              script_args: list[str] = (), leto: dict | None = None, nproc: int = 2,
-             model_args: list[str] = GPT_ARGS, timeout_s: float = 240) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
-    """One leto-run job; ``leto`` is a job file's ``leto:`` section (faults go there too)."""
+             model_args: list[str] = GPT_ARGS, timeout_s: float = 240, script: str = GPT,
+             steps_flag: str = "--steps") -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """One leto-run job; ``leto`` is a job file's ``leto:`` section (faults go there too).
+
+    ``script`` (default: the demo GPT) gets ``steps_flag`` (its step-count argument) and
+    ``model_args`` then ``script_args``."""
     events = tmp / f"events-{len(list(tmp.glob('events-*')))}.jsonl"
     cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard", "--digest",
            "--events", str(events), *extra]
@@ -34,7 +38,7 @@ def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list
     job = tmp / f"job-{events.stem}.yaml"
     job.write_text(yaml.safe_dump({"leto": section}))
     cmd += ["--config", str(job)]
-    cmd += [GPT, "--steps", str(steps), *model_args, *script_args]
+    cmd += [script, steps_flag, str(steps), *model_args, *script_args]
     proc = subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env())
     return proc, read_events(events)
 

@@ -1,0 +1,195 @@
+"""Pretrain a Megatron-Core GPTModel under leto-run (Megatron's model, Leto's retained state).
+
+    leto-run --config configs/megatron_gpt.yaml
+    leto-run --standalone --nproc-per-node 2 examples/megatron_gpt.py --num-layers 2 --hidden-size 64 \\
+        --num-attention-heads 4 --seq-length 32 --micro-batch-size 4 --lr 3e-4 --train-iters 100
+
+Argument names are Megatron's (``pretrain_gpt.py``). Data is synthetic, deterministic and
+keyed by (seed, iteration, data-parallel rank): the data position is the step, so a
+recovered run is bit-identical to a fault-free one. With no CUDA the documented
+``torch.cuda`` shims (examples/megatron_cpu_shims.py) are installed first.
+
+``--compare-baseline`` first trains a second copy of the same model for --train-iters
+without Leto (torch AdamW, the same flat all-reduce and clipping) in this same process,
+then the Leto run, and writes both iteration times to --bench-out (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+import torch
+import torch.distributed as dist
+
+import leto
+from leto.integrations import megatron as lm
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    p.add_argument("--vocab-size", type=int, default=256, help="synthetic data: the padded vocabulary size")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--lr-warmup-iters", type=int, default=5)
+    p.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--adam-beta1", type=float, default=0.9)
+    p.add_argument("--adam-beta2", type=float, default=0.999)
+    p.add_argument("--adam-eps", type=float, default=1e-8)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--hidden-dropout", type=float, default=0.1)
+    p.add_argument("--attention-dropout", type=float, default=0.1)
+    p.add_argument("--train-iters", type=int, default=100)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bf16", action="store_true", help="bf16 params (Megatron --bf16); fp32 otherwise")
+    p.add_argument("--compare-baseline", action="store_true", help="also train without Leto, same process")
+    p.add_argument("--bench-out", default=None, help="with --compare-baseline: JSON of iteration times")
+    return p.parse_args()
+
+
+def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available(), bias_dropout_fusion=False,
+        masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def optimizer_config(args: argparse.Namespace):  # -> OptimizerConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                           clip_grad=args.clip_grad, bf16=args.bf16)
+
+
+def lr_at(it: int, args: argparse.Namespace) -> float:
+    """Megatron's warm-up then decay, as a function of the iteration (no scheduler state)."""
+    if it < args.lr_warmup_iters:
+        return args.lr * (it + 1) / args.lr_warmup_iters
+    if args.lr_decay_style == "constant":
+        return args.lr
+    progress = min(1.0, (it - args.lr_warmup_iters) / max(1, args.train_iters - args.lr_warmup_iters))
+    coeff = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_decay_style == "cosine" else 1 - progress
+    return args.min_lr + coeff * (args.lr - args.min_lr)
+
+
+def get_batch(it: int, dp_rank: int, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Synthetic tokens keyed by (seed, iteration, data-parallel rank)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + it * 1009 + dp_rank)
+    data = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g).to(device)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0).expand_as(tokens)
+    return tokens, position_ids, lm.causal_mask(args.seq_length, device), labels
+
+
+def forward_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    tokens, position_ids, mask, labels = batch
+    return model(tokens, position_ids, mask, labels=labels).float().mean()  # per-token losses [b, s]
+
+
+def build(ctx: leto.Context, args: argparse.Namespace):
+    return lm.build_gpt(ctx, transformer_config(args), vocab_size=args.vocab_size,
+                        max_sequence_length=args.max_position_embeddings or args.seq_length)
+
+
+def train_baseline(ctx: leto.Context, args: argparse.Namespace) -> list[float]:
+    """The same model and step without Leto: torch AdamW, flat all-reduce, clipping."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    with torch.device(ctx.device):
+        model = GPTModel(config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
+                         vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length)
+    opt = lm.adamw(model, optimizer_config(args))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    times = []
+    for it in range(args.train_iters):
+        t0 = time.perf_counter()
+        lm.reseed_tracker(args.seed, it)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(it, args)
+        opt.zero_grad(set_to_none=False)
+        forward_loss(model, get_batch(it, ctx.rank, args, ctx.device)).backward()
+        if ctx.world_size > 1:
+            flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
+            dist.all_reduce(flat)
+            flat.div_(ctx.world_size)
+            for g, synced in zip([p.grad for p in params], torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True):
+                g.copy_(synced)
+        torch.nn.utils.clip_grad_norm_(params, args.clip_grad, foreach=True)
+        opt.step()
+        _sync(ctx.device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    args = parse_args()
+    lm.require_megatron()
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():  # bit-exact recovery needs deterministic kernels
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:  # no CUDA: Megatron-Core runs on CPU with the documented shims
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import megatron_cpu_shims
+
+        megatron_cpu_shims.install()
+
+    ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
+    lm.init_parallel(ctx, seed=args.seed)  # Megatron's parallel_state on Leto's group
+    baseline = train_baseline(ctx, args) if args.compare_baseline and not ctx.is_shadow else []
+    torch.manual_seed(args.seed)
+    lm.reseed_tracker(args.seed, -1)
+    model = build(ctx, args)  # on meta when this trainer will reattach
+    opt = lm.adamw(model, optimizer_config(args))
+    state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad)
+    times = []
+    for it in state.steps(args.train_iters):
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(it, args)
+        loss = forward_loss(model, get_batch(it, ctx.rank, args, ctx.device))
+        loss.backward()
+        state.step(loss=loss)
+        _sync(ctx.device)
+        times.append(time.perf_counter() - t0)
+    if args.bench_out and ctx.rank == 0 and baseline:
+        skip = min(5, len(times) // 4)
+        out = {"baseline_iter_s": statistics.median(baseline[skip:]), "leto_iter_s": statistics.median(times[skip:]),
+               "baseline_iters": len(baseline), "leto_iters": len(times)}
+        with open(args.bench_out, "w") as f:
+            json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Integrations of Leto's retained state with training frameworks (optional dependencies)."""

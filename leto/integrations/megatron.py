@@ -1,0 +1,233 @@
+"""Megatron-Core on Leto: a ``GPTModel`` whose whole training state lives in retained memory.
+
+Design (built): **Megatron's model, Leto's data parallelism.** Megatron-Core supplies the
+model (``TransformerConfig``, ``GPTModel`` and its layer specs, its process-group setup);
+Leto's ``RetainedState`` owns the flat layout — parameters, gradients, AdamW state and RNG
+as zero-copy views of pool regions, protected by the two-tier parity and updated through
+the resumable updater (RMU) — and synchronises gradients with its one flat all-reduce.
+Megatron's optimizer settings (``OptimizerConfig``: lr, betas, eps, weight decay, clipping)
+map onto a torch ``AdamW`` with Megatron's parameter groups (no decay on biases and norms),
+which is what Megatron itself runs when neither Apex nor Transformer Engine is present.
+
+* **Meta-device build.** A reattaching trainer (every shadow) builds the model on ``meta``
+  (``build_gpt``): Megatron must then take its CPU-initialisation path, which allocates on
+  the default device, so ``use_cpu_initialization`` is forced on and initialisation off —
+  Megatron's GPU path passes ``device=torch.cuda.current_device()`` explicitly and would
+  allocate real memory under a meta context.
+* **Parameter attributes.** Megatron tags parameters (``tensor_model_parallel``,
+  ``partition_dim``, ``sequence_parallel``, ``shared_embedding``, ...);
+  ``torch.utils.swap_tensors`` moves ``__dict__`` with the swap, so ``retain_megatron``
+  puts them back on the retained parameters.
+* **RNG.** Leto retains torch's default generators. Megatron's ``CudaRNGStatesTracker``
+  holds further states (tensor-parallel dropout, expert-parallel) in a Python dict, lost
+  with the process. ``MegatronState`` reseeds every tracked state at the start of each step
+  from ``(seed, step, name, tp/ep ranks)``: a re-run step draws the same masks, and there is
+  nothing extra to retain. (Dropout streams differ from stock Megatron's, not in law.)
+
+Not built (see docs/MEGATRON.md for what each needs): Megatron's own
+``DistributedDataParallel`` (``param_and_grad_buffer``), its ``DistributedOptimizer``
+(sharded fp32 main params and Adam state), and tensor/pipeline/context/expert parallelism
+(Leto's all-reduce spans the whole world, i.e. it is the data-parallel group only when
+every model-parallel size is 1; ``init_parallel`` refuses anything else).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leto.errors import ConfigError
+from leto.trainer.layout import Layout
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from leto.trainer.context import Context
+    from leto.trainer.state import RetainedState
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_VERSION = "0.16.1"
+"""The megatron-core release this integration is written and tested against."""
+
+
+def require_megatron() -> str:
+    """Import megatron.core or say how to install it; returns its version."""
+    try:
+        import megatron.core
+    except ImportError:
+        raise ConfigError(
+            f"the Megatron integration needs megatron-core: pip install 'leto[megatron]' "
+            f"(megatron-core=={MEGATRON_VERSION})"
+        ) from None
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version != MEGATRON_VERSION:
+        logger.warning("megatron-core %s; leto is tested against %s", version, MEGATRON_VERSION)
+    return version
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Megatron's model-parallel sizes; data parallelism is whatever the world leaves."""
+
+    tensor_model_parallel_size: int = 1
+    """Megatron's --tensor-model-parallel-size."""
+    pipeline_model_parallel_size: int = 1
+    """Megatron's --pipeline-model-parallel-size."""
+    context_parallel_size: int = 1
+    """Megatron's --context-parallel-size."""
+    expert_model_parallel_size: int = 1
+    """Megatron's --expert-model-parallel-size."""
+
+    def __post_init__(self) -> None:
+        sizes = dataclasses.asdict(self)
+        bad = {k: v for k, v in sizes.items() if v < 1}
+        if bad:
+            raise ConfigError(f"parallel sizes must be >= 1: {bad}")
+        if any(v != 1 for v in sizes.values()):
+            raise ConfigError(
+                f"leto's Megatron integration runs data parallelism only (all model-parallel sizes 1), "
+                f"got {sizes}: its flat all-reduce spans the whole world; tensor/pipeline/context/expert "
+                "parallelism need the per-group reduction described in docs/MEGATRON.md"
+            )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        if world_size % model:
+            raise ConfigError(f"world size {world_size} is not a multiple of TP*PP*CP = {model}")
+        return world_size // model
+
+
+def init_parallel(ctx: Context, *, seed: int, parallel: ParallelConfig | None = None) -> int:
+    """Megatron's ``parallel_state`` on Leto's process group; returns the data-parallel size.
+
+    Call right after ``leto.init()``. Megatron builds its model from ``parallel_state``, so a
+    shadow needs its process group before promotion: shadow level 3 (the default). The RNG
+    tracker is seeded for model construction (``reseed_tracker(seed, -1)``).
+    """
+    require_megatron()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel = parallel or ParallelConfig()
+    dp = parallel.data_parallel_size(ctx.world_size)
+    if not dist.is_initialized():
+        raise ConfigError("Megatron builds its model from its process groups, so a shadow needs its group "
+                          "before promotion: run with shadow_level 3 (--shadow-level 3, the default)")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            context_parallel_size=parallel.context_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+        )
+    reseed_tracker(seed, -1)
+    return dp
+
+
+def meta_config(config: TransformerConfig) -> TransformerConfig:
+    """The config to build on ``meta``: CPU-init path (default device), no initialisation."""
+    return dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False)
+
+
+def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
+              layer_spec: Any = None, **gpt_kwargs: Any) -> GPTModel:
+    """A ``GPTModel`` on ``ctx.device``, or on ``meta`` when the trainer will reattach."""
+    require_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = layer_spec or get_gpt_layer_local_spec()
+    with ctx.init_device(ctx.device) as device:
+        cfg = meta_config(config) if device.type == "meta" else config
+        return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
+                        max_sequence_length=max_sequence_length, **gpt_kwargs)
+
+
+def adamw(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
+    """Megatron's Adam settings on torch's (foreach) AdamW, with Megatron's decay groups."""
+    if opt.optimizer != "adam":
+        raise ConfigError(f"leto retains Adam state; OptimizerConfig.optimizer={opt.optimizer!r} is not supported")
+    if opt.use_distributed_optimizer:
+        raise ConfigError("use_distributed_optimizer: Megatron's DistributedOptimizer is not integrated yet; "
+                          "leto retains the full AdamW state per rank (docs/MEGATRON.md)")
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
+                             eps=opt.adam_eps, foreach=True)
+
+
+def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> Layout:
+    """The retained layout ``retain_megatron`` will allocate (works on a meta-device model)."""
+    from leto.trainer.state import rng_blob
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return Layout.plan(params, list(model.buffers()), optimizer, rng_bytes=rng_blob(device).numel())
+
+
+def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW, *, seed: int,
+                    max_grad_norm: float | None = None) -> MegatronState:
+    """``ctx.retain`` for a Megatron model: attributes kept, tracker RNG keyed by step."""
+    attrs = {id(p): dict(vars(p)) for p in model.parameters()}
+    params = list(model.parameters())
+    state = ctx.retain(model, optimizer)
+    for p in params:
+        for key, value in attrs[id(p)].items():
+            setattr(p, key, value)
+    return MegatronState(state, seed=seed, max_grad_norm=max_grad_norm)
+
+
+@dataclasses.dataclass(slots=True)
+class MegatronState:
+    """``RetainedState`` plus Megatron's per-step RNG tracker seeding."""
+
+    state: RetainedState
+    seed: int
+    max_grad_norm: float | None = None
+
+    def steps(self, total: int) -> Iterator[int]:
+        for step in self.state.steps(total):
+            reseed_tracker(self.seed, step)
+            yield step
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        self.state.step(max_grad_norm=self.max_grad_norm, loss=loss)
+
+
+TRACKER_NAMES = ("data-parallel-rng", "model-parallel-rng", "expert-parallel-rng")
+"""The names ``model_parallel_cuda_manual_seed`` registers (megatron-core 0.16)."""
+
+
+def tracker_seed(seed: int, step: int, name: str, ranks: tuple[int, ...]) -> int:
+    """A 63-bit seed per (seed, step, tracker name, tp/ep/etp ranks)."""
+    text = repr((seed, step, name, ranks)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def reseed_tracker(seed: int, step: int) -> None:
+    """Reset Megatron's RNG tracker to states that depend only on (seed, step, ranks)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    ep, etp = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_tensor_parallel_rank()
+    ranks = {"data-parallel-rng": (), "model-parallel-rng": (tp,), "expert-parallel-rng": (ep, etp)}
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    for name in TRACKER_NAMES:
+        tracker.add(name, tracker_seed(seed, step, name, ranks[name]))
+
+
+def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
+    """Megatron's boolean attention mask ([1, 1, s, s], True = masked) for a causal GPT."""
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
