@@ -116,35 +116,49 @@ def build(ctx: leto.Context, args: argparse.Namespace):
                         max_sequence_length=args.max_position_embeddings or args.seq_length)
 
 
-def train_baseline(ctx: leto.Context, args: argparse.Namespace) -> list[float]:
-    """The same model and step without Leto: torch AdamW, flat all-reduce, clipping."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
+class Baseline:
+    """The same model and step without Leto: torch AdamW, one flat all-reduce, clipping.
 
-    with torch.device(ctx.device):
-        model = GPTModel(config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
-                         vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length)
-    opt = lm.adamw(model, optimizer_config(args))
-    params = [p for g in opt.param_groups for p in g["params"]]
-    times = []
-    for it in range(args.train_iters):
+    Its steps are interleaved with Leto's (same process, same moment, same background load)
+    and run inside ``fork_rng``, so the Leto run draws exactly what it would draw alone.
+    """
+
+    def __init__(self, ctx: leto.Context, args: argparse.Namespace) -> None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        self.ctx, self.args = ctx, args
+        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []), torch.device(ctx.device):
+            torch.manual_seed(args.seed + 1)
+            self.model = GPTModel(config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
+                                  vocab_size=args.vocab_size,
+                                  max_sequence_length=args.max_position_embeddings or args.seq_length)
+        self.opt = lm.adamw(self.model, optimizer_config(args))
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+
+    def step(self, it: int) -> float:
+        ctx, args = self.ctx, self.args
         t0 = time.perf_counter()
-        lm.reseed_tracker(args.seed, it)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(it, args)
-        opt.zero_grad(set_to_none=False)
-        forward_loss(model, get_batch(it, ctx.rank, args, ctx.device)).backward()
-        if ctx.world_size > 1:
-            flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
-            dist.all_reduce(flat)
-            flat.div_(ctx.world_size)
-            for g, synced in zip([p.grad for p in params], torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True):
-                g.copy_(synced)
-        torch.nn.utils.clip_grad_norm_(params, args.clip_grad, foreach=True)
-        opt.step()
-        _sync(ctx.device)
-        times.append(time.perf_counter() - t0)
-    return times
+        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+            lm.reseed_tracker(args.seed, it)
+            for group in self.opt.param_groups:
+                group["lr"] = lr_at(it, args)
+            self.opt.zero_grad(set_to_none=False)
+            forward_loss(self.model, get_batch(it, ctx.rank, args, ctx.device)).backward()
+            grads = [p.grad for p in self.params]
+            if ctx.world_size > 1:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat)
+                flat.div_(ctx.world_size)
+                for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                    g.copy_(synced)
+            torch.nn.utils.clip_grad_norm_(self.params, args.clip_grad, foreach=True)
+            self.opt.step()
+            _sync(ctx.device)
+        lm.reseed_tracker(args.seed, it)  # the Leto step's tracker states, untouched by ours
+        return time.perf_counter() - t0
 
 
 def _sync(device: torch.device) -> None:
@@ -167,26 +181,33 @@ def main() -> None:
 
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     lm.init_parallel(ctx, seed=args.seed)  # Megatron's parallel_state on Leto's group
-    baseline = train_baseline(ctx, args) if args.compare_baseline and not ctx.is_shadow else []
     torch.manual_seed(args.seed)
-    lm.reseed_tracker(args.seed, -1)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
     state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad)
-    times = []
+    baseline = Baseline(ctx, args) if args.compare_baseline else None
+    base_s: list[float] = []
+    loop_s: list[float] = []  # whole loop iteration: Leto's step bookkeeping included
+    top = None
     for it in state.steps(args.train_iters):
-        t0 = time.perf_counter()
+        now = time.perf_counter()
+        if top is not None:
+            loop_s.append(now - top)
+        top = now
+        if baseline is not None:
+            base_s.append(baseline.step(it))
         for group in opt.param_groups:
             group["lr"] = lr_at(it, args)
         loss = forward_loss(model, get_batch(it, ctx.rank, args, ctx.device))
         loss.backward()
         state.step(loss=loss)
         _sync(ctx.device)
-        times.append(time.perf_counter() - t0)
-    if args.bench_out and ctx.rank == 0 and baseline:
-        skip = min(5, len(times) // 4)
-        out = {"baseline_iter_s": statistics.median(baseline[skip:]), "leto_iter_s": statistics.median(times[skip:]),
-               "baseline_iters": len(baseline), "leto_iters": len(times)}
+    if baseline is not None and args.bench_out and ctx.rank == 0 and top is not None:
+        loop_s.append(time.perf_counter() - top)
+        skip = len(loop_s) // 5  # warm-up, and the shadows' start-up load
+        leto_s = [total - b for total, b in zip(loop_s[skip:], base_s[skip:], strict=True)]
+        out = {"baseline_iter_s": statistics.median(base_s[skip:]), "leto_iter_s": statistics.median(leto_s),
+               "iters_measured": len(leto_s)}
         with open(args.bench_out, "w") as f:
             json.dump(out, f)
 
