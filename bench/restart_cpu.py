@@ -1,6 +1,8 @@
 """Group-restart time of a plain torchrun script: leto-run (warm restarts) vs torchrun.
 
-The same DDP script without the leto API, 2 ranks on gloo, in this one invocation; rank 1
+The same DDP script without the leto API (its process group on a per-attempt prefix of the
+launcher's store, which torchrun needs to restart a gloo job reliably), 2 ranks on gloo, in
+this one invocation; rank 1
 SIGKILLs itself at step 3 of the first attempt and the launcher restarts the group
 (``--max-restarts 1``). Restart time: from the kill until the restarted group has
 finished its first step (rank 0). Three launchers, each run ``--repeats`` times (median):
@@ -31,10 +33,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from datetime import timedelta
+
 out, kill_at = sys.argv[1], 3
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+# torchrun reuses its store across restarts: a plain init_process_group("gloo") may hang
+# on the previous attempt's keys, so (as torchrun users do) each attempt has a prefix.
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                      timeout=timedelta(seconds=120))
+dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                        world_size=int(os.environ["WORLD_SIZE"]))
 model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 for step in range(8):

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 ENV_HEARTBEAT = "LETO_HEARTBEAT_FILE"
 _WORDS = 2  # per local rank: progress beats, committed steps
+_FINISHED = 1 << 63  # set in the steps word once the trainer has run its last step
 
 
 class FailureClass(str, enum.Enum):
@@ -100,6 +101,10 @@ class Heartbeat:
         self._steps.value += 1
         self._progress.value += 1
 
+    def finished(self) -> None:
+        """The training loop is over: what remains (teardown, exit) is not watched."""
+        self._steps.value |= _FINISHED
+
 
 @dataclass(frozen=True, slots=True)
 class Stall:
@@ -134,13 +139,13 @@ class HangWatch:
         self._seen = [(0, now)] * self.board.nslots
 
     def check(self) -> list[Stall]:
-        """Ranks over their limit, the one idle longest first."""
+        """Ranks over their limit, the one idle longest first (finished ranks never stall)."""
         now = self._clock()
         stalls = []
         for slot in range(self.board.nslots):
             progress, steps = self.board.read(slot)
             last, since = self._seen[slot]
-            if progress != last:
+            if progress != last or steps & _FINISHED:
                 self._seen[slot] = (progress, now)
                 continue
             limit = self.hang_timeout_s if steps > 0 else self.first_step_timeout_s

@@ -7,7 +7,7 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
 * for every local rank, an active trainer and a shadow trainer: the same script with
   ``LETO_ROLE=active|shadow`` and a generation number. Each generation is one torch
   ``PContext``, so logs, redirects and tee behave exactly as torchrun's;
-* failure handling in ``_monitor_workers``, job-wide through the recovery epoch
+* failure handling in ``_monitor_workers`` (policy in ``leto_run/failures.py``), job-wide through the recovery epoch
   (``leto.epoch``): the agent that sees a failure classifies it (``leto.health``: HOF =
   killed by a signal or hung; FF = reported fatal by the trainer, or a dead state
   manager; ERROR = the script raised) and publishes one record per generation in the
@@ -46,15 +46,15 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest, PContext
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from leto import faults
 from leto.config import LetoConfig
 from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, Kind
-from leto.health import ENV_HEARTBEAT, FailureClass, HangWatch, HeartbeatBoard
+from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard
 from leto.pool.process import StateManagerProcess
 from leto.trainer.context import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW, store_prefix
+from leto_run.failures import FailurePolicy
 from leto_run.warm_start import ForkServer, warm_spawns
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class GenerationLogsSpecs(DefaultLogsSpecs):
         return super().reify(tagged)
 
 
-class LetoAgent(LocalElasticAgent):
+class LetoAgent(FailurePolicy, LocalElasticAgent):
     """A LocalElasticAgent whose worker group survives trainer failures in place."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: DefaultLogsSpecs, leto: LetoConfig, events: EventLog, **kwargs: Any) -> None:
@@ -222,6 +222,14 @@ class LetoAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torchrun's group restart (counted against --max-restarts), recorded as an event."""
         self.restarts += 1
+        if not self._restart_reason and self._uses_leto and self._epochs is not None:
+            # torch restarts on a membership change without counting it; when that change is
+            # another node's restart decision seen late, count it as that node does, so the
+            # nodes' restart counts (and so their worker stores) stay in step.
+            record = self._epochs.poll(self._generation + 1)
+            if record is not None and record.action == "restart" and self._remaining_restarts > 0:
+                self._remaining_restarts -= 1
+                self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
         self._events.emit(
             Kind.GROUP_RESTART, restart=self._restart_count(), reason=self._restart_reason or "worker failure",
             recoveries=self.recoveries,
@@ -272,132 +280,6 @@ class LetoAgent(LocalElasticAgent):
         self._events.emit(Kind.SHADOWS_SPAWNED, gen=self._generation + 1, pids=self._shadows.pids())
         assert self._store is not None
         self._store.set(f"shadows/{self._generation + 1}/{worker_group.group_rank}", "1")
-
-    # -- failure handling: classify, decide once for all nodes (the epoch), follow ----------
-    def _classify(self, result: RunResult) -> FailureClass:
-        """FF when the state manager is gone or a trainer reported its hardware unusable;
-        HOF when a trainer was killed by a signal (on CPU the hardware is then usable);
-        ERROR when a script raised (an in-place retry would raise again)."""
-        assert self._epochs is not None
-        if self._sm is None or not self._sm.alive():
-            return FailureClass.FF
-        if any(self._epochs.check([f"fatal/{rank}"]) for rank in result.failures):
-            return FailureClass.FF
-        # Killed by a signal (seen first through a pidfd, or any signal but the SIGTERM torch
-        # sends a failed trainer's peers): on CPU the hardware is still usable.
-        if self._detected_t is not None or any(
-            f.exitcode < 0 and f.exitcode != -int(signal.SIGTERM) for f in result.failures.values()
-        ):
-            return FailureClass.HOF
-        return FailureClass.ERROR
-
-    def _local_shadows_ok(self) -> bool:
-        return (
-            self._shadows is not None and self._shadows.wait(0) is None
-            and self._sm is not None and self._sm.alive()
-        )
-
-    def _all_shadows_ready(self, worker_group: WorkerGroup) -> bool:
-        assert self._epochs is not None
-        nodes = range(worker_group.group_world_size)
-        return self._local_shadows_ok() and self._epochs.check(
-            [f"shadows/{self._generation + 1}/{n}" for n in nodes]
-        )
-
-    def _decide(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
-        """A local failure: publish the job-wide answer (or find a peer's) and follow it."""
-        assert self._epochs is not None
-        failure = self._classify(result)
-        epoch = self._generation + 1
-        if failure is FailureClass.ERROR and worker_group.group_world_size > 1:
-            # A trainer on another node died, breaking our collectives: its agent's record
-            # is on its way and explains our error.
-            record = self._epochs.wait(epoch, self._leto.peer_failure_grace_s)
-            if record is not None:
-                return self._follow(worker_group, record, result)
-        failed = {str(rank): f.exitcode for rank, f in result.failures.items()}
-        root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(result.failures)
-        detected_t = self._detected_t or time.time()
-        self._events.emit(
-            Kind.FAILURE_DETECTED, ranks=failed, root_ranks=root, gen=self._generation,
-            detected_t=detected_t, failure=failure.value,
-        )
-        in_place = (
-            failure is FailureClass.HOF and self._leto.recovery == "in_place"
-            and self._all_shadows_ready(worker_group)
-        )
-        reason = {
-            FailureClass.HOF: "trainer killed" if in_place else "trainer killed, no shadows ready on every node",
-            FailureClass.FF: "fatal failure: hardware or retained state unusable",
-            FailureClass.ERROR: "trainer exited with an error"
-            + (" (no other node reported a failure: is another node's agent gone?)"
-               if worker_group.group_world_size > 1 else ""),
-        }[failure]
-        record = self._epochs.publish(EpochRecord(
-            epoch=epoch, action="in_place" if in_place else "restart", failure=failure.value,
-            node=worker_group.group_rank, ranks=failed, root_ranks=root, reason=reason, detected_t=detected_t,
-        ))
-        return self._follow(worker_group, record, result)
-
-    def _follow(self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None) -> RunResult:
-        """Act on the job-wide decision for this generation: promote, or restart the group."""
-        assert self._epochs is not None
-        while record.action == "in_place" and not self._local_shadows_ok():
-            # This node cannot follow (a shadow died): every node must restart instead. The
-            # others have promoted by now and watch the next epoch.
-            record = self._epochs.publish(EpochRecord(
-                epoch=record.epoch + 1, action="restart", failure=FailureClass.FF.value,
-                node=worker_group.group_rank, reason=f"node {worker_group.group_rank} has no live shadows",
-                detected_t=time.time(),
-            ))
-        self._events.emit(
-            Kind.EPOCH, epoch=record.epoch, action=record.action, failure=record.failure,
-            node=record.node, remote=record.node != worker_group.group_rank,
-        )
-        if record.action == "in_place":
-            self._recover(worker_group, record)
-            return RunResult(state=WorkerState.HEALTHY)
-        self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
-        if self._remaining_restarts > 0:
-            logger.warning("group restart: %s", self._restart_reason)
-        else:
-            logger.error(
-                "the job fails (no restarts left, --max-restarts %d): %s",
-                worker_group.spec.max_restarts, self._restart_reason,
-            )
-        if result is not None and result.state == WorkerState.FAILED:
-            return result
-        # Our own workers are healthy but the job is restarting: stop them, report them.
-        assert self._pcontext is not None
-        pids = self._pcontext.pids()
-        self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
-        failures = {
-            w.global_rank: ProcessFailure(
-                local_rank=w.local_rank, pid=pids[w.local_rank], exitcode=-int(signal.SIGKILL), error_file=""
-            )
-            for w in worker_group.workers
-        }
-        return RunResult(state=WorkerState.FAILED, failures=failures)
-
-    def _watch_hangs(self, worker_group: WorkerGroup) -> None:
-        """Kill the active whose heartbeat stalled longest; it is then recovered as a crash."""
-        if self._hangs is None or self._detected_t is not None or self._pcontext is None:
-            return
-        stalls = self._hangs.check()
-        if not stalls:
-            return
-        stall = stalls[0]
-        worker = worker_group.workers[stall.slot]
-        self._events.emit(
-            Kind.HANG_DETECTED, rank=worker.global_rank, gen=self._generation,
-            idle_s=round(stall.idle_s, 3), timeout_s=stall.limit_s,
-        )
-        logger.warning("rank %d made no progress for %.1f s: killing it", worker.global_rank, stall.idle_s)
-        try:
-            os.kill(worker.id, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._hangs.arm()  # one verdict per stall; the kill is seen by _detect_killed_active
 
     def _detect_killed_active(self) -> None:
         """See a trainer killed by a signal without reaping it, and stop its peers at once.

@@ -40,15 +40,17 @@ class ForkServer:
     """The agent's handle on its fork server process (started before any agent thread)."""
 
     def __init__(self) -> None:
+        # Workers forked by the server are re-parented to us: we wait on them as on children.
+        # Set before the server is forked: the kernel looks for a subreaper above an orphan
+        # only if one existed when its ancestors were forked.
+        if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise ProtocolError("prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable")
         self._dir = tempfile.mkdtemp(prefix="leto-fs-")
         self.path = os.path.join(self._dir, "sock")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "leto.forkserver", self.path], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
         )
         self._sock: socket.socket | None = None
-        # Workers forked by the server are re-parented to us: we wait on them as on children.
-        if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise ProtocolError("prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable")
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -93,7 +95,8 @@ class WarmPopen:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: report it as gone
+            except ChildProcessError:  # not (or no longer) our child: report it as gone
+                logger.warning("worker %d is not a child of this agent; reporting it as killed", self.pid)
                 self.returncode = -int(signal.SIGKILL)
                 return self.returncode
             if pid:

@@ -143,8 +143,8 @@ class SystemConfig:
             value = getattr(self, name)
             check(value is None or value >= 0, f"{name}: must be >= 0, got {value}")
         check(
-            0 <= self.overhead_ratio < 1,
-            f"overhead_ratio: must be in [0, 1), got {self.overhead_ratio}",
+            0 <= self.overhead_ratio,
+            f"overhead_ratio: must be >= 0 (iteration time multiplier minus 1), got {self.overhead_ratio}",
         )
         for name in ("checkpoint_interval_iters", "max_checkpoint_interval_iters"):
             value = getattr(self, name)

@@ -194,6 +194,11 @@ class Context:
             if self.heartbeat is not None:
                 self.heartbeat.beat()
 
+    def finished(self) -> None:
+        """Called by ``RetainedState.steps()`` after the last step (exit may take a while)."""
+        if self.heartbeat is not None:
+            self.heartbeat.finished()
+
     def _install_heartbeat(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Progress beats inside long phases: every leaf forward, every gradient, the update."""
         hb = self.heartbeat

@@ -224,6 +224,7 @@ class RetainedState:
             if not self._committed_this_step:
                 raise ProtocolError(f"step {step} ended without RetainedState.step() being called")
             step += 1
+        self.ctx.finished()  # no more heartbeats: the hang watch leaves this trainer alone
 
     def _begin(self, step: int) -> None:
         if self.marker.step != step or self.marker.phase != Phase.IDLE:

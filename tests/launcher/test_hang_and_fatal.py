@@ -6,25 +6,15 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import digests, run_leto
+from tests.launcher.harness import run_leto
+from tests.multinode.harness import assert_exact, fault_free_digests
 
 STEPS = 16
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], set[str]]:
-    proc, events = run_leto(tmp_path_factory.mktemp("ref"), steps=STEPS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = digests(events)
-    assert set(ref) == {(r, s) for r in (0, 1) for s in range(1, STEPS + 1)}
-    return ref
-
-
-def _assert_exact(reference: dict, events: list[dict]) -> None:
-    got = digests(events)
-    assert set(got) >= set(reference), f"missing digests: {sorted(set(reference) - set(got))}"
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS)
 
 
 @pytest.mark.timeout(240)
@@ -34,7 +24,7 @@ def test_sigstopped_trainer_is_killed_within_timeout_and_recovered_exactly(tmp_p
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
                             extra=["--hang-timeout", str(timeout_s), "--first-step-timeout", "60"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_exact(reference, events)
+    assert_exact(reference, events)
     (stopped,) = [e for e in events if e["kind"] == "fault_injected"]
     (hang,) = [e for e in events if e["kind"] == "hang_detected"]
     assert hang["timeout_s"] == timeout_s
@@ -52,7 +42,7 @@ def test_fatal_failure_restarts_from_the_checkpoint_bit_identically(tmp_path, re
                             extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
                                    "--checkpoint-every", "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_exact(reference, events)
+    assert_exact(reference, events)
     (epoch,) = [e for e in events if e["kind"] == "epoch"]
     assert (epoch["action"], epoch["failure"]) == ("restart", "ff")
     (restart,) = [e for e in events if e["kind"] == "group_restart"]

@@ -6,20 +6,22 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import digests, run_leto
-from tests.multinode.harness import all_events, log_tail, start_nodes, wait_nodes
+from tests.multinode.harness import (
+    all_events,
+    assert_exact,
+    fault_free_digests,
+    log_tail,
+    start_nodes,
+    wait_nodes,
+)
 
 STEPS = 16
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], set[str]]:
-    """The fault-free run: the same 4 ranks, one agent (gloo's ring is the same)."""
-    proc, events = run_leto(tmp_path_factory.mktemp("ref4"), steps=STEPS, extra=["--nproc-per-node", "4"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = digests(events)
-    assert set(ref) == {(r, s) for r in range(4) for s in range(1, STEPS + 1)}
-    return ref
+    """The fault-free run: the same 4 ranks under one agent (gloo's ring is the same)."""
+    return fault_free_digests(tmp_path_factory.mktemp("ref4"), steps=STEPS, nproc=4)
 
 
 @pytest.mark.timeout(300)
@@ -30,10 +32,7 @@ def test_kill_on_node1_promotes_shadows_on_every_node(tmp_path, reference, backe
     codes = wait_nodes(nodes, timeout_s=240)
     assert codes == [0, 0], log_tail(tmp_path)
     events = all_events(nodes)
-    got = digests(events)
-    assert set(got) >= set(reference), f"missing digests: {sorted(set(reference) - set(got))}"
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+    assert_exact(reference, events)
     assert len([e for e in events if e["kind"] == "fault_injected"]) == 2
     promoted = [e for e in events if e["kind"] == "shadows_promoted"]
     assert sorted((e["epoch"], e["node"]) for e in promoted) == [(1, 0), (1, 1), (2, 0), (2, 1)]

@@ -1,0 +1,178 @@
+"""The agent's failure policy: classify a failure, decide once for the whole job, follow.
+
+A mixin of :class:`~leto_run.agent.LetoAgent` (it uses the agent's state: the state
+manager, the shadow generation, the epoch board, the heartbeat watch). The decision is a
+record in the recovery epoch (``leto.epoch``); every node's agent follows the same record:
+
+* ``in_place`` — stop the local actives, promote the local shadows (``LetoAgent._recover``);
+* ``restart`` — torchrun's group restart; trainers then load the newest checkpoint.
+
+A node that cannot follow ``in_place`` (a shadow died) publishes ``restart`` for the next
+epoch. A multi-node agent whose trainers only raised (a peer's death breaks collectives)
+first waits ``peer_failure_grace_s`` for the record that explains them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from leto.epoch import EpochRecord
+from leto.events import Kind
+from leto.health import FailureClass
+
+if TYPE_CHECKING:
+    from leto_run.agent import LetoAgent
+
+    _Base = LetoAgent
+else:
+    _Base = object
+
+logger = logging.getLogger(__name__)
+
+
+class FailurePolicy(_Base):
+    """Classification, the job-wide decision and hang verdicts for :class:`LetoAgent`."""
+
+    def _classify(self, result: RunResult) -> FailureClass:
+        """FF when the state manager is gone or a trainer reported its hardware unusable;
+        HOF when a trainer was killed by a signal (on CPU the hardware is then usable);
+        ERROR when a script raised (an in-place retry would raise again)."""
+        assert self._epochs is not None
+        if self._sm is None or not self._sm.alive():
+            return FailureClass.FF
+        if any(self._epochs.check([f"fatal/{rank}"]) for rank in result.failures):
+            return FailureClass.FF
+        # Killed by a signal (seen first through a pidfd, or any signal but the SIGTERM torch
+        # sends a failed trainer's peers): on CPU the hardware is still usable.
+        if self._detected_t is not None or any(
+            f.exitcode < 0 and f.exitcode != -int(signal.SIGTERM) for f in result.failures.values()
+        ):
+            return FailureClass.HOF
+        return FailureClass.ERROR
+
+    def _local_shadows_ok(self) -> bool:
+        return (
+            self._shadows is not None and self._shadows.wait(0) is None
+            and self._sm is not None and self._sm.alive()
+        )
+
+    def _all_shadows_ready(self, worker_group: WorkerGroup) -> bool:
+        assert self._epochs is not None
+        nodes = range(worker_group.group_world_size)
+        return self._local_shadows_ok() and self._epochs.check(
+            [f"shadows/{self._generation + 1}/{n}" for n in nodes]
+        )
+
+    def _decide(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """A local failure: publish the job-wide answer (or find a peer's) and follow it."""
+        assert self._epochs is not None
+        failure = self._classify(result)
+        epoch = self._generation + 1
+        if failure is FailureClass.ERROR and worker_group.group_world_size > 1:
+            # A trainer on another node died, breaking our collectives: its agent's record
+            # is on its way and explains our error.
+            record = self._epochs.wait(epoch, self._leto.peer_failure_grace_s)
+            if record is not None:
+                return self._follow(worker_group, record, result)
+        failed = {str(rank): f.exitcode for rank, f in result.failures.items()}
+        root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(result.failures)
+        detected_t = self._detected_t or time.time()
+        self._events.emit(
+            Kind.FAILURE_DETECTED, ranks=failed, root_ranks=root, gen=self._generation,
+            detected_t=detected_t, failure=failure.value,
+        )
+        in_place = (
+            failure is FailureClass.HOF and self._leto.recovery == "in_place"
+            and self._all_shadows_ready(worker_group)
+        )
+        reason = {
+            FailureClass.HOF: "trainer killed" if in_place else "trainer killed, no shadows ready on every node",
+            FailureClass.FF: "fatal failure: hardware or retained state unusable",
+            FailureClass.ERROR: "trainer exited with an error"
+            + (" (no other node reported a failure: is another node's agent gone?)"
+               if worker_group.group_world_size > 1 else ""),
+        }[failure]
+        record = self._epochs.publish(EpochRecord(
+            epoch=epoch, action="in_place" if in_place else "restart", failure=failure.value,
+            node=worker_group.group_rank, ranks=failed, root_ranks=root, reason=reason, detected_t=detected_t,
+        ))
+        return self._follow(worker_group, record, result)
+
+    def _follow(self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None) -> RunResult:
+        """Act on the job-wide decision for this generation: promote, or restart the group."""
+        assert self._epochs is not None
+        while record.action == "in_place" and not self._local_shadows_ok():
+            # This node cannot follow (a shadow died): every node must restart instead. The
+            # others have promoted by now and watch the next epoch.
+            record = self._epochs.publish(EpochRecord(
+                epoch=record.epoch + 1, action="restart", failure=FailureClass.FF.value,
+                node=worker_group.group_rank, reason=f"node {worker_group.group_rank} has no live shadows",
+                detected_t=time.time(),
+            ))
+        self._events.emit(
+            Kind.EPOCH, epoch=record.epoch, action=record.action, failure=record.failure,
+            node=record.node, remote=record.node != worker_group.group_rank,
+        )
+        if record.action == "in_place":
+            self._recover(worker_group, record)
+            return RunResult(state=WorkerState.HEALTHY)
+        self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
+        if self._remaining_restarts > 0:
+            logger.warning("group restart: %s", self._restart_reason)
+        else:
+            logger.error(
+                "the job fails (no restarts left, --max-restarts %d): %s",
+                worker_group.spec.max_restarts, self._restart_reason,
+            )
+        if result is not None and result.state == WorkerState.FAILED:
+            return result
+        # Our own workers are healthy but the job is restarting: stop them, report them.
+        assert self._pcontext is not None
+        pids = self._pcontext.pids()
+        self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
+        failures = {
+            w.global_rank: ProcessFailure(
+                local_rank=w.local_rank, pid=pids[w.local_rank], exitcode=-int(signal.SIGKILL), error_file=""
+            )
+            for w in worker_group.workers
+        }
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _watch_hangs(self, worker_group: WorkerGroup) -> None:
+        """Kill the active whose heartbeat stalled longest; it is then recovered as a crash."""
+        if self._hangs is None or self._detected_t is not None or self._pcontext is None:
+            return
+        stalls = self._hangs.check()
+        if not stalls:
+            return
+        # Peers blocked in a collective with the hung rank stall too; a process that is
+        # stopped or in uninterruptible sleep is the likelier culprit, else the longest idle.
+        states = {s.slot: _proc_state(worker_group.workers[s.slot].id) for s in stalls}
+        stall = next((s for s in stalls if states[s.slot] in ("T", "t", "D")), stalls[0])
+        worker = worker_group.workers[stall.slot]
+        self._events.emit(
+            Kind.HANG_DETECTED, rank=worker.global_rank, gen=self._generation,
+            idle_s=round(stall.idle_s, 3), timeout_s=stall.limit_s, proc_state=states[stall.slot],
+        )
+        logger.warning("rank %d made no progress for %.1f s: killing it", worker.global_rank, stall.idle_s)
+        try:
+            os.kill(worker.id, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._hangs.arm()  # one verdict per stall; the kill is seen by _detect_killed_active
+
+
+def _proc_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (R, S, D, T, ...), or "?" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"

@@ -1,0 +1,30 @@
+"""Warm restarts: a plain torchrun script's group restart starts its workers from the fork
+server, and computes exactly what a cold (torchrun-style) restart computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leto.events import read_events
+from tests.launcher.harness import REPO
+from tests.launcher.test_torchrun_compat import _leto_run
+
+DDP = str(REPO / "examples" / "plain_ddp.py")
+
+
+@pytest.mark.timeout(300)
+def test_warm_restart_equals_cold_restart(tmp_path) -> None:
+    results = {}
+    for mode, flags in (("warm", []), ("cold", ["--no-warm-restarts"])):
+        run_dir = tmp_path / mode
+        run_dir.mkdir()
+        proc = _leto_run(run_dir, *flags, "--max-restarts", "1", DDP, "--steps", "6", "--kill-at-step", "2",
+                         "--out", str(run_dir / "out.json"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[mode] = json.loads((run_dir / "out.json").read_text())
+        started = [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "workers_started"]
+        assert [(e["restart"], e["warm"]) for e in started] == [(0, False), (1, mode == "warm")]
+    assert results["warm"] == results["cold"]
+    assert results["warm"]["attempt"] == 1
