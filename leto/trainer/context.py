@@ -18,17 +18,19 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 
 from leto.erasure import ErasureConfig
-from leto.errors import LetoError, ProtocolError
+from leto.errors import LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
 from leto.health import Heartbeat
@@ -194,6 +196,19 @@ class Context:
             if self.heartbeat is not None:
                 self.heartbeat.beat()
 
+    def report_fatal_on_unrecoverable(self) -> None:
+        """An uncaught ``UnrecoverableStateError`` tells the agent before the trainer dies,
+        so it is classified as a fatal failure (group restart from the checkpoint)."""
+        previous = sys.excepthook
+
+        def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+            if issubclass(tp, UnrecoverableStateError):
+                with contextlib.suppress(Exception):
+                    self.store.set(f"fatal/{self.rank}", f"unrecoverable: {value}"[:500])
+            previous(tp, value, tb)
+
+        sys.excepthook = hook
+
     def finished(self) -> None:
         """Called by ``RetainedState.steps()`` after the last step (exit may take a while)."""
         if self.heartbeat is not None:
@@ -264,6 +279,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     )
     base = dist.PrefixStore(store_prefix(env.restart_count), raw)
     ctx = Context(env, base, raw)
+    ctx.report_fatal_on_unrecoverable()
     ctx.events.emit(Kind.TRAINER_STARTED, rank=env.rank, gen=env.generation, role=env.role, pid=os.getpid())
     pg_store = dist.PrefixStore(f"gen{env.generation}/pg/", base)
     backend = _pick_backend(backend, ctx)
