@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -46,3 +47,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch 2.13's gloo can abort in C++ static teardown after a clean run ("terminate called
+    # without an active exception", also under plain torchrun on a loaded machine): skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

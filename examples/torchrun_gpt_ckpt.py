@@ -108,3 +108,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch 2.13's gloo can abort in C++ static teardown after a clean run: skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
