@@ -10,6 +10,7 @@ state manager and imported by successors; host regions stay memfds, page-locked 
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
@@ -37,30 +38,21 @@ class RegionMemory:
         index = self.device.index or 0
         requested, nbytes = nbytes, cuda_vmm.round_up(nbytes, index)
         found = self.pool.fetch(self.rank, name)
-        if found is None:
-            fd = cuda_vmm.create(nbytes, index)
-            try:
-                self.pool.deposit(self.rank, name, nbytes, fd)
-                mapping = cuda_vmm.map_fd(fd, nbytes, index)
-            finally:
-                import os
-
-                os.close(fd)
-            existing = False
-        else:
-            spec, backing, fd = found
-            try:
+        existing = found is not None
+        fd = found[2] if existing else cuda_vmm.create(nbytes, index)
+        try:
+            if existing:
+                spec, backing, _ = found
                 if backing != "cuda" or spec.nbytes != nbytes:
                     raise PoolError(
                         f"reattach of rank {self.rank} region {name!r} does not match: retained "
                         f"{spec.nbytes} B {backing}, asked {nbytes} B cuda"
                     )
-                mapping = cuda_vmm.map_fd(fd, nbytes, index)
-            finally:
-                import os
-
-                os.close(fd)
-            existing = True
+            else:
+                self.pool.deposit(self.rank, name, nbytes, fd)
+            mapping = cuda_vmm.map_fd(fd, nbytes, index)
+        finally:
+            os.close(fd)  # the state manager holds the allocation; the mapping holds this view
         self._keep.append(mapping)
         tensor = torch.as_tensor(mapping, device=self.device)
         if not existing:

@@ -234,9 +234,8 @@ class RetainedState:
         self.ctx.injector.step = step
         set_rng_blob(self._rng, self.device)
         self.grad_bytes.zero_()
-        for p, gslot in zip(self.params, self.layout.grads, strict=True):
-            if p.grad is None or p.grad.data_ptr() != gslot.view(self.grad_bytes).data_ptr():
-                p.grad = gslot.view(self.grad_bytes)  # undo a zero_grad(set_to_none=True)
+        for p, grad in self._unbound_grads():
+            p.grad = grad  # undo a zero_grad(set_to_none=True)
 
     def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
@@ -291,13 +290,19 @@ class RetainedState:
         self.marker.advance(Phase.IDLE, step + 1)
         self._committed()
 
-    def _check_grads_bound(self) -> None:
+    def _unbound_grads(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Parameters whose ``.grad`` is not its retained view, with that view."""
         for p, gslot in zip(self.params, self.layout.grads, strict=True):
-            if p.grad is None or p.grad.data_ptr() != gslot.view(self.grad_bytes).data_ptr():
-                raise ProtocolError(
-                    "a gradient no longer lives in retained memory (was optimizer.zero_grad() "
-                    "called inside the step?); leto zeroes gradients at the start of each step"
-                )
+            grad = gslot.view(self.grad_bytes)
+            if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
+                yield p, grad
+
+    def _check_grads_bound(self) -> None:
+        if next(self._unbound_grads(), None) is not None:
+            raise ProtocolError(
+                "a gradient no longer lives in retained memory (was optimizer.zero_grad() "
+                "called inside the step?); leto zeroes gradients at the start of each step"
+            )
 
     def _allreduce_grads(self) -> None:
         if self.ctx.world_size == 1:
