@@ -113,8 +113,11 @@ class FaultInjector:
 def erase_pages(pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: ErasureConfig, events: EventLog) -> None:
     """Lose the pages a fault asks for, at recovery time (the agent calls this on its node).
 
-    Device pages come from the rank's model state ("state"), host pages from its tier-1
-    parity ("state.p1"); the choice is deterministic in the fault's index.
+    Device pages come from the rank's model state ("state"): the state manager closes the
+    fds of the chunks that hold them, so their memory is gone once no trainer maps them
+    and the promoted trainer's page-map query finds them. Host pages come from its tier-1
+    parity ("state.p1"): punched out of the memfd and made inaccessible to the probe. The
+    choice is deterministic in the fault's index.
     """
     from leto.trainer.protection import pages_to_erase
 
@@ -127,5 +130,5 @@ def erase_pages(pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: Eras
             continue
         total = spec.nbytes // erasure.page_bytes
         pages = pages_to_erase(total, count, group_pages, fault.erase_group, seed=fault_id)
-        pool.erase(fault.rank, region, erasure.page_bytes, pages)
+        pages = pool.erase(fault.rank, region, erasure.page_bytes, pages)
         events.emit(Kind.PAGES_ERASED, rank=fault.rank, region=region, pages=pages, fault=fault_id)

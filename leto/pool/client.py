@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leto.errors import PoolError, ProtocolError
-from leto.pool import protocol
+from leto.pool import pagemap, protocol
 from leto.pool.protocol import RegionSpec, Tier
 
 
@@ -30,6 +30,27 @@ class MappedRegion:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+@dataclass(slots=True)
+class FetchedRegion:
+    """A deposited device region as the state manager holds it: one fd per chunk."""
+
+    spec: RegionSpec
+    backing: str
+    chunk_bytes: int
+    fds: list[int | None]
+    """None where the chunk is lost."""
+
+    @property
+    def lost(self) -> list[int]:
+        return [i for i, fd in enumerate(self.fds) if fd is None]
+
+    def close(self) -> None:
+        for i, fd in enumerate(self.fds):
+            if fd is not None:
+                os.close(fd)
+                self.fds[i] = None
 
 
 class PoolClient:
@@ -74,17 +95,45 @@ class PoolClient:
         spec = RegionSpec(**reply["spec"])
         return MappedRegion(spec=spec, existing=True, buffer=_map(fds, spec.nbytes))
 
-    def deposit(self, rank: int, name: str, nbytes: int, fd: int) -> None:
-        """Hand a device allocation (an exported CUDA VMM fd) to the state manager to retain."""
-        spec = RegionSpec(rank=rank, name=name, nbytes=nbytes, dtype="uint8", tier="device")
-        self.request({"op": "deposit", **_asdict(spec)}, [fd])
+    def deposit(self, rank: int, name: str, nbytes: int, chunk_bytes: int, backing: str, fds: list[int],
+                start: int = 0, replace: bool = False) -> None:
+        """Hand chunks ``start ..`` of a device region (one fd each) to the state manager.
 
-    def fetch(self, rank: int, name: str) -> tuple[RegionSpec, str, int] | None:
-        """(spec, backing, fd) of a retained region without mapping it; the caller owns the fd."""
-        reply, fds = self.request({"op": "fetch", "rank": rank, "name": name})
-        if not reply["found"]:
-            return None
-        return RegionSpec(**reply["spec"]), str(reply["backing"]), fds[0]
+        Sent in batches of at most SCM_MAX_FD fds; the caller keeps (and closes) its fds.
+        """
+        spec = RegionSpec(rank=rank, name=name, nbytes=nbytes, dtype="uint8", tier="device")
+        for offset, batch in pagemap.batches(fds):
+            self.request({"op": "deposit", **_asdict(spec), "chunk_bytes": chunk_bytes, "backing": backing,
+                          "start": start + offset, "replace": replace}, list(batch))
+
+    def fetch(self, rank: int, name: str) -> FetchedRegion | None:
+        """A deposited region's chunk fds, without mapping them; the caller owns the fds.
+
+        One request per window of SCM_MAX_FD chunks; a chunk with no fd is lost.
+        """
+        found: FetchedRegion | None = None
+        start = 0
+        while found is None or start < len(found.fds):
+            reply, fds = self.request({"op": "fetch", "rank": rank, "name": name, "start": start})
+            if found is None:
+                if not reply["found"]:
+                    return None  # (a reply without the region carries no fds)
+                spec = RegionSpec(**reply["spec"])
+                chunk_bytes = int(reply["chunk_bytes"])
+                found = FetchedRegion(spec, str(reply["backing"]), chunk_bytes, [None] * (spec.nbytes // chunk_bytes))
+            if not reply["found"] or len(fds) != len(reply["indices"]):
+                for fd in fds:
+                    os.close(fd)
+                found.close()
+                raise ProtocolError(f"fetch of {name!r} from chunk {start}: the region changed or fds went missing")
+            for i, fd in zip(reply["indices"], fds, strict=True):
+                found.fds[i] = fd
+            start = int(reply["end"])
+        return found
+
+    def pagemap(self, rank: int, name: str) -> list[int]:
+        """Chunks of a deposited region whose fd the state manager no longer holds (lost)."""
+        return pagemap.from_runs(self.request({"op": "pagemap", "rank": rank, "name": name})[0]["lost"])
 
     def describe(self, rank: int, name: str) -> RegionSpec | None:
         spec = self.request({"op": "describe", "rank": rank, "name": name})[0]["spec"]
@@ -95,9 +144,11 @@ class PoolClient:
         reply, _ = self.request({"op": "localize", "rank": rank, "name": name, "page_bytes": page_bytes})
         return [int(p) for p in reply["pages"]]
 
-    def erase(self, rank: int, name: str, page_bytes: int, pages: list[int]) -> None:
-        """Fault injection: lose these pages of a region (see the state manager)."""
-        self.request({"op": "erase", "rank": rank, "name": name, "page_bytes": page_bytes, "pages": pages})
+    def erase(self, rank: int, name: str, page_bytes: int, pages: list[int]) -> list[int]:
+        """Fault injection: lose these pages of a region (see the state manager); returns the
+        pages lost, which for a chunked region are all pages of the chunks that held them."""
+        reply, _ = self.request({"op": "erase", "rank": rank, "name": name, "page_bytes": page_bytes, "pages": pages})
+        return [int(p) for p in reply["pages"]]
 
     def stats(self) -> dict[str, Any]:
         return self.request({"op": "stats"})[0]

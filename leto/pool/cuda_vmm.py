@@ -1,11 +1,14 @@
 """CUDA virtual-memory allocations shared through POSIX file descriptors (device tier on GPU).
 
-The first trainer of a rank creates each device region with ``cuMemCreate`` (handle type
-POSIX fd), exports the fd and deposits it with the state manager, which only holds the fd:
-it never initialises CUDA, so it costs no context and no HBM. An exported allocation stays
-alive while any process holds its fd, so it survives the SIGKILL of the trainer that made
-it. A successor imports the fd (``cuMemImportFromShareableHandle``), reserves an address
-range, maps it and wraps it as a torch tensor through ``__cuda_array_interface__`` — zero copies.
+The first trainer of a rank creates each device region as per-chunk ``cuMemCreate``
+allocations (handle type POSIX fd), exports one fd per chunk and deposits them with the
+state manager, which only holds the fds: it never initialises CUDA, so it costs no
+context and no HBM. An exported allocation stays alive while any process holds its fd or
+maps it, so it survives the SIGKILL of the trainer that made it. A successor imports each
+fd (``cuMemImportFromShareableHandle``), maps the chunks back to back in one reserved
+address range and wraps it as a torch tensor through ``__cuda_array_interface__`` — zero
+copies. The region logic (page table, lost chunks, replacement) is
+``leto.pool.chunks.ChunkedRegion``; :class:`CudaChunks` is its GPU backend.
 
 ``available()`` is False on machines without a driver (``cuInit`` raises
 ``DynamicLibNotFoundError``): callers take the memfd path there.
@@ -14,10 +17,13 @@ range, maps it and wraps it as a torch tensor through ``__cuda_array_interface__
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import logging
+import types
 from typing import Any
 
 from leto.errors import PoolError
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -86,40 +92,69 @@ def create(nbytes: int, device: int) -> int:
     return int(fd)
 
 
-@dataclass(slots=True)
-class Mapping:
-    """A device region mapped into this process at ``ptr`` ."""
+class CudaChunks:
+    """GPU chunks for ``leto.pool.chunks.ChunkedRegion``: one ``cuMemCreate`` each.
 
-    ptr: int
-    nbytes: int
-    page_bytes: int
-    device: int
+    Every chunk is imported and mapped on its own (``cuMemMap`` takes offset 0 only, so a
+    single allocation could not be unmapped page by page); the reservation spans them all.
+    """
 
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+    backing = "cuda"
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.granularity = granularity(device)
+
+    def create(self, chunk_bytes: int) -> int:
+        return create(chunk_bytes, self.device)
+
+    def reserve(self, nbytes: int) -> int:
+        return int(_check(_driver().cuMemAddressReserve(nbytes, self.granularity, 0, 0), "cuMemAddressReserve"))
+
+    def map(self, addr: int, fd: int, chunk_bytes: int) -> None:
+        cu = _driver()
+        handle = _check(
+            cu.cuMemImportFromShareableHandle(fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "cuMemImportFromShareableHandle",
+        )
+        try:
+            _check(cu.cuMemMap(addr, chunk_bytes, 0, handle, 0), "cuMemMap")
+        finally:
+            _check(cu.cuMemRelease(handle), "cuMemRelease")  # the mapping holds it now
+
+    def enable(self, addr: int, nbytes: int) -> None:
+        cu = _driver()
+        access = cu.CUmemAccessDesc()
+        access.location = self._location()
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _check(cu.cuMemSetAccess(addr, nbytes, [access], 1), "cuMemSetAccess")
+
+    def unmap(self, addr: int, chunk_bytes: int) -> None:
+        cu = _driver()
+        (err,) = cu.cuMemUnmap(addr, chunk_bytes)
+        if err != cu.CUresult.CUDA_SUCCESS:  # nothing mapped there any more: already gone
+            logger.info("cuMemUnmap of a lost chunk at %#x: %s", addr, getattr(err, "name", err))
+
+    def failed(self, addr: int, nbytes: int, chunk_bytes: int) -> list[int]:
+        """Chunks whose mapping no longer answers: no allocation, or not read-write here."""
+        cu = _driver()
+        location, rw = self._location(), cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        lost = []
+        for i in range(nbytes // chunk_bytes):
+            err, flags = cu.cuMemGetAccess(location, addr + i * chunk_bytes)
+            if err != cu.CUresult.CUDA_SUCCESS or int(flags) != int(rw):
+                lost.append(i)
+        return lost
+
+    def _location(self) -> Any:
+        cu = _driver()
+        location = cu.CUmemLocation()
+        location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        location.id = self.device
+        return location
 
 
-def map_fd(fd: int, nbytes: int, device: int, page_bytes: int | None = None) -> Mapping:
-    """Import an exported allocation and map it read-write on ``device``."""
-    cu = _driver()
-    page = page_bytes or granularity(device)
-    if nbytes % page:
-        raise PoolError(f"device region of {nbytes} bytes is not a multiple of the {page}-byte page")
-    handle = _check(
-        cu.cuMemImportFromShareableHandle(fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-        "cuMemImportFromShareableHandle",
-    )
-    try:
-        ptr = int(_check(cu.cuMemAddressReserve(nbytes, page, 0, 0), "cuMemAddressReserve"))
-        # cuMemMap takes offset 0 only (NOT_SUPPORTED otherwise, seen on CUDA 13): one
-        # mapping per allocation. Per-page localisation will need per-page allocations.
-        _check(cu.cuMemMap(ptr, nbytes, 0, handle, 0), "cuMemMap")
-    finally:
-        _check(cu.cuMemRelease(handle), "cuMemRelease")  # the mappings hold it now
-    access = cu.CUmemAccessDesc()
-    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    access.location.id = device
-    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    _check(cu.cuMemSetAccess(ptr, nbytes, [access], 1), "cuMemSetAccess")
-    return Mapping(ptr=ptr, nbytes=nbytes, page_bytes=page, device=device)
+def array_interface(ptr: int, nbytes: int) -> Any:
+    """An object torch.as_tensor wraps as ``nbytes`` uint8 of device memory at ``ptr``."""
+    interface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+    return types.SimpleNamespace(__cuda_array_interface__=interface)

@@ -31,6 +31,8 @@ import mmap
 import os
 from typing import Literal
 
+from leto.pool.pagemap import runs
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_READ = 22
@@ -124,17 +126,6 @@ def scan_failed_pages(addr: int, length: int, page_bytes: int,
     return failed
 
 
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """Sorted page indices as (first, count) runs."""
-    runs: list[tuple[int, int]] = []
-    for p in sorted(set(pages)):
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
-
-
 def punch_hole(fd: int, offset: int, nbytes: int) -> None:
     """Drop ``nbytes`` of the memfd at ``offset``: its physical pages are freed, reads give 0."""
     if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes):
@@ -151,7 +142,7 @@ def remap_pages(addr: int, fd: int, fd_offset: int, page_bytes: int, pages: list
     mapped again at the same address with ``MAP_FIXED``, read-write and shared, so other
     processes that map the same memfd see the new pages too.
     """
-    for first, count in _runs(pages):
+    for first, count in runs(pages):
         off, n = first * page_bytes, count * page_bytes
         punch_hole(fd, fd_offset + off, n)
         got = _libc.mmap(addr + off, n, mmap.PROT_READ | mmap.PROT_WRITE,
@@ -171,7 +162,7 @@ def make_inaccessible(addr: int, page_bytes: int, pages: list[int],
     ``EINVAL``); ``munmap`` removes the mapping (``ENOMEM``). Neither is hardware poison:
     the kernel's memory-failure path is not exercised, only the localisation logic.
     """
-    for first, count in _runs(pages):
+    for first, count in runs(pages):
         a, n = addr + first * page_bytes, count * page_bytes
         rc = _libc.mprotect(a, n, PROT_NONE) if how == "mprotect" else _libc.munmap(a, n)
         if rc:

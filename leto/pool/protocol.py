@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from leto.errors import PoolError, ProtocolError
+from leto.pool.pagemap import SCM_MAX_FD
 
 MAX_MESSAGE_BYTES = 1 << 16
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
@@ -53,15 +54,28 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
     data = json.dumps(message).encode()
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if fds and len(fds) > SCM_MAX_FD:
+        raise ProtocolError(f"{len(fds)} fds in one message exceed SCM_MAX_FD={SCM_MAX_FD}: send them in batches")
     if fds:
         socket.send_fds(sock, [data], fds)
     else:
         sock.send(data)
 
 
-def recv(sock: socket.socket, max_fds: int = 4) -> tuple[dict[str, Any] | None, list[int]]:
-    """Receive one message; ``(None, [])`` when the peer closed the connection."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, max_fds)
+def recv(sock: socket.socket, max_fds: int = SCM_MAX_FD) -> tuple[dict[str, Any] | None, list[int]]:
+    """Receive one message; ``(None, [])`` when the peer closed the connection.
+
+    A message whose fds did not all arrive (the kernel drops the excess when the receiver
+    is at its ``RLIMIT_NOFILE``, and flags MSG_CTRUNC) is an error, never a short list.
+    """
+    data, fds, flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, max_fds)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            _close_quietly(fd)
+        raise ProtocolError(
+            f"file descriptors of a message were dropped (MSG_CTRUNC, {len(fds)} arrived): "
+            "this process is at its open-file limit; raise `ulimit -n`"
+        )
     if not data:
         for fd in fds:
             _close_quietly(fd)

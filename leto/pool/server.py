@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
 import signal
 import socket
 import struct
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from leto.errors import LetoError, PoolError
-from leto.pool import localize, protocol
+from leto.pool import localize, pagemap, protocol
 from leto.pool.protocol import RegionSpec
 
 logger = logging.getLogger(__name__)
@@ -37,24 +38,50 @@ DEFAULT_MAX_REGION_BYTES = 1 << 40
 @dataclass(slots=True)
 class _Region:
     spec: RegionSpec
-    fd: int
+    fds: list[int | None]
+    """One fd (memfd made here), or one per chunk of a deposited region (None: lost)."""
+    chunk_bytes: int
     backing: str = "memfd"
-    """memfd (made here) or cuda (a trainer's exported CUDA VMM allocation, deposited)."""
+    """memfd: made here; cuda / memfd-chunks: a trainer's per-chunk allocations, deposited."""
     addr: int | None = None
     """The state manager's own mapping, made only for localisation (never read)."""
 
+    @property
+    def deposited(self) -> bool:
+        return self.backing != "memfd"
+
+    @property
+    def fd(self) -> int:
+        if self.deposited or self.fds[0] is None:
+            raise PoolError(f"region {self.spec.name!r} is {self.backing} memory, held per chunk")
+        return self.fds[0]
+
+    @property
+    def table(self) -> pagemap.PageTable:
+        return pagemap.PageTable(self.spec.nbytes, self.chunk_bytes)
+
+    def lost_chunks(self) -> list[int]:
+        return [i for i, fd in enumerate(self.fds) if fd is None]
+
     def mapping(self) -> int:
-        if self.backing != "memfd":
+        if self.deposited:
             raise PoolError(f"region {self.spec.name!r} is {self.backing} memory: the trainer localises it")
         if self.addr is None:
             self.addr = localize.map_memfd(self.fd, self.spec.nbytes)
         return self.addr
 
+    def drop(self, chunks: list[int]) -> None:
+        """Close these chunks' fds: once no process maps them, their memory is gone."""
+        for i in chunks:
+            fd, self.fds[i] = self.fds[i], None
+            if fd is not None:
+                os.close(fd)
+
     def close(self) -> None:
         if self.addr is not None:
             localize.unmap(self.addr, self.spec.nbytes)
             self.addr = None
-        os.close(self.fd)
+        self.drop(list(range(len(self.fds))))
 
 
 class StateManager:
@@ -68,7 +95,7 @@ class StateManager:
     def handle(self, request: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
         """Serve one request; returns the reply and the fds to attach to it.
 
-        Only ``deposit`` takes an fd from the peer; any other fd sent is closed.
+        Only ``deposit`` takes fds from the peer; any other fd sent is closed.
         """
         fds = list(fds or [])
         op = request.get("op")
@@ -85,21 +112,69 @@ class StateManager:
                 os.close(fd)
 
     def _op_deposit(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        """Retain a device allocation a trainer made (CUDA VMM, exported as a POSIX fd)."""
+        """Retain chunks of a device region a trainer made (CUDA VMM or memfd, one fd each).
+
+        ``start`` is the first chunk index the attached fds fill (at most SCM_MAX_FD per
+        message). The first deposit creates the region with every slot empty; later ones
+        fill empty slots (the rest of a region, or fresh chunks replacing lost ones), or,
+        with ``replace``, slots whose chunk the trainer found failed.
+        """
         spec = self._spec(request)
-        if len(fds) != 1:
-            raise PoolError(f"deposit of {spec.name!r} needs exactly one fd, got {len(fds)}")
-        if (spec.rank, spec.name) in self._regions:
-            raise PoolError(f"rank {spec.rank} region {spec.name!r} is already retained")
-        self._regions[(spec.rank, spec.name)] = _Region(spec, fds.pop(), backing="cuda")
+        chunk_bytes, start, backing = request.get("chunk_bytes"), request.get("start", 0), request.get("backing")
+        if backing not in ("cuda", "memfd-chunks"):
+            raise PoolError(f"deposit of {spec.name!r}: backing {backing!r} is not cuda or memfd-chunks")
+        try:
+            table = pagemap.PageTable(spec.nbytes, chunk_bytes)
+        except (TypeError, ValueError) as e:
+            raise PoolError(f"deposit of {spec.name!r}: {e}") from None
+        if not fds or not isinstance(start, int) or not 0 <= start <= table.num_chunks - len(fds):
+            raise PoolError(f"deposit of {spec.name!r}: {len(fds)} fds from chunk {start!r} do not fit "
+                            f"its {table.num_chunks} chunks")
+        key = (spec.rank, spec.name)
+        region = self._regions.get(key)
+        if region is None:
+            region = self._regions[key] = _Region(spec, [None] * table.num_chunks, chunk_bytes, backing=backing)
+        elif (region.spec, region.chunk_bytes, region.backing) != (spec, chunk_bytes, backing):
+            raise PoolError(f"deposit does not match rank {spec.rank} region {spec.name!r}: retained "
+                            f"{region.spec.nbytes} B in {region.chunk_bytes}-byte {region.backing} chunks")
+        slots = range(start, start + len(fds))
+        if not request.get("replace") and any(region.fds[i] is not None for i in slots):
+            raise PoolError(f"rank {spec.rank} region {spec.name!r}: chunks {start}..{slots[-1]} are already retained")
+        region.drop(list(slots))
+        for i in slots:
+            region.fds[i] = fds.pop(0)
         return {"ok": True}, []
 
-    def _op_fetch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """The fd of a retained region, unmapped (CUDA regions are imported by the trainer)."""
+    def _deposited(self, request: dict[str, Any]) -> _Region | None:
         region = self._regions.get((request.get("rank"), request.get("name")))
+        if region is not None and not region.deposited:
+            raise PoolError(f"region {region.spec.name!r} was allocated here (memfd): use lookup, not fetch")
+        return region
+
+    def _op_fetch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """fds of a deposited region's chunks ``start .. start + SCM_MAX_FD - 1`` (the held ones).
+
+        ``indices`` names the chunk of each attached fd; a chunk of the window not named
+        is lost. The caller owns the fds it receives.
+        """
+        region = self._deposited(request)
         if region is None:
             return {"ok": True, "found": False}, []
-        return {"ok": True, "found": True, "spec": asdict(region.spec), "backing": region.backing}, [region.fd]
+        start = request.get("start", 0)
+        if not isinstance(start, int) or not 0 <= start < len(region.fds):
+            raise PoolError(f"fetch of {region.spec.name!r}: start {start!r} outside its {len(region.fds)} chunks")
+        window = range(start, min(len(region.fds), start + pagemap.SCM_MAX_FD))
+        indices = [i for i in window if region.fds[i] is not None]
+        reply = {"ok": True, "found": True, "spec": asdict(region.spec), "backing": region.backing,
+                 "chunk_bytes": region.chunk_bytes, "indices": indices, "end": window.stop}
+        return reply, [region.fds[i] for i in indices]  # type: ignore[misc]
+
+    def _op_pagemap(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """The lost (empty) chunk slots of a deposited region, as (first, count) runs."""
+        region = self._deposited(request)
+        if region is None:
+            raise PoolError(f"rank {request.get('rank')} has no deposited region {request.get('name')!r}")
+        return {"ok": True, "lost": pagemap.runs(region.lost_chunks())}, []
 
     def _spec(self, request: dict[str, Any]) -> RegionSpec:
         try:
@@ -137,7 +212,7 @@ class StateManager:
         except OSError:
             os.close(fd)
             raise
-        self._regions[key] = _Region(spec, fd)
+        self._regions[key] = _Region(spec, [fd], spec.nbytes)
         return {"ok": True, "existing": False}, [fd]
 
     def _op_lookup(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -166,7 +241,9 @@ class StateManager:
         by_tier = {tier: 0 for tier in protocol.TIERS}
         for region in self._regions.values():
             by_tier[region.spec.tier] += region.spec.nbytes
-        return {"ok": True, "regions": len(self._regions), "bytes": by_tier}, []
+        fds = sum(fd is not None for region in self._regions.values() for fd in region.fds)
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return {"ok": True, "regions": len(self._regions), "bytes": by_tier, "fds": fds, "fd_limit": fd_limit}, []
 
     def _paged_region(self, request: dict[str, Any]) -> tuple[_Region, int]:
         region = self._regions.get((request.get("rank"), request.get("name")))
@@ -190,21 +267,31 @@ class StateManager:
         return {"ok": True, "pages": pages}, []
 
     def _op_erase(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """Fault injection: lose pages the way a memory failure would.
+        """Fault injection: lose pages the way a memory failure would; replies the pages lost.
 
-        Their contents are dropped (hole punched in the memfd: every mapping reads zeros)
-        and they become inaccessible to the localisation probe (PROT_NONE here).
+        memfd regions: their contents are dropped (hole punched: every mapping reads zeros)
+        and they become inaccessible to the localisation probe (PROT_NONE here). Deposited
+        regions: the fds of the chunks holding them are closed, so the chunks are gone once
+        no trainer maps them (a chunk loses all its pages) and the trainer's page-map query
+        finds the empty slots.
         """
         region, page_bytes = self._paged_region(request)
         pages = request.get("pages")
         total = region.spec.nbytes // page_bytes
         if not isinstance(pages, list) or not all(isinstance(p, int) and 0 <= p < total for p in pages):
             raise PoolError(f"erase: pages must be indices below {total}")
+        if region.deposited:
+            try:
+                chunks = region.table.chunks_of(pages, page_bytes)
+            except ValueError as e:
+                raise PoolError(f"erase: {e}") from None
+            region.drop(chunks)
+            return {"ok": True, "pages": region.table.pages_of(chunks, page_bytes)}, []
         addr = region.mapping()
         for p in pages:
             localize.punch_hole(region.fd, p * page_bytes, page_bytes)
         localize.make_inaccessible(addr, page_bytes, pages)
-        return {"ok": True, "pages": pages}, []
+        return {"ok": True, "pages": sorted(set(pages))}, []
 
     def close(self) -> None:
         for region in self._regions.values():
@@ -284,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     # Die with the agent: an orphaned state manager would pin memory forever.
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    pagemap.raise_nofile_limit()  # one fd per device chunk of every local rank
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the agent, which stops us
     try:

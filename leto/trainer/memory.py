@@ -1,22 +1,27 @@
 """Retained regions of one rank as torch tensors: device tier on the model's device.
 
-CPU (and machines without a CUDA driver): every region is a memfd from the state manager,
-mapped and wrapped with ``torch.frombuffer`` (zero copy). GPU: device regions are CUDA VMM
-allocations (see ``leto.pool.cuda_vmm``) created by the first trainer, deposited with the
-state manager and imported by successors; host regions stay memfds, page-locked with
-``cudaHostRegister`` so device-to-host copies run at full speed.
+Device regions are per-chunk physical allocations mapped back to back
+(``leto.pool.chunks.ChunkedRegion``): CUDA VMM chunks on GPU (``leto.pool.cuda_vmm``),
+memfd chunks on CPU (and machines without a CUDA driver), created by the first trainer,
+deposited with the state manager and mapped by successors; a lost chunk is found and
+replaced on its own. Host regions are memfds the state manager allocates, wrapped with
+``torch.frombuffer`` (zero copy) and, on GPU, page-locked with ``cudaHostRegister`` so
+device-to-host copies run at full speed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 
 import torch
 
 from leto.errors import PoolError
-from leto.pool import cuda_vmm
+from leto.pool import cuda_vmm, pagemap
+from leto.pool.chunks import ChunkBackend, ChunkedRegion, MemfdChunks
 from leto.pool.client import PoolClient
+from leto.pool.cuda_vmm import CudaChunks
 
 _DIGEST_CHUNK = 1 << 26  # int64 words per chunk of the on-device digest
 
@@ -29,35 +34,46 @@ class RegionMemory:
         self.cuda = device.type == "cuda"
         if self.cuda and not cuda_vmm.available():
             raise PoolError("the model is on CUDA but the CUDA driver API is unavailable")
+        pagemap.raise_nofile_limit()  # fd batches of up to SCM_MAX_FD chunks arrive at once
+        self.backend: ChunkBackend = CudaChunks(device.index or 0) if self.cuda else MemfdChunks()
         self._keep: list[object] = []
+        self._chunked: dict[str, tuple[ChunkedRegion, torch.Tensor]] = {}
 
-    def device_region(self, name: str, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """(uint8 tensor on the model's device, True when it was already retained)."""
-        if not self.cuda:
-            return self.host_region(name, nbytes, tier="device")
-        index = self.device.index or 0
-        requested, nbytes = nbytes, cuda_vmm.round_up(nbytes, index)
-        found = self.pool.fetch(self.rank, name)
-        existing = found is not None
-        fd = found[2] if existing else cuda_vmm.create(nbytes, index)
-        try:
-            if existing:
-                spec, backing, _ = found
-                if backing != "cuda" or spec.nbytes != nbytes:
-                    raise PoolError(
-                        f"reattach of rank {self.rank} region {name!r} does not match: retained "
-                        f"{spec.nbytes} B {backing}, asked {nbytes} B cuda"
-                    )
-            else:
-                self.pool.deposit(self.rank, name, nbytes, fd)
-            mapping = cuda_vmm.map_fd(fd, nbytes, index)
-        finally:
-            os.close(fd)  # the state manager holds the allocation; the mapping holds this view
-        self._keep.append(mapping)
-        tensor = torch.as_tensor(mapping, device=self.device)
-        if not existing:
-            tensor.zero_()  # cuMemCreate memory is uninitialised; padding must digest the same
-        return tensor[:requested], existing  # the allocation is rounded up to the VMM granularity
+    @property
+    def granularity(self) -> int:
+        """Bytes a device chunk must be a multiple of (VMM granularity, or the OS page)."""
+        return self.backend.granularity
+
+    def chunk_budget(self) -> int:
+        """Device chunks this rank may deposit: its share of the state manager's fd limit."""
+        return pagemap.fd_budget(int(self.pool.stats()["fd_limit"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def device_region(self, name: str, nbytes: int, chunk_bytes: int | None = None) -> tuple[torch.Tensor, bool]:
+        """(uint8 tensor on the model's device, True when it was already retained).
+
+        The region is ``chunk_bytes`` physical chunks (default: one chunk for the whole
+        region) that :meth:`lost_pages` can find lost and replace one by one.
+        """
+        chunk = chunk_bytes or -(-nbytes // self.granularity) * self.granularity
+        region = ChunkedRegion.attach(self.backend, self.pool, self.rank, name, nbytes, chunk)
+        if self.cuda:
+            tensor = torch.as_tensor(cuda_vmm.array_interface(region.ptr, region.nbytes), device=self.device)
+            if not region.existing:
+                tensor.zero_()  # cuMemCreate memory is uninitialised; padding must digest the same
+        else:
+            tensor = torch.frombuffer((ctypes.c_ubyte * region.nbytes).from_address(region.ptr), dtype=torch.uint8)
+        self._chunked[name] = (region, tensor)
+        return tensor[:nbytes], region.existing  # the allocation is rounded up to whole chunks
+
+    def lost_pages(self, name: str, page_bytes: int) -> list[int]:
+        """Pages of device region ``name`` that were lost, now on fresh zeroed chunks."""
+        region, tensor = self._chunked[name]
+        self.fence()  # no kernel may run on a chunk while it is swapped
+        chunks = region.localize()
+        if self.cuda:
+            for c in chunks:
+                tensor[c * region.table.chunk_bytes : (c + 1) * region.table.chunk_bytes].zero_()
+        return region.table.pages_of(chunks, page_bytes)
 
     def host_region(self, name: str, nbytes: int, tier: str = "host") -> tuple[torch.Tensor, bool]:
         region = self.pool.alloc(self.rank, name, nbytes, "uint8", tier)  # type: ignore[arg-type]

@@ -3,8 +3,9 @@
 A protected region ``name`` (device tier: model state, gradients) is cut into groups of D
 pages; each group has H1 tier-1 and H2 tier-2 parity pages in two host regions,
 ``name.p1`` and ``name.p2``, owned by the state manager like everything else. After a
-failure the state manager localises and remaps failed pages of all three regions; the
-promoted trainer rebuilds them here, tier 2 first, then tier 1, before it touches the
+failure the trainer's page-map query localises and replaces lost chunks of the data
+region (``leto.pool.chunks``) and the state manager localises and remaps failed pages of
+the parity regions (``leto.pool.localize``); the promoted trainer rebuilds them here, tier 2 first, then tier 1, before it touches the
 data. More failures than the code tolerates raise ``UnrecoverableStateError``: never a
 resume on wrong data.
 """
@@ -12,6 +13,7 @@ resume on wrong data.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +38,13 @@ class LostPages:
 class ProtectedRegion:
     """Parity bookkeeping of one retained region (the data view is passed in)."""
 
-    def __init__(self, pool: PoolClient, rank: int, name: str, data: torch.Tensor, cfg: ErasureConfig) -> None:
+    def __init__(self, pool: PoolClient, rank: int, name: str, data: torch.Tensor, cfg: ErasureConfig,
+                 lost_data_pages: Callable[[int], list[int]]) -> None:
+        """``lost_data_pages(page_bytes)`` localises the data region itself (a device region:
+        the trainer's page-map query, ``RegionMemory.lost_pages``)."""
         self.pool, self.rank, self.name, self.cfg = pool, rank, name, cfg
         self.data = data
+        self._lost_data_pages = lost_data_pages
         self.spans = plan_groups(data.numel(), cfg)
         pb = cfg.page_bytes
         n = len(self.spans)
@@ -67,10 +73,11 @@ class ProtectedRegion:
             group.encode_all()
 
     def localize(self) -> LostPages:
-        """Ask the state manager which pages failed (they come back remapped and zeroed)."""
+        """Find failed pages (they come back remapped and zeroed): data pages by the device
+        region's page-map query, parity pages by the state manager's host scan."""
         pb = self.cfg.page_bytes
-        # Device pages on GPU need the trainer's mapping query (not built yet): host only.
-        lost = LostPages(data=[] if self.data.is_cuda else self.pool.localize(self.rank, self.name, pb))
+        pages = self.data.numel() // pb  # pages past the data (chunk padding) hold nothing
+        lost = LostPages(data=[p for p in self._lost_data_pages(pb) if p < pages])
         lost.tier1 = self.pool.localize(self.rank, f"{self.name}.p1", pb)
         if "p2" in self._regions:
             lost.tier2 = self.pool.localize(self.rank, f"{self.name}.p2", pb)

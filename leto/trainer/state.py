@@ -23,6 +23,7 @@ from its forward pass.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from leto.erasure import padded_bytes
 from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import Kind
+from leto.pool.pagemap import plan_chunk_bytes
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
@@ -108,9 +110,12 @@ class RetainedState:
         if erasure is not None:  # protected regions are whole pages
             state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
         self.memory = mem = RegionMemory(pool, rank, self.device)
+        chunk = None  # unprotected regions: one chunk (nothing could rebuild a lost one)
+        if erasure is not None:  # one chunk per erasure page, unless the fd budget says coarser
+            chunk = plan_chunk_bytes(state_nbytes + grad_nbytes, erasure.page_bytes, mem.granularity, mem.chunk_budget())
         views = {
-            "state": mem.device_region("state", state_nbytes)[0],
-            "grads": mem.device_region("grads", grad_nbytes)[0],
+            "state": mem.device_region("state", state_nbytes, chunk)[0],
+            "grads": mem.device_region("grads", grad_nbytes, chunk)[0],
             "marker": mem.host_region("marker", MARKER_BYTES)[0],
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
             "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
@@ -130,7 +135,10 @@ class RetainedState:
         self.protected = (
             {}
             if erasure is None
-            else {name: ProtectedRegion(pool, rank, name, views[name], erasure) for name in ("state", "grads")}
+            else {
+                name: ProtectedRegion(pool, rank, name, views[name], erasure, functools.partial(mem.lost_pages, name))
+                for name in ("state", "grads")
+            }
         )
         self.updater: ResumableUpdater | None = None
         if self.rmu:
