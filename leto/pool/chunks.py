@@ -143,9 +143,9 @@ class ChunkedRegion:
                 for i, fd in enumerate(found.fds):
                     if fd is not None:
                         backend.map(region._addr(i), fd, chunk_bytes)
-                backend.enable(ptr, table.nbytes)
                 for i in found.lost:
                     region._replace(i)
+                backend.enable(ptr, table.nbytes)  # (cuMemSetAccess wants the range fully mapped)
         finally:
             if found is not None:
                 found.close()

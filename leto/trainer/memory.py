@@ -75,11 +75,12 @@ class RegionMemory:
                 tensor[c * region.table.chunk_bytes : (c + 1) * region.table.chunk_bytes].zero_()
         return region.table.pages_of(chunks, page_bytes)
 
-    def host_region(self, name: str, nbytes: int, tier: str = "host") -> tuple[torch.Tensor, bool]:
-        region = self.pool.alloc(self.rank, name, nbytes, "uint8", tier)  # type: ignore[arg-type]
+    def host_region(self, name: str, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """(uint8 CPU tensor over a memfd the state manager allocates, True when retained)."""
+        region = self.pool.alloc(self.rank, name, nbytes, "uint8", "host")
         self._keep.append(region)
         tensor = torch.frombuffer(region.buffer, dtype=torch.uint8)
-        if self.cuda and tier == "host" and nbytes >= 1 << 20:
+        if self.cuda and nbytes >= 1 << 20:
             torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         return tensor, region.existing
 

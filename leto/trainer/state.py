@@ -197,21 +197,27 @@ class RetainedState:
             return
         needed = {"state": phase != Phase.UPDATING, "grads": phase != Phase.IDLE}
         report: dict[str, dict[str, int]] = {}
-        seconds = 0.0
+        seconds = localize_s = 0.0
         for name, region in self.protected.items():
+            t0 = time.perf_counter()
             lost = region.localize()
+            localize_s += time.perf_counter() - t0
             report[name] = {"data": len(lost.data), "tier1": len(lost.tier1), "tier2": len(lost.tier2)}
             if lost.count and needed[name]:
+                t0 = time.perf_counter()
                 try:
                     if name == "state" and working:
                         assert self.updater is not None
-                        seconds += region.rebuild_data(lost, self.updater.working_groups())
+                        region.rebuild_data(lost, self.updater.working_groups())
                     else:
-                        seconds += region.rebuild(lost)
+                        region.rebuild(lost)
+                    self.memory.fence()  # GPU kernels run asynchronously: time them to the end
+                    seconds += time.perf_counter() - t0
                 except UnrecoverableStateError as e:
                     self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, lost=report[name], error=str(e))
                     raise
-        self.ctx.events.emit(Kind.PAGES_REBUILT, rank=self.ctx.rank, gen=self.ctx.env.generation, lost=report, rebuild_s=seconds, phase=phase.name)
+        self.ctx.events.emit(Kind.PAGES_REBUILT, rank=self.ctx.rank, gen=self.ctx.env.generation, lost=report, rebuild_s=seconds,
+                             localize_s=localize_s, phase=phase.name)
 
     def _install_fault_hooks(self) -> None:
         """Forward/backward kill points sit in the middle of the model, mid-phase."""
