@@ -18,6 +18,13 @@ from tests.launcher.harness import digests, run_leto
 STEPS = 20
 # Small pages and groups so a tiny model spans several groups: 4 KiB pages, D=32.
 ERASURE = {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}
+# Three kills (compute, compute, update), each losing H1=16 device pages per group and one
+# tier-1 host parity page (shared with the GPU twin, tests/gpu/test_gpu_erasure_recovery.py).
+H1_LOSSES = [
+    FaultSpec(rank=1, step=4, phase="backward", erase_device_pages=16, erase_host_pages=1),
+    FaultSpec(rank=0, step=11, phase="forward", erase_device_pages=16, erase_host_pages=1),
+    FaultSpec(rank=1, step=16, phase="update", erase_device_pages=16, erase_host_pages=1),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +42,7 @@ def _lost(events: list[dict], rank: int, gen: int) -> dict:
 @pytest.mark.timeout(600)
 def test_hof_plus_h1_lost_pages_per_group_recovers_bit_identically(tmp_path, reference) -> None:
     """Each kill loses H1=16 model-state pages in every group and 1 tier-1 parity page."""
-    faults = [
-        FaultSpec(rank=1, step=4, phase="backward", erase_device_pages=16, erase_host_pages=1),
-        FaultSpec(rank=0, step=11, phase="forward", erase_device_pages=16, erase_host_pages=1),
-        FaultSpec(rank=1, step=16, phase="update", erase_device_pages=16, erase_host_pages=1),
-    ]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto={"erasure": ERASURE})
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=H1_LOSSES, leto={"erasure": ERASURE})
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = digests(events)
     assert set(got) == set(reference)
