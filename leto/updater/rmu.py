@@ -45,6 +45,7 @@ from leto.trainer.layout import Layout
 from leto.trainer.marker import Marker, Phase
 from leto.trainer.protection import ProtectedRegion
 from leto.updater.adamw import AdamWHyper, adamw_pieces
+from leto.updater.fused import FusedChunks, flag_bytes
 from leto.updater.plan import Chunk, plan_chunks
 
 logger = logging.getLogger(__name__)
@@ -53,11 +54,13 @@ WORKING_PHASES = frozenset({Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_
 """Phases in which the working parity Q[sel], not the host tier 1, matches the data."""
 
 
-def buffer_bytes(layout: Layout, state_nbytes: int, chunk_bytes: int, erasure: ErasureConfig | None) -> tuple[int, int]:
-    """Sizes of the undo buffer and of the two working parity buffers together."""
+def buffer_bytes(layout: Layout, state_nbytes: int, chunk_bytes: int, erasure: ErasureConfig | None,
+                 *, fused: bool = False) -> tuple[int, int]:
+    """Sizes of the undo buffer (with the fused path's progress flags at its end) and of
+    the two working parity buffers together."""
     align = TILE_BYTES if erasure is not None else 64
     chunks = plan_chunks(layout, chunk_bytes, align, state_nbytes)
-    undo = max(c.undo_bytes for c in chunks)
+    undo = max(c.undo_bytes for c in chunks) + (flag_bytes(chunks) if fused else 0)
     if erasure is None:
         return undo, 0
     groups = -(-state_nbytes // erasure.group_bytes)
@@ -82,6 +85,7 @@ class ResumableUpdater:
         injector: FaultInjector,
         chunk_bytes: int,
         incremental_parity: bool = True,
+        fused: bool = False,
     ) -> None:
         """``state``/``grads``/``undo``/``parity`` are flat uint8 views of retained regions.
 
@@ -89,6 +93,11 @@ class ResumableUpdater:
         applied in place, but the parity is only re-encoded from the data after the last
         chunk, so a failure mid-update leaves parity that does not match the data. Only the
         negative test uses it.
+
+        ``fused=True`` saves and updates each chunk with the Triton kernel of
+        ``triton_kernels.adamw_rmu`` (CUDA, or the interpreter on CPU); the undo region
+        must then be sized by ``buffer_bytes(..., fused=True)``. A job must use the same
+        path before and after a failure (the two save the undo copy differently).
         """
         self.layout, self.state, self.marker, self.injector = layout, state, marker, injector
         self.optimizer, self.rng_next, self.undo = optimizer, rng_next, undo
@@ -105,6 +114,7 @@ class ResumableUpdater:
         self._grad = [s.view(grads).view(-1) for s in layout.grads]
         self._rng = layout.rng.view(state)
         self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
+        self.fused = FusedChunks(layout, self.chunks, state, grads, undo) if fused else None
         self._working: list[list[ProtectionGroup]] = []
         if protected is not None:
             if parity is None:
@@ -159,7 +169,10 @@ class ResumableUpdater:
         data matches ``Q[sel]`` (call before rebuilding lost pages from it)."""
         phase = self.marker.phase
         if phase == Phase.CHUNK_SAVED:
-            self._restore(self.chunks[self.marker.chunk])
+            if self.fused is not None:
+                self.fused.restore(self.marker.chunk, self.marker.step)
+            else:
+                self._restore(self.chunks[self.marker.chunk])
         if self._working and phase in (Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED):
             sel = self.marker.parity_sel
             for auth, other in zip(self._working[sel], self._working[1 - sel], strict=True):
@@ -194,6 +207,8 @@ class ResumableUpdater:
     def _chunks_from(self, step: int, first: int, *, saved: bool = False) -> None:
         lrs = self.marker.recorded_lrs()
         hypers = [AdamWHyper.from_group(g, self.optimizer, lr) for g, lr in zip(self.optimizer.param_groups, lrs, strict=True)]
+        # host copy of the step counters (one device sync per update, not one per piece)
+        self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
         for j in range(first, len(self.chunks)):
             self._chunk(self.chunks[j], hypers, saved=saved and j == first)
         self._flush(step)
@@ -202,10 +217,16 @@ class ResumableUpdater:
         j, last = chunk.index, chunk.index == len(self.chunks) - 1
         self.injector.point("update", at="boundary", chunk=j)
         if not saved:
-            self._save(chunk)
+            if self.fused is not None:
+                self.fused.save_gaps(j)  # the kernel saves the element ranges itself
+            else:
+                self._save(chunk)
             self.marker.advance(Phase.CHUNK_SAVED, chunk=j)
         self._apply(chunk, hypers)
-        scribble = lambda: _scribble(self.state, chunk.spans, seed=j)
+        if self.fused is not None:
+            scribble = lambda: self.fused.abort(j, seed=j)  # type: ignore[union-attr]
+        else:
+            scribble = lambda: _scribble(self.state, chunk.spans, seed=j)
         self.injector.point("update", at="optimizer", chunk=j, on_fire=scribble)
         if last:  # the plain "update" point: the optimizer has run, nothing is committed
             self.injector.point("update", on_fire=scribble)
@@ -230,17 +251,24 @@ class ResumableUpdater:
 
     def _apply(self, chunk: Chunk, hypers: list[AdamWHyper]) -> None:
         """AdamW on the chunk's pieces, one foreach call per parameter group."""
+        for p in chunk.pieces:
+            if p.owns_step:
+                self._step[p.param].add_(1.0)
+                self._host_step[p.param] += 1.0  # the same float32 increment
+        if self.fused is not None:
+            self.fused.apply(chunk.index, self.marker.step, hypers, self._group_of, self._host_step)
+            if chunk.installs_rng:
+                self._rng.copy_(self.rng_next)
+            return
         by_group: dict[int, tuple[list[torch.Tensor], ...]] = {}
         for p in chunk.pieces:
             i, lo, hi = p.param, p.lo, p.hi
             lists = by_group.setdefault(self._group_of[i], ([], [], [], [], []))
-            if p.owns_step:
-                self._step[i].add_(1.0)
             lists[0].append(self._param[i][lo:hi])
             lists[1].append(self._grad[i][lo:hi])
             lists[2].append(self._m[i][lo:hi])
             lists[3].append(self._v[i][lo:hi])
-            lists[4].append(float(self._step[i]))  # type: ignore[arg-type]
+            lists[4].append(self._host_step[i])  # type: ignore[arg-type]
         for gi, (ps, gs, ms, vs, steps) in by_group.items():
             adamw_pieces(ps, gs, ms, vs, steps, hypers[gi])  # type: ignore[arg-type]
         if chunk.installs_rng:

@@ -63,10 +63,11 @@ class Rig:
     protected: SimpleNamespace | None
     chunk_bytes: int
     incremental: bool = True
+    fused: bool = False
 
     @classmethod
     def build(cls, net: nn.Module, *, erasure: ErasureConfig | None, chunk_bytes: int, lr: float = 1e-2,
-              incremental: bool = True) -> Rig:
+              incremental: bool = True, fused: bool = False) -> Rig:
         opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True)
         params = list(net.parameters())
         layout = Layout.plan(params, [], opt)
@@ -75,7 +76,7 @@ class Rig:
         grads = torch.zeros(layout.grad_bytes, dtype=torch.uint8)
         for p, slot in zip(params, layout.params, strict=True):
             slot.view(state).copy_(p.detach())
-        undo_n, par_n = buffer_bytes(layout, nbytes, chunk_bytes, erasure)
+        undo_n, par_n = buffer_bytes(layout, nbytes, chunk_bytes, erasure, fused=fused)
         protected = None
         if erasure is not None:
             pb = erasure.page_bytes
@@ -91,7 +92,7 @@ class Rig:
             protected = SimpleNamespace(cfg=erasure, groups=groups)
         rig = cls(layout, opt, state, grads, torch.get_rng_state().clone(), torch.zeros(MARKER_BYTES, dtype=torch.uint8),
                   torch.zeros(undo_n, dtype=torch.uint8), torch.zeros(par_n, dtype=torch.uint8) if par_n else None,
-                  protected, chunk_bytes, incremental)
+                  protected, chunk_bytes, incremental, fused)
         Marker(rig.marker_mem).initialise(layout.digest)
         return rig
 
@@ -104,6 +105,7 @@ class Rig:
             layout=self.layout, state=self.state, grads=self.grads, rng_next=self.rng_next, optimizer=self.opt,
             marker=self.marker, undo=self.undo, parity=self.parity, protected=self.protected,  # type: ignore[arg-type]
             injector=injector, chunk_bytes=self.chunk_bytes, incremental_parity=self.incremental,  # type: ignore[arg-type]
+            fused=self.fused,
         )
 
     def set_grads(self, seed: int) -> None:

@@ -1,0 +1,180 @@
+"""The fused RMU chunk: undo copy + AdamW in one Triton pass (``triton_kernels.adamw_rmu``).
+
+A chunk's undo image is the concatenation of its byte spans (``plan.Chunk.spans``). The
+fused path splits it in two:
+
+* the *element ranges* (param / exp_avg / exp_avg_sq of every piece) are saved by the
+  kernel itself, block by block, each block marking a progress flag before it writes;
+* the *gaps* (everything else in the spans: step counters, the RNG slot, bytes of other
+  chunks in tiles shared at a chunk's edges, alignment padding) are copied before
+  CHUNK_SAVED, as the unfused path copies everything.
+
+Restore after a kill at CHUNK_SAVED: the gaps from undo, and exactly the element blocks
+whose flag equals the chunk's token (the others were never written). The undo image is
+complete after the kernel, so the incremental parity reads undo and state as before.
+
+The progress flags (one int64 per block of the largest chunk) live at the end of the
+``rmu.undo`` region, so they survive the trainer like the undo copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leto.errors import ConfigError, ProtocolError
+from leto.trainer.layout import Layout
+from leto.updater.adamw import AdamWHyper
+from leto.updater.plan import Chunk
+
+FLAG_BYTES = 8
+BLOCK = 1024
+"""Elements per kernel program (``triton_kernels.adamw_rmu.BLOCK``; kept here so planning
+does not import Triton)."""
+
+
+def fused_token(step: int, chunk: int) -> int:
+    """The flag value of chunk ``chunk`` of step ``step``: unique over a job's history."""
+    return (step << 23) + chunk + 1
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def flag_bytes(chunks: list[Chunk]) -> int:
+    """Bytes of progress flags the largest chunk needs (64-byte aligned)."""
+    most = max(sum(_blocks(p.hi - p.lo) for p in c.pieces) for c in chunks)
+    return -(-most * FLAG_BYTES // 64) * 64
+
+
+@dataclass(frozen=True, slots=True)
+class _PiecePlan:
+    param: int
+    n: int
+    offsets: tuple[int, int, int, int, int, int, int]
+    """Element offsets: param, exp_avg, exp_avg_sq in state; grad; undo param, exp_avg, exp_avg_sq."""
+    flag_base: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkPlan:
+    pieces: tuple[_PiecePlan, ...]
+    gaps: tuple[tuple[int, int, int], ...]
+    """``(state byte offset, undo byte offset, nbytes)`` of span bytes the kernel does not save."""
+    blocks: int
+
+
+class FusedChunks:
+    """Saves, applies and restores chunks with the fused kernel."""
+
+    def __init__(self, layout: Layout, chunks: list[Chunk], state: torch.Tensor, grads: torch.Tensor,
+                 undo: torch.Tensor) -> None:
+        if any(s.dtype != torch.float32 for s in layout.params):
+            raise ConfigError("leto.rmu_fused needs float32 parameters (master weights); set rmu_fused: false")
+        from triton_kernels import adamw_rmu
+
+        if adamw_rmu.BLOCK != BLOCK:
+            raise ProtocolError("triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ")
+        self._kernel = adamw_rmu.adamw_undo
+        self.flag_nbytes = flag_bytes(chunks)
+        data_nbytes = undo.numel() - self.flag_nbytes
+        if data_nbytes < max(c.undo_bytes for c in chunks):
+            raise ProtocolError("the undo region is too small for the fused path's progress flags")
+        self.state, self.undo_bytes = state, undo
+        self.state_f = _f32(state)
+        self.grads_f = _f32(grads)
+        self.undo_f = _f32(undo[:data_nbytes // 4 * 4])
+        self.flags = undo[data_nbytes : data_nbytes + self.flag_nbytes].view(torch.int64)
+        self.plans = [self._plan(layout, c) for c in chunks]
+
+    @staticmethod
+    def _plan(layout: Layout, chunk: Chunk) -> _ChunkPlan:
+        starts, pos = [], 0
+        for off, n in chunk.spans:
+            starts.append((off, n, pos))
+            pos += n
+
+        def undo_at(x: int) -> int:
+            for off, n, p in starts:
+                if off <= x < off + n:
+                    return p + x - off
+            raise ProtocolError(f"state byte {x} is outside chunk {chunk.index}'s spans")
+
+        pieces, covered, flag = [], [], 0
+        for pc in chunk.pieces:
+            i, n = pc.param, pc.hi - pc.lo
+            slots = (layout.params[i], layout.optim[i]["exp_avg"], layout.optim[i]["exp_avg_sq"])
+            byte = [s.offset + 4 * pc.lo for s in slots]
+            covered += [(b, 4 * n) for b in byte]
+            undo = [undo_at(b) for b in byte]
+            g = layout.grads[i].offset + 4 * pc.lo
+            offs = (*(b // 4 for b in byte), g // 4, *(u // 4 for u in undo))
+            pieces.append(_PiecePlan(i, n, offs, flag))  # type: ignore[arg-type]
+            flag += _blocks(n)
+        gaps = []
+        for off, n, p in starts:
+            cursor = off
+            for b, nb in sorted(c for c in covered if off <= c[0] < off + n):
+                if b > cursor:
+                    gaps.append((cursor, p + cursor - off, b - cursor))
+                cursor = max(cursor, b + nb)
+            if cursor < off + n:
+                gaps.append((cursor, p + cursor - off, off + n - cursor))
+        return _ChunkPlan(tuple(pieces), tuple(gaps), flag)
+
+    def save_gaps(self, j: int) -> None:
+        for s, u, n in self.plans[j].gaps:
+            self.undo_bytes[u : u + n].copy_(self.state[s : s + n])
+
+    def apply(self, j: int, step: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]) -> None:
+        """The kernel over each piece of chunk ``j``; ``steps`` are the post-increment counts."""
+        token = fused_token(step, j)
+        for pc in self.plans[j].pieces:
+            h = hypers[group_of[pc.param]]
+            self._kernel(self.state_f, self.grads_f, self.undo_f, self.flags, pc.offsets, pc.n, pc.flag_base, token,
+                         lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                         decoupled=h.decoupled, step=steps[pc.param])
+
+    def restore(self, j: int, step: int) -> None:
+        """Undo chunk ``j`` of step ``step``: gaps, and the element blocks that were written."""
+        plan = self.plans[j]
+        for s, u, n in plan.gaps:
+            self.state[s : s + n].copy_(self.undo_bytes[u : u + n])
+        token = fused_token(step, j)
+        for pc in plan.pieces:
+            done = self.flags[pc.flag_base : pc.flag_base + _blocks(pc.n)] == token
+            mask = done.repeat_interleave(BLOCK)[: pc.n]
+            for k in range(3):
+                dst = self.state_f[pc.offsets[k] : pc.offsets[k] + pc.n]
+                src = self.undo_f[pc.offsets[4 + k] : pc.offsets[4 + k] + pc.n]
+                dst.copy_(torch.where(mask, src, dst))
+
+    def abort(self, j: int, seed: int) -> None:
+        """Leave chunk ``j`` as a kernel killed halfway would (for fault injection): blocks
+        past the middle never ran (old data, stale undo, no flag), the block before it ran
+        but its new values are torn."""
+        gen = torch.Generator().manual_seed(seed)
+        plan = self.plans[j]
+        cut = plan.blocks // 2
+        for pc in plan.pieces:
+            for b in range(_blocks(pc.n)):
+                f = pc.flag_base + b
+                lo, hi = b * BLOCK, min(pc.n, (b + 1) * BLOCK)
+                for k in range(3):
+                    data = self.state_f[pc.offsets[k] + lo : pc.offsets[k] + hi]
+                    undo = self.undo_f[pc.offsets[4 + k] + lo : pc.offsets[4 + k] + hi]
+                    if f >= cut:
+                        data.copy_(undo)
+                        undo.copy_(torch.randn(hi - lo, generator=gen))
+                    elif f == cut - 1:
+                        data.copy_(torch.randn(hi - lo, generator=gen))
+                if f >= cut:
+                    self.flags[f] = 0
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() % 4:
+        t = t[: t.numel() // 4 * 4]
+    return t.view(torch.float32)

@@ -1,0 +1,110 @@
+"""The fused RMU path (``triton_kernels.adamw_rmu``; the interpreter on CPU): it matches the
+unfused reference to float rounding, its undo restores a half-run kernel exactly, and a
+kill anywhere in a fused update, plus lost pages, finishes bit-identically to a fault-free
+fused run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leto.erasure import ErasureConfig
+from leto.trainer.marker import Phase
+from leto.updater.fused import BLOCK, fused_token
+from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.test_rmu import CHUNK, ERASURE, _points, _recover, _step
+
+WIDE = 16384
+"""Chunk bytes for tests that need several kernel blocks per chunk (4096 elements)..."""
+DIM = 48
+"""...and a model big enough for several such chunks (14 k parameters)."""
+
+
+def _run(fused: bool, erasure: ErasureConfig | None = ERASURE, steps: int = 3, chunk: int = CHUNK,
+         dim: int = 24) -> Rig:
+    rig = Rig.build(model(dim=dim), erasure=erasure, chunk_bytes=chunk, fused=fused)
+    for s in range(steps):
+        _step(rig, s, KillAt())
+    return rig
+
+
+def _compare(ref: Rig, fused: Rig, **tol: float) -> None:
+    """param / exp_avg / exp_avg_sq within ``tol``; step counters and RNG equal."""
+    lay = ref.layout
+    for i, slot in enumerate(lay.params):
+        for s in (slot, lay.optim[i]["exp_avg"], lay.optim[i]["exp_avg_sq"]):
+            torch.testing.assert_close(s.view(fused.state), s.view(ref.state), **tol)
+        assert torch.equal(lay.optim[i]["step"].view(ref.state), lay.optim[i]["step"].view(fused.state))
+    assert torch.equal(lay.rng.view(ref.state), lay.rng.view(fused.state))
+
+
+def test_one_fused_step_is_within_two_roundings_of_the_unfused_one() -> None:
+    """From the same state, one step. Both paths round once per op; they differ where op
+    association or FMA contraction differs (see adamw_rmu), by about one rounding of the
+    largest operand: 2 ulps relative, or 2 ulps of the lr-sized update (``p`` after
+    decoupled decay can cancel to near zero, so its own ulp is no measure)."""
+    _compare(_run(False, steps=1), _run(True, steps=1), rtol=2**-22, atol=1e-2 * 2**-22)
+
+
+def test_fused_matches_unfused_to_rounding_over_steps() -> None:
+    """Three steps: the per-op differences compound through Adam's scale-free m / sqrt(v)
+    (1e-4 relative here); the fused path's parity stays current."""
+    fused = _run(True)
+    _compare(_run(False), fused, rtol=1e-4, atol=1e-6)
+    for g in fused.protected.groups:
+        t1, t2 = g.tier1.clone(), g.tier2.clone()
+        g.encode_all()
+        assert torch.equal(t1, g.tier1) and torch.equal(t2, g.tier2)
+
+
+def test_fused_is_deterministic() -> None:
+    assert torch.equal(_run(True).state, _run(True).state)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 2])
+def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
+    """Kill inside chunk ``chunk``'s kernel (half its blocks done, one torn): prepare()
+    puts back exactly the bytes of before the chunk."""
+    rig = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
+    _step(rig, 0, KillAt())
+    n_chunks = len(rig.updater(KillAt()).chunks)
+    assert n_chunks > chunk
+    # the state just before chunk `chunk` of step 1: a fault-free run killed at its boundary
+    before = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
+    _step(before, 0, KillAt())
+    with pytest.raises(Killed):
+        _step(before, 1, KillAt("boundary", chunk))
+    with pytest.raises(Killed):
+        _step(rig, 1, KillAt("optimizer", chunk))
+    up = rig.updater(KillAt())
+    assert rig.marker.phase == Phase.CHUNK_SAVED and rig.marker.chunk == chunk
+    plan = up.fused.plans[chunk]
+    flags = up.fused.flags[: plan.blocks]
+    done = int((flags == fused_token(1, chunk)).sum())
+    assert 0 < done < plan.blocks, "the abort must leave some blocks run and some not"
+    assert not torch.equal(rig.state, before.state)
+    up.prepare()
+    assert torch.equal(rig.state, before.state)
+
+
+@pytest.mark.parametrize("erasure", [ERASURE, None], ids=["parity", "no-erasure"])
+def test_every_kill_point_of_a_fused_update_finishes_exactly(erasure: ErasureConfig | None) -> None:
+    ref = _run(True, erasure, chunk=WIDE, dim=DIM)
+    n_chunks = len(ref.updater(KillAt()).chunks)
+    assert n_chunks >= 3 and WIDE // 4 > BLOCK
+    actions = set()
+    for point, chunk in _points(n_chunks):
+        if erasure is None and point in ("parity", "flush"):
+            continue
+        rig = Rig.build(model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True)
+        _step(rig, 0, KillAt())
+        with pytest.raises(Killed):
+            _step(rig, 1, KillAt(point, chunk, legacy=point is None))
+        actions.add(_recover(rig, 1, erase_per_group=ERASURE.tier1_parity if erasure else 0))
+        assert rig.marker.step == 2 and rig.marker.phase == Phase.IDLE
+        _step(rig, 2, KillAt())
+        assert torch.equal(rig.state, ref.state), f"diverged after a kill at {point} {chunk}"
+        if erasure is not None:
+            for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
+                assert torch.equal(g.tier1, r.tier1) and torch.equal(g.tier2, r.tier2)
+    assert {"restore+finish", "resume+finish"} <= actions
