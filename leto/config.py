@@ -129,6 +129,13 @@ class LetoConfig:
     rmu_chunk_bytes: int = 1 << 22
     """rmu: bytes of parameters per chunk transaction (the undo buffer holds ~4x this:
     parameters, exp_avg, exp_avg_sq, rounded out to 2 KiB tiles)."""
+    rmu_fused: bool | None = None
+    """rmu: save and update each chunk with one fused Triton kernel (undo copy + AdamW in one
+    pass, ``triton_kernels/adamw_rmu.py``) instead of a copy and torch's foreach ops. None:
+    on when the state lives on a CUDA device and the parameters are float32, off otherwise
+    (on CPU the kernel only runs in Triton's slow interpreter). Fused and unfused results
+    agree to float rounding, not bit for bit; recovery is exact either way, since a job
+    keeps one path before and after a failure."""
     shadow_level: Literal[1, 3] = 3
     """Pre-initialisation level of shadows: 1 = imports done, 3 = + process group built."""
     poll_interval_s: float = 0.02

@@ -64,6 +64,7 @@ class TrainerEnv:
     shadow_level: int
     consistency: str
     rmu_chunk_bytes: int
+    rmu_fused: bool | None
     digest: bool
     erasure: ErasureConfig | None
 
@@ -86,6 +87,7 @@ class TrainerEnv:
                 shadow_level=int(env.get("LETO_SHADOW_LEVEL", "3")),
                 consistency=env.get("LETO_CONSISTENCY", "rmu"),
                 rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", str(1 << 22))),
+                rmu_fused={"auto": None, "1": True, "0": False}[env.get("LETO_RMU_FUSED", "auto")],
                 digest=env.get("LETO_DIGEST", "0") == "1",
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
             )

@@ -41,6 +41,7 @@ from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
 from leto.trainer.protection import ProtectedRegion
+from leto.updater.fused import resolve_fused
 from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
 
 if TYPE_CHECKING:
@@ -122,7 +123,9 @@ class RetainedState:
         }
         self.rmu = self.ctx.env.consistency == "rmu"
         if self.rmu:  # one chunk of undo + two working parity buffers (activation memory on GPU)
-            undo_nbytes, parity_nbytes = buffer_bytes(self.layout, state_nbytes, self.ctx.env.rmu_chunk_bytes, erasure)
+            self.rmu_fused = resolve_fused(self.ctx.env.rmu_fused, self.device, self.layout)
+            undo_nbytes, parity_nbytes = buffer_bytes(self.layout, state_nbytes, self.ctx.env.rmu_chunk_bytes, erasure,
+                                                      fused=self.rmu_fused)
             views["rmu.undo"] = mem.device_region("rmu.undo", undo_nbytes)[0]
             if parity_nbytes:
                 views["rmu.parity"] = mem.device_region("rmu.parity", parity_nbytes)[0]
@@ -147,7 +150,7 @@ class RetainedState:
                 optimizer=self.optimizer, marker=self.marker, undo=views["rmu.undo"], parity=views.get("rmu.parity"),
                 protected=self.protected.get("state"), injector=self.ctx.injector,
                 chunk_bytes=self.ctx.env.rmu_chunk_bytes,
-                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
+                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0", fused=self.rmu_fused,
             )
 
     def _bind(self) -> None:

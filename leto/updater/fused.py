@@ -19,6 +19,7 @@ The progress flags (one int64 per block of the largest chunk) live at the end of
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,17 @@ FLAG_BYTES = 8
 BLOCK = 1024
 """Elements per kernel program (``triton_kernels.adamw_rmu.BLOCK``; kept here so planning
 does not import Triton)."""
+
+
+def resolve_fused(setting: bool | None, device: torch.device, layout: Layout) -> bool:
+    """``leto.rmu_fused`` for this trainer: None picks the kernel for float32 state on CUDA."""
+    fp32 = all(s.dtype == torch.float32 for s in layout.params)
+    if setting is None:
+        return device.type == "cuda" and fp32
+    if setting and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("leto.rmu_fused: true needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
+                          "set rmu_fused: false or leave it unset")
+    return setting
 
 
 def fused_token(step: int, chunk: int) -> int:

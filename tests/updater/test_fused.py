@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from leto.erasure import ErasureConfig
+from leto.errors import ConfigError
 from leto.trainer.marker import Phase
-from leto.updater.fused import BLOCK, fused_token
+from leto.updater.fused import BLOCK, fused_token, resolve_fused
 from tests.updater.rig import KillAt, Killed, Rig, model
 from tests.updater.test_rmu import CHUNK, ERASURE, _points, _recover, _step
 
@@ -108,3 +109,15 @@ def test_every_kill_point_of_a_fused_update_finishes_exactly(erasure: ErasureCon
             for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
                 assert torch.equal(g.tier1, r.tier1) and torch.equal(g.tier2, r.tier2)
     assert {"restore+finish", "resume+finish"} <= actions
+
+
+def test_rmu_fused_setting_resolves_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = Rig.build(model(), erasure=None, chunk_bytes=CHUNK).layout
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_fused(None, cuda, layout) and not resolve_fused(None, cpu, layout)
+    assert not resolve_fused(False, cuda, layout)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_fused(True, cpu, layout)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="rmu_fused: true needs a CUDA device"):
+        resolve_fused(True, cpu, layout)
