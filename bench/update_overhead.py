@@ -1,27 +1,39 @@
-"""Iteration time split into compute and update: no protection / snapshot / RMU (paper Table 1).
+"""Iteration time split into compute and update per consistency mode (paper Table 1).
 
-One process, one model per mode (same initial weights, same batches), the modes
-interleaved iteration by iteration so they share the machine's state. Compute = forward +
-backward + clip; update = what each consistency mode does after the gradients are final:
+One model whose params, grads and AdamW state live in flat "retained" buffers, protected by
+two-tier parity (device data, host parity). The modes take turns iteration by iteration on
+that one state (same run, same machine state). Compute = forward + backward + clip;
+update = what each mode does after the gradients are final:
 
-* ``reference``: ``optimizer.step()`` in place, no parity, no crash consistency;
-* ``snapshot``: copy the state region to a host snapshot, ``optimizer.step()``, re-encode
-  the state's parity (what ``consistency: snapshot`` does with erasure on);
-* ``rmu``: the resumable updater (chunked AdamW, undo copy, incremental parity, commits);
-* ``rmu-noparity``: the RMU with erasure off (the cost of the chunk transactions alone).
+* ``reference``: ``optimizer.step()`` (torch foreach AdamW), no parity, no crash consistency;
+* ``snapshot``: sync snapshot: copy the state to host, ``optimizer.step()``, re-encode parity;
+* ``rmu``: the resumable updater, unfused (undo copy + foreach AdamW per chunk, incremental
+  parity, commits), its undo / working-parity buffers borrowed from activation memory;
+* ``rmu-fused``: the same with the fused Triton chunk kernel (CUDA only);
+* ``rmu-fused-dedicated`` (CUDA): the fused RMU with buffers held for the whole run, to show
+  what borrowing saves in peak memory.
 
-Extra retained memory per mode is printed too (snapshot: a full state copy; rmu: one
-chunk of undo + two working parity buffers, activation memory on a GPU). The last line is
-the RMU's overhead ratio against the reference iteration.
+Borrowing: the buffers are allocated after backward (the activations are free then) and
+released before the next forward, so the caching allocator serves them from activation
+blocks; ``ResumableUpdater.bind_buffers`` points the updater at them. Peak device memory
+(``max_memory_allocated`` / ``max_memory_reserved`` per iteration) is reported per mode.
 
-    python bench/update_overhead.py [--iters 10] [--json bench/results/update_overhead.json]
+Before timing, one update from the same state and gradients is run three ways: reference,
+rmu (must be bit-identical) and rmu-fused (float rounding; max difference reported).
+Timing: CUDA events around compute and update, a synchronisation per iteration, warm-up
+iterations excluded; medians. The last line is the RMU overhead ratio against reference.
+
+    python bench/update_overhead.py --iters 10                      # CPU, small GPT
+    python bench/update_overhead.py --device cuda --preset h200 --json $OUT/update_overhead_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,7 +51,14 @@ from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, Marker, Phase
 from leto.updater.rmu import ResumableUpdater, buffer_bytes
 
-MODES = ("reference", "snapshot", "rmu", "rmu-noparity")
+PRESETS = {
+    # ~1.34 B params: 5.4 GB fp32 master weights, 21.5 GB of params + grads + AdamW state
+    "h200": {"vocab": 32768, "dim": 2048, "layers": 24, "heads": 16, "seq": 1024, "batch": 8,
+             "chunk_bytes": 64 << 20, "page_bytes": 2 << 20, "data_pages": 1024, "iters": 5, "warmup": 2},
+    "tiny": {"vocab": 256, "dim": 64, "layers": 2, "heads": 4, "seq": 32, "batch": 4, "chunk_bytes": 1 << 16,
+             "page_bytes": 4096, "data_pages": 16, "iters": 3, "warmup": 1, "tier1_parity": 4},
+}
+LR = 1e-3
 
 
 class _NoFaults:
@@ -54,137 +73,260 @@ def _gpt_module():  # examples/ is not a package
     return mod
 
 
-class Trainer:
-    """One model whose params, grads and AdamW state live in flat "retained" buffers."""
+class Bench:
+    """The retained state of one trainer and one updater per RMU mode."""
 
-    def __init__(self, mode: str, args: argparse.Namespace, erasure: ErasureConfig) -> None:
-        gpt = _gpt_module()
+    def __init__(self, args: argparse.Namespace, erasure: ErasureConfig, device: torch.device) -> None:
+        self.args, self.device, self.cuda = args, device, device.type == "cuda"
         torch.manual_seed(args.seed)
-        self.mode, self.args = mode, args
-        self.model = gpt.GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, 0.0)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+        with device:
+            self.model = _gpt_module().GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, 0.0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.1, foreach=True)
         params = list(self.model.parameters())
-        self.layout = Layout.plan(params, [], self.opt)
-        protect = mode in ("snapshot", "rmu")
-        nbytes = padded_bytes(self.layout.state_bytes, erasure) if protect else self.layout.state_bytes
-        self.state = torch.zeros(nbytes, dtype=torch.uint8)
-        self.grads = torch.zeros(self.layout.grad_bytes, dtype=torch.uint8)
-        for p, ps, gs, os_ in zip(params, self.layout.params, self.layout.grads, self.layout.optim, strict=True):
+        self.layout = lay = Layout.plan(params, [], self.opt)
+        nbytes = padded_bytes(lay.state_bytes, erasure)
+        self.state = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.grads = torch.zeros(lay.grad_bytes, dtype=torch.uint8, device=device)
+        for p, ps, gs, os_ in zip(params, lay.params, lay.grads, lay.optim, strict=True):
             data = ps.view(self.state)
             data.copy_(p.detach())
             torch.utils.swap_tensors(p, torch.nn.Parameter(data))
             p.grad = gs.view(self.grads)
             self.opt.state[p] = {k: s.view(self.state) for k, s in os_.items()}
-        self.groups: list[ProtectionGroup] = []
-        if protect:
-            pb, h1, h2 = erasure.page_bytes, erasure.tier1_parity, erasure.tier2_parity
-            spans = plan_groups(nbytes, erasure)
-            p1 = torch.zeros(len(spans) * h1 * pb, dtype=torch.uint8)
-            p2 = torch.zeros(len(spans) * h2 * pb, dtype=torch.uint8)
-            self.groups = [
-                ProtectionGroup(erasure, self.state[s.byte_offset : s.byte_offset + s.nbytes],
-                                p1[i * h1 * pb : (i + 1) * h1 * pb], p2[i * h2 * pb : (i + 1) * h2 * pb], backend="torch")
-                for i, s in enumerate(spans)
-            ]
-            for g in self.groups:
-                g.encode_all()
-        self.extra_bytes = 0
-        if mode == "snapshot":
-            self.snapshot = torch.zeros(nbytes, dtype=torch.uint8)
-            self.extra_bytes = nbytes
+        pin = self.cuda
+        pb, h1, h2 = erasure.page_bytes, erasure.tier1_parity, erasure.tier2_parity
+        spans = plan_groups(nbytes, erasure)
+        p1 = torch.zeros(len(spans) * h1 * pb, dtype=torch.uint8, pin_memory=pin)
+        p2 = torch.zeros(len(spans) * h2 * pb, dtype=torch.uint8, pin_memory=pin)
+        self.groups = [
+            ProtectionGroup(erasure, self.state[s.byte_offset : s.byte_offset + s.nbytes],
+                            p1[i * h1 * pb : (i + 1) * h1 * pb], p2[i * h2 * pb : (i + 1) * h2 * pb])
+            for i, s in enumerate(spans)
+        ]
+        for g in self.groups:
+            g.encode_all()
+        self.snapshot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.marker = Marker(torch.zeros(MARKER_BYTES, dtype=torch.uint8))
-        self.marker.initialise(self.layout.digest)
-        self.updater: ResumableUpdater | None = None
-        if mode.startswith("rmu"):
-            er = erasure if mode == "rmu" else None
-            undo, parity = buffer_bytes(self.layout, nbytes, args.chunk_bytes, er)
-            self.extra_bytes = undo + parity
-            protected = SimpleNamespace(cfg=erasure, groups=self.groups) if self.groups else None
-            self.updater = ResumableUpdater(
-                layout=self.layout, state=self.state, grads=self.grads, rng_next=torch.get_rng_state().clone(),
-                optimizer=self.opt, marker=self.marker, undo=torch.zeros(undo, dtype=torch.uint8),
-                parity=torch.zeros(parity, dtype=torch.uint8) if parity else None, protected=protected,  # type: ignore[arg-type]
-                injector=_NoFaults(), chunk_bytes=args.chunk_bytes,  # type: ignore[arg-type]
+        self.marker.initialise(lay.digest)
+        self.rng_next = torch.get_rng_state().clone()
+        self.erasure, self.nbytes = erasure, nbytes
+        self.updaters: dict[str, ResumableUpdater] = {}
+        self.sizes: dict[str, tuple[int, int]] = {}
+        for fused in (False, True) if self.cuda or os.environ.get("TRITON_INTERPRET") == "1" else (False,):
+            undo, par = self.sizes["fused" if fused else "unfused"] = buffer_bytes(
+                lay, nbytes, args.chunk_bytes, erasure, fused=fused)
+            self.updaters["fused" if fused else "unfused"] = ResumableUpdater(
+                layout=lay, state=self.state, grads=self.grads, rng_next=self.rng_next, optimizer=self.opt,
+                marker=self.marker, undo=self._buf(undo), parity=self._buf(par),
+                protected=SimpleNamespace(cfg=erasure, groups=self.groups),  # type: ignore[arg-type]
+                injector=_NoFaults(), chunk_bytes=args.chunk_bytes, fused=fused,  # type: ignore[arg-type]
             )
+        self.dedicated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _buf(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.uint8, device=self.device)
 
     def compute(self, step: int) -> None:
+        a = self.args
         g = torch.Generator().manual_seed(step)
-        data = torch.randint(0, self.args.vocab, (self.args.batch, self.args.seq + 1), generator=g)
+        data = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(self.device)
         self.grads.zero_()
-        loss = self.model(data[:, :-1], data[:, 1:])
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+        with amp:
+            loss = self.model(data[:, :-1], data[:, 1:])
         loss.backward()
+        del loss
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
 
-    def update(self, step: int) -> None:
-        if self.mode == "reference":
+    def update(self, mode: str) -> None:
+        m = self.marker
+        m.record_lrs([LR])
+        m.advance(Phase.GRADS_READY)
+        if mode in ("reference", "snapshot"):
+            m.advance(Phase.UPDATING)
+            if mode == "snapshot":
+                self.snapshot.copy_(self.state)
             self.opt.step()
+            if mode == "snapshot":
+                for g in self.groups:
+                    g.encode_all()
+            m.advance(Phase.IDLE, m.step + 1)
             return
-        if self.mode == "snapshot":
-            self.snapshot.copy_(self.state)
-            self.opt.step()
-            for g in self.groups:
-                g.encode_all()
+        up = self.updaters["fused" if mode.startswith("rmu-fused") else "unfused"]
+        undo_n, par_n = self.sizes["fused" if mode.startswith("rmu-fused") else "unfused"]
+        if mode.endswith("dedicated"):
+            if mode not in self.dedicated:
+                self.dedicated[mode] = (self._buf(undo_n), self._buf(par_n))
+            up.bind_buffers(*self.dedicated[mode])
+            up.run(m.step)
             return
-        assert self.updater is not None
-        self.marker.record_lrs([1e-3])
-        self.marker.advance(Phase.GRADS_READY)
-        self.updater.run(step)
+        # borrowed: served from the activation blocks backward just freed, released after
+        undo, parity = torch.empty(undo_n, dtype=torch.uint8, device=self.device), \
+            torch.empty(par_n, dtype=torch.uint8, device=self.device)
+        up.bind_buffers(undo, parity)
+        up.run(m.step)
+        del undo, parity
+
+    def check(self) -> dict[str, object]:
+        """One update from the same state and gradients: reference vs rmu vs rmu-fused."""
+        self.compute(10_000)
+        saved, word = self.state.clone(), self.marker.word
+        out: dict[str, object] = {}
+        ref = None
+        for mode in ["reference", "rmu"] + (["rmu-fused"] if "fused" in self.updaters else []):
+            self.state.copy_(saved)
+            self.marker._words[2] = word
+            self.update(mode)
+            if mode == "reference":
+                ref = self.state.clone()
+            elif mode == "rmu":
+                out["rmu_equals_reference"] = bool(torch.equal(_slots(self.layout, self.state), _slots(self.layout, ref)))
+            else:
+                same, total, worst = 0, 0, 0.0
+                for x, y in zip(_floats(self.layout, ref), _floats(self.layout, self.state), strict=True):
+                    same += int((x == y).sum())
+                    total += x.numel()
+                    worst = max(worst, float((x - y).abs().max()))
+                out["fused_bit_identical"] = same == total
+                out["fused_equal_fraction"] = same / total
+                out["fused_max_abs_diff"] = worst
+        del ref
+        self.state.copy_(saved)
+        self.marker._words[2] = word
+        for g in self.groups:
+            g.encode_all()
+        return out
+
+
+def _slots(lay: Layout, state: torch.Tensor) -> torch.Tensor:
+    """Bytes of every param and AdamW state slot (not the RNG slot, which only rmu writes)."""
+    return torch.cat([s.view(state).flatten().view(torch.uint8) for i in range(len(lay.params))
+                      for s in (lay.params[i], *lay.optim[i].values())])
+
+
+def _floats(lay: Layout, state: torch.Tensor) -> list[torch.Tensor]:
+    """Views of every param, exp_avg and exp_avg_sq slot."""
+    return [s.view(state).flatten() for i in range(len(lay.params))
+            for s in (lay.params[i], lay.optim[i]["exp_avg"], lay.optim[i]["exp_avg_sq"])]
+
+
+class Timer:
+    """Elapsed seconds between marks: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> object:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a: object, b: object) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3  # type: ignore[attr-defined]
+        return b - a  # type: ignore[operator]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model and erasure sizes (flags below override)")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--chunk-bytes", type=int, default=None)
+    p.add_argument("--page-bytes", type=int, default=None)
+    p.add_argument("--data-pages", type=int, default=None)
+    p.add_argument("--tier1-parity", type=int, default=None)
+    p.add_argument("--tier2-parity", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20)
-    p.add_argument("--page-bytes", type=int, default=65536)
-    p.add_argument("--data-pages", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "update_overhead.json")
+    p.add_argument("--json", type=Path, default=None,
+                   help="default: $OUT/update_overhead[_gpu].json, else bench/results/")
     args = p.parse_args()
+    defaults = {"vocab": 1024, "dim": 128, "layers": 4, "heads": 4, "seq": 64, "batch": 8, "chunk_bytes": 1 << 20,
+                    "page_bytes": 65536, "data_pages": 64, "iters": 10, "warmup": 2,
+                "tier1_parity": 16, "tier2_parity": 1}
+    defaults.update(PRESETS.get(args.preset or "", {}))
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("update_overhead: --device cuda but no CUDA device is visible")
+    if device.type not in ("cpu", "cuda"):
+        sys.exit(f"update_overhead: --device must be cpu or cuda, got {args.device!r}")
+    cuda = device.type == "cuda"
+    if args.json is None:
+        name = "update_overhead_gpu.json" if cuda else "update_overhead.json"
+        args.json = Path(os.environ["OUT"]) / name if os.environ.get("OUT") else REPO / "bench" / "results" / name
     torch.set_num_threads(args.threads)
-    erasure = ErasureConfig(page_bytes=args.page_bytes, data_pages=args.data_pages, tier1_parity=16, tier2_parity=1)
-    trainers = {m: Trainer(m, args, erasure) for m in MODES}
-    times: dict[str, dict[str, list[float]]] = {m: {"compute": [], "update": []} for m in MODES}
+    erasure = ErasureConfig(page_bytes=args.page_bytes, data_pages=args.data_pages,
+                            tier1_parity=args.tier1_parity, tier2_parity=args.tier2_parity)
+    t0 = time.perf_counter()
+    b = Bench(args, erasure, device)
+    modes = ["reference", "snapshot", "rmu"] + (["rmu-fused"] if "fused" in b.updaters else [])
+    if cuda:
+        modes.append("rmu-fused-dedicated")
+    check = b.check()
+    setup_s = time.perf_counter() - t0
+    timer = Timer(cuda)
+    times = {m: {"compute": [], "update": [], "peak_alloc": [], "peak_reserved": []} for m in modes}
     for it in range(args.warmup + args.iters):
-        for m, tr in trainers.items():
-            t0 = time.perf_counter()
-            tr.compute(it)
-            t1 = time.perf_counter()
-            tr.update(it)
-            t2 = time.perf_counter()
+        for m in modes:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            e0 = timer.mark()
+            b.compute(it)
+            e1 = timer.mark()
+            b.update(m)
+            e2 = timer.mark()
+            if cuda:
+                torch.cuda.synchronize()
             if it >= args.warmup:
-                times[m]["compute"].append(t1 - t0)
-                times[m]["update"].append(t2 - t1)
-    ref = trainers["reference"]
-    slots = [*ref.layout.params, *(s for o in ref.layout.optim for s in o.values())]
-    same = all(torch.equal(s.view(ref.state), s.view(trainers[m].state)) for m in ("rmu", "rmu-noparity") for s in slots)
-    state_mb = ref.layout.state_bytes / 2**20
-    rows = {}
-    print(f"model: {sum(p.numel() for p in ref.model.parameters()) / 1e6:.2f} M params, state {state_mb:.1f} MiB; "
-          f"chunk {args.chunk_bytes >> 10} KiB; erasure {args.page_bytes >> 10} KiB pages, D={args.data_pages}, H1=16")
-    print(f"{'mode':<14}{'compute ms':>12}{'update ms':>11}{'total ms':>10}{'vs ref':>9}{'extra MiB':>11}")
+                times[m]["compute"].append(timer.seconds(e0, e1))
+                times[m]["update"].append(timer.seconds(e1, e2))
+                if cuda:
+                    times[m]["peak_alloc"].append(torch.cuda.max_memory_allocated())
+                    times[m]["peak_reserved"].append(torch.cuda.max_memory_reserved())
+    lay = b.layout
+    n_params = sum(p.numel() for p in b.model.parameters())
+    print(f"device {device}{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}; model {n_params / 1e6:.1f} M params, "
+          f"state {lay.state_bytes / 2**30:.2f} GiB; chunk {args.chunk_bytes >> 10} KiB; erasure "
+          f"{args.page_bytes >> 10} KiB pages, D={args.data_pages}, H1={args.tier1_parity}, H2={args.tier2_parity}; "
+          f"{args.iters} iterations after {args.warmup} warm-up; setup {setup_s:.1f} s")
+    print(f"check: {check}")
+    print(f"{'mode':<21}{'compute ms':>11}{'update ms':>11}{'total ms':>10}{'vs ref':>9}{'peak GiB':>10}{'reserved GiB':>13}")
+    rows: dict[str, dict[str, float | None]] = {}
     base = None
-    for m in MODES:
+    for m in modes:
         c, u = statistics.median(times[m]["compute"]), statistics.median(times[m]["update"])
         total = c + u
         base = base or total
+        pa = max(times[m]["peak_alloc"]) / 2**30 if cuda else None
+        pr = max(times[m]["peak_reserved"]) / 2**30 if cuda else None
         rows[m] = {"compute_ms": 1e3 * c, "update_ms": 1e3 * u, "total_ms": 1e3 * total,
-                   "overhead": total / base - 1, "extra_bytes": trainers[m].extra_bytes}
-        print(f"{m:<14}{1e3 * c:>12.1f}{1e3 * u:>11.1f}{1e3 * total:>10.1f}{100 * (total / base - 1):>+8.1f}%"
-              f"{trainers[m].extra_bytes / 2**20:>11.2f}")
+                   "overhead": total / base - 1, "peak_alloc_gib": pa, "peak_reserved_gib": pr}
+        mem = f"{pa:>10.2f}{pr:>13.2f}" if cuda else f"{'-':>10}{'-':>13}"
+        print(f"{m:<21}{1e3 * c:>11.1f}{1e3 * u:>11.1f}{1e3 * total:>10.1f}{100 * (total / base - 1):>+8.2f}%{mem}")
+    undo_n, par_n = b.sizes["unfused"]
     result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "torch": torch.__version__,
-              "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "rmu_equals_reference": same}
+              "device": torch.cuda.get_device_name() if cuda else "cpu", "params": n_params,
+              "state_bytes": lay.state_bytes, "rmu_buffer_bytes": {"undo": undo_n, "parity": par_n},
+              "args": {k: str(v) for k, v in vars(args).items()}, "check": check, "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    print(f"rmu params + AdamW state == reference (bit-exact): {same}")
-    print(f"RMU overhead ratio (total rmu / total reference): {rows['rmu']['total_ms'] / rows['reference']['total_ms']:.3f}")
+    print(f"rmu buffers: undo {undo_n / 2**20:.1f} MiB + working parity {par_n / 2**20:.1f} MiB; json {args.json}")
+    best = "rmu-fused" if "rmu-fused" in rows else "rmu"
+    print(f"RMU overhead ratio ({best} total / reference total): {rows[best]['total_ms'] / rows['reference']['total_ms']:.4f}")
 
 
 if __name__ == "__main__":

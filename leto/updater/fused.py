@@ -91,15 +91,21 @@ class FusedChunks:
             raise ProtocolError("triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ")
         self._kernel = adamw_rmu.adamw_undo
         self.flag_nbytes = flag_bytes(chunks)
-        data_nbytes = undo.numel() - self.flag_nbytes
-        if data_nbytes < max(c.undo_bytes for c in chunks):
-            raise ProtocolError("the undo region is too small for the fused path's progress flags")
-        self.state, self.undo_bytes = state, undo
+        self._undo_nbytes = max(c.undo_bytes for c in chunks)
+        self.state = state
         self.state_f = _f32(state)
         self.grads_f = _f32(grads)
-        self.undo_f = _f32(undo[:data_nbytes // 4 * 4])
-        self.flags = undo[data_nbytes : data_nbytes + self.flag_nbytes].view(torch.int64)
         self.plans = [self._plan(layout, c) for c in chunks]
+        self.bind(undo)
+
+    def bind(self, undo: torch.Tensor) -> None:
+        """Use ``undo`` (undo image, then the progress flags at its end)."""
+        data_nbytes = undo.numel() - self.flag_nbytes
+        if data_nbytes < self._undo_nbytes:
+            raise ProtocolError("the undo region is too small for the fused path's progress flags")
+        self.undo_bytes = undo
+        self.undo_f = _f32(undo[:data_nbytes])
+        self.flags = undo[data_nbytes : data_nbytes + self.flag_nbytes].view(torch.int64)
 
     @staticmethod
     def _plan(layout: Layout, chunk: Chunk) -> _ChunkPlan:

@@ -132,6 +132,30 @@ class ResumableUpdater:
                 for s in (0, 1)
             ]
 
+    def bind_buffers(self, undo: torch.Tensor, parity: torch.Tensor | None) -> None:
+        """Point the updater at new undo / working-parity memory of the same sizes.
+
+        The buffers are needed only between GRADS_READY and IDLE, so on a GPU they can be
+        lent from activation memory each step (allocated after backward, freed before the
+        next forward) instead of being held for the whole run. Contents are not carried
+        over: call only between updates (marker IDLE or GRADS_READY).
+        """
+        if self.marker.phase in WORKING_PHASES:
+            raise ProtocolError(f"cannot move the rmu buffers in the middle of an update ({self.marker.phase.name})")
+        if undo.numel() != self.undo.numel() or (parity is None) != (not self._working):
+            raise ProtocolError("bind_buffers needs buffers of the sizes the updater was built with")
+        self.undo = undo
+        if self.fused is not None:
+            self.fused.bind(undo)
+        if self._working:
+            assert parity is not None
+            n, h1 = len(self._working[0]), self._working[0][0].tier1.numel()
+            if parity.numel() < 2 * n * h1:
+                raise ProtocolError("the working parity region is too small")
+            for s in (0, 1):
+                for i, g in enumerate(self._working[s]):
+                    g.tier1 = parity[(s * n + i) * h1 : (s * n + i + 1) * h1]
+
     # -- one step ----------------------------------------------------------------------------
     def run(self, step: int) -> None:
         """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1)."""
