@@ -5,7 +5,9 @@
 * :mod:`leto.updater.plan` — the cut of the flat parameter space into chunks and the byte
   spans of the state region each chunk touches;
 * :mod:`leto.updater.rmu` — :class:`ResumableUpdater`: per chunk undo copy → in-place update →
-  incremental parity into a scratch buffer → commit (marker + swap); resume from the marker.
+  incremental parity into a scratch buffer → commit (marker + swap); resume from the marker;
+* :mod:`leto.updater.fused` — the fused chunk (``triton_kernels.adamw_rmu``: undo copy, progress
+  flags and AdamW in one pass) and its restore.
 """
 
 from __future__ import annotations
