@@ -9,14 +9,23 @@ keyed by (seed, iteration, data-parallel rank): the data position is the step, s
 recovered run is bit-identical to a fault-free one. With no CUDA the documented
 ``torch.cuda`` shims (examples/megatron_cpu_shims.py) are installed first.
 
-``--compare-baseline`` first trains a second copy of the same model for --train-iters
-without Leto (torch AdamW, the same flat all-reduce and clipping) in this same process,
-then the Leto run, and writes both iteration times to --bench-out (JSON).
+``--bf16`` is Megatron's bf16 mixed precision as Leto retains it: parameters, gradients and
+Adam state stay fp32 (Megatron's fp32 main params are here the model's own, retained), the
+compute runs in bf16 (autocast). On a GPU the kernels are deterministic
+(``torch.use_deterministic_algorithms``, Megatron's ``deterministic_mode``), which exact
+recovery needs.
+
+Without Leto, for comparison: ``--no-leto`` under ``torchrun`` trains the same model with a
+plain loop (torch AdamW, one flat all-reduce, clipping) and writes its iteration times to
+--bench-out (JSON); ``--compare-baseline`` under leto-run interleaves such a copy step by
+step with the Leto run in the same process and writes both medians to --bench-out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -58,23 +67,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention-dropout", type=float, default=0.1)
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--bf16", action="store_true", help="bf16 params (Megatron --bf16); fp32 otherwise")
+    p.add_argument("--bf16", action="store_true", help="bf16 compute over fp32 params and Adam state")
+    p.add_argument("--no-leto", action="store_true", help="a plain loop without Leto (run under torchrun)")
     p.add_argument("--compare-baseline", action="store_true", help="also train without Leto, same process")
-    p.add_argument("--bench-out", default=None, help="with --compare-baseline: JSON of iteration times")
+    p.add_argument("--bench-out", default=None, help="with --no-leto or --compare-baseline: JSON of iteration times")
     return p.parse_args()
 
 
 def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    # fp32 params: they are Megatron's main params, retained; bf16 = autocast compute, and
+    # Megatron's attention softmax returns bf16 probabilities. deterministic_mode: the
+    # embedding's backward without atomics (F.embedding's is not deterministic on CUDA).
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=dtype,
+        attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(), bias_dropout_fusion=False,
         masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, deterministic_mode=True,
     )
 
 
@@ -83,7 +95,7 @@ def optimizer_config(args: argparse.Namespace):  # -> OptimizerConfig
 
     return OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                           clip_grad=args.clip_grad, bf16=args.bf16)
+                           clip_grad=args.clip_grad)
 
 
 def lr_at(it: int, args: argparse.Namespace) -> float:
@@ -106,9 +118,11 @@ def get_batch(it: int, dp_rank: int, args: argparse.Namespace, device: torch.dev
     return tokens, position_ids, lm.causal_mask(args.seq_length, device), labels
 
 
-def forward_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def forward_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], bf16: bool) -> torch.Tensor:
     tokens, position_ids, mask, labels = batch
-    return model(tokens, position_ids, mask, labels=labels).float().mean()  # per-token losses [b, s]
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+        losses = model(tokens, position_ids, mask, labels=labels)  # per-token losses [b, s]
+    return losses.float().mean()
 
 
 def build(ctx: leto.Context, args: argparse.Namespace):
@@ -116,20 +130,31 @@ def build(ctx: leto.Context, args: argparse.Namespace):
                         max_sequence_length=args.max_position_embeddings or args.seq_length)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rank:
+    """What a loop without Leto needs to know of its rank (a ``leto.Context`` also has these)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
 class Baseline:
     """The same model and step without Leto: torch AdamW, one flat all-reduce, clipping.
 
-    Its steps are interleaved with Leto's (same process, same moment, same background load)
-    and run inside ``fork_rng``, so the Leto run draws exactly what it would draw alone.
+    ``isolated``: its steps are interleaved with Leto's (same process, same moment, same
+    background load) and run inside ``fork_rng`` from a model seeded ``seed + 1``, so the Leto
+    run draws exactly what it would draw alone. Otherwise (``--no-leto``) it is the plain
+    run: seeded and stepped as the Leto run is, so its losses are the Leto run's bit for bit.
     """
 
-    def __init__(self, ctx: leto.Context, args: argparse.Namespace) -> None:
+    def __init__(self, ctx: Rank | leto.Context, args: argparse.Namespace, *, isolated: bool) -> None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
 
-        self.ctx, self.args = ctx, args
-        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []), torch.device(ctx.device):
-            torch.manual_seed(args.seed + 1)
+        self.ctx, self.args, self.isolated = ctx, args, isolated
+        with self._rng(), torch.device(ctx.device):
+            torch.manual_seed(args.seed + 1 if isolated else args.seed)
             self.model = GPTModel(config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
                                   vocab_size=args.vocab_size,
                                   max_sequence_length=args.max_position_embeddings or args.seq_length)
@@ -138,15 +163,22 @@ class Baseline:
         for p in self.params:
             p.grad = torch.zeros_like(p)
 
-    def step(self, it: int) -> float:
+    def _rng(self) -> contextlib.AbstractContextManager:
+        if not self.isolated:
+            return contextlib.nullcontext()
+        return torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else [])
+
+    def step(self, it: int) -> tuple[float, float]:
+        """One iteration; returns (its wall time in seconds, the loss)."""
         ctx, args = self.ctx, self.args
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        with self._rng():
             lm.reseed_tracker(args.seed, it)
             for group in self.opt.param_groups:
                 group["lr"] = lr_at(it, args)
             self.opt.zero_grad(set_to_none=False)
-            forward_loss(self.model, get_batch(it, ctx.rank, args, ctx.device)).backward()
+            loss = forward_loss(self.model, get_batch(it, ctx.rank, args, ctx.device), args.bf16)
+            loss.backward()
             grads = [p.grad for p in self.params]
             if ctx.world_size > 1:
                 flat = torch._utils._flatten_dense_tensors(grads)
@@ -156,9 +188,11 @@ class Baseline:
                     g.copy_(synced)
             torch.nn.utils.clip_grad_norm_(self.params, args.clip_grad, foreach=True)
             self.opt.step()
+            loss_value = float(loss.detach())
             _sync(ctx.device)
-        lm.reseed_tracker(args.seed, it)  # the Leto step's tracker states, untouched by ours
-        return time.perf_counter() - t0
+        if self.isolated:
+            lm.reseed_tracker(args.seed, it)  # the Leto step's tracker states, untouched by ours
+        return time.perf_counter() - t0, loss_value
 
 
 def _sync(device: torch.device) -> None:
@@ -166,11 +200,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    args = parse_args()
-    lm.require_megatron()
+def setup_torch() -> None:
+    """Deterministic kernels on a GPU (exact recovery needs them); the CPU shims otherwise."""
     torch.set_num_threads(1)
-    if torch.cuda.is_available():  # bit-exact recovery needs deterministic kernels
+    if torch.cuda.is_available():
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     else:  # no CUDA: Megatron-Core runs on CPU with the documented shims
@@ -179,13 +212,51 @@ def main() -> None:
 
         megatron_cpu_shims.install()
 
+
+def train_plain(args: argparse.Namespace) -> None:
+    """``--no-leto``: the same training under plain torchrun (no retained state, no shadows)."""
+    from megatron.core import parallel_state
+
+    try:
+        rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    except KeyError as e:
+        raise SystemExit(f"--no-leto runs under torchrun: {e.args[0]} is not set") from None
+    device, backend = torch.device("cpu"), "gloo"
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count():
+            backend = "nccl"  # one GPU per rank; ranks sharing a GPU use gloo, as leto-run does
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    parallel_state.initialize_model_parallel()
+    lm.reseed_tracker(args.seed, -1)  # as lm.init_parallel
+    plain = Baseline(Rank(rank, world, device), args, isolated=False)
+    iter_s, losses = [], []
+    for it in range(args.train_iters):
+        seconds, loss = plain.step(it)
+        iter_s.append(seconds)
+        losses.append(loss)
+    if args.bench_out and rank == 0:
+        with open(args.bench_out, "w") as f:
+            json.dump({"iter_s": iter_s, "loss": losses}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    lm.require_megatron()
+    setup_torch()
+    if args.no_leto:
+        train_plain(args)
+        return
+
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     lm.init_parallel(ctx, seed=args.seed)  # Megatron's parallel_state on Leto's group
     torch.manual_seed(args.seed)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
     state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad)
-    baseline = Baseline(ctx, args) if args.compare_baseline else None
+    baseline = Baseline(ctx, args, isolated=True) if args.compare_baseline else None
     base_s: list[float] = []
     loop_s: list[float] = []  # whole loop iteration: Leto's step bookkeeping included
     top = None
@@ -195,10 +266,10 @@ def main() -> None:
             loop_s.append(now - top)
         top = now
         if baseline is not None:
-            base_s.append(baseline.step(it))
+            base_s.append(baseline.step(it)[0])
         for group in opt.param_groups:
             group["lr"] = lr_at(it, args)
-        loss = forward_loss(model, get_batch(it, ctx.rank, args, ctx.device))
+        loss = forward_loss(model, get_batch(it, ctx.rank, args, ctx.device), args.bf16)
         loss.backward()
         state.step(loss=loss)
         _sync(ctx.device)
