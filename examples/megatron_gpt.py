@@ -251,7 +251,9 @@ def main() -> None:
         return
 
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
-    lm.init_parallel(ctx, seed=args.seed)  # Megatron's parallel_state on Leto's group
+    dp = lm.init_parallel(ctx, seed=args.seed)  # Megatron's parallel_state on Leto's group
+    if ctx.rank == 0 and not ctx.is_shadow:
+        print(f"megatron_gpt: world {ctx.world_size} (DP {dp}), backend {dist.get_backend()} on {ctx.device}", flush=True)
     torch.manual_seed(args.seed)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
