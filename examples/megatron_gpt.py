@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-lr", type=float, default=0.0)
     p.add_argument("--lr-warmup-iters", type=int, default=5)
     p.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    p.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--adam-beta1", type=float, default=0.9)
     p.add_argument("--adam-beta2", type=float, default=0.999)
@@ -104,7 +105,8 @@ def lr_at(it: int, args: argparse.Namespace) -> float:
         return args.lr * (it + 1) / args.lr_warmup_iters
     if args.lr_decay_style == "constant":
         return args.lr
-    progress = min(1.0, (it - args.lr_warmup_iters) / max(1, args.train_iters - args.lr_warmup_iters))
+    decay_iters = args.lr_decay_iters or args.train_iters
+    progress = min(1.0, (it - args.lr_warmup_iters) / max(1, decay_iters - args.lr_warmup_iters))
     coeff = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_decay_style == "cosine" else 1 - progress
     return args.min_lr + coeff * (args.lr - args.min_lr)
 
