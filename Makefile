@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,sim]'
 	touch $(STAMP)
 
-.PHONY: venv demo test bench gpu-test
+.PHONY: venv demo test bench gpu-test gpu-megatron
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -27,3 +27,10 @@ bench: $(STAMP)
 gpu-test:
 	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python3 -m pytest -q tests/gpu
 	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python3 bench/recovery_gpu.py
+
+# On a GPU machine with megatron-core's wheel in .whl/ (docs/MEGATRON.md): Megatron's GPU tests and benchmark.
+GPU_ENV := NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=/tmp/site:.
+gpu-megatron:
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+	$(GPU_ENV) python3 -m pytest -q -rs tests/gpu/test_megatron_gpu.py
+	$(GPU_ENV) python3 bench/megatron_gpu.py
