@@ -13,15 +13,18 @@ digest of the retained state must equal the fault-free run's.
   all-reduce and Megatron's cross-entropy all-reduces (TP group of one). What would not:
   gloo has no CUDA reduce-scatter / all-gather, so Megatron's DistributedOptimizer and
   sequence parallelism need NCCL (one GPU per rank);
-* world size 1, NCCL, bf16, with two-tier parity (host tier-1 pages lost at two kills
-  and rebuilt). Device pages are not erased here: localising lost pages of a CUDA VMM
-  region needs the trainer's mapping query, not built yet (leto/trainer/protection.py).
+* world size 1, NCCL, bf16, with two-tier parity on 2 MiB pages (one CUDA VMM chunk
+  each): the backward and the update kills also lose 16 device pages of the model state
+  (found by the page-map query, rebuilt from host parity, or from the RMU's working
+  parity mid-update) and a host tier-1 parity page per group.
 
 megatron-core is not on the GPU image; docs/MEGATRON.md says how the carried wheel is
 installed. Without it these tests skip, saying so.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -36,55 +39,78 @@ pytest.importorskip(
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 16
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "4", "--vocab-size", "512", "--lr", "1e-3", "--seed", "11"]
-RMU = {"consistency": "rmu", "rmu_chunk_bytes": 65536}  # about ten chunks: chunk 1 is mid-update
-PARITY = {**RMU, "erasure": {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}}
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "4", "--vocab-size", "512", "--lr", "1e-3", "--seed", "11"]
+# ~5.3 M parameters: 64 MiB of fp32 params + Adam state = one group of D=32 two-MiB pages.
+SMALL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
+         "--micro-batch-size", "4", "--vocab-size", "4096", "--lr", "1e-3", "--seed", "11"]
+RMU = {"consistency": "rmu", "rmu_chunk_bytes": 65536}  # about ten chunks of TINY: chunk 1 is mid-update
+PARITY = {"consistency": "rmu", "rmu_chunk_bytes": 1 << 20,
+          "erasure": {"page_bytes": 2 << 20, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    nproc: int
+    model: list[str]
+    leto: dict
+    bf16: bool
+    lost_device_pages: int = 0
+    """Model-state pages lost at the backward and at the update kill (per group)."""
+
+
 CASES = {
-    "nccl-1rank-bf16": (1, ["--bf16"], RMU, 0),
-    "gloo-2ranks-fp32": (2, [], RMU, 0),
-    "nccl-1rank-bf16-parity": (1, ["--bf16"], PARITY, 1),
+    "nccl-1rank-bf16": Case(1, TINY, RMU, bf16=True),
+    "gloo-2ranks-fp32": Case(2, TINY, RMU, bf16=False),
+    "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16),
 }
 
 
-def _faults(nproc: int, lost_host_pages: int) -> list[FaultSpec]:
+def _faults(case: Case) -> list[FaultSpec]:
+    lost, host = case.lost_device_pages, int(case.lost_device_pages > 0)
     return [
         FaultSpec(rank=0, step=3, phase="forward"),
-        FaultSpec(rank=nproc - 1, step=7, phase="backward", erase_host_pages=lost_host_pages),
-        FaultSpec(rank=0, step=11, phase="update", point="optimizer", chunk=1, erase_host_pages=lost_host_pages),
+        FaultSpec(rank=case.nproc - 1, step=7, phase="backward", erase_device_pages=lost, erase_host_pages=host),
+        FaultSpec(rank=0, step=11, phase="update", point="optimizer", chunk=1, erase_device_pages=lost,
+                  erase_host_pages=host),
     ]
 
 
-def _run(tmp_path, nproc: int, args: list[str], leto: dict, faults: list[FaultSpec]):
-    proc, events = run_leto(tmp_path, steps=STEPS, nproc=nproc, faults=faults, leto=leto, script=SCRIPT,
-                            steps_flag="--train-iters", model_args=MODEL, script_args=args, timeout_s=400)
+def _run(tmp_path, case: Case, faults: list[FaultSpec]):
+    proc, events = run_leto(tmp_path, steps=STEPS, nproc=case.nproc, faults=faults, leto=case.leto, script=SCRIPT,
+                            steps_flag="--train-iters", model_args=case.model, script_args=["--bf16"] * case.bf16,
+                            timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, events
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", list(CASES))
-def test_megatron_gpu_recovery_is_bit_exact(tmp_path, case: str) -> None:
-    nproc, args, leto, lost = CASES[case]
-    ref_proc, ref_events = _run(tmp_path, nproc, args, leto, [])
-    backend = "nccl" if nproc == 1 else "gloo"
+@pytest.mark.parametrize("name", list(CASES))
+def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
+    case = CASES[name]
+    ref_proc, ref_events = _run(tmp_path, case, [])
+    backend = "nccl" if case.nproc == 1 else "gloo"
     assert f"backend {backend}" in ref_proc.stdout + ref_proc.stderr, "the run did not use the expected backend"
     reference = digests(ref_events)
-    assert set(reference) == {(r, s) for r in range(nproc) for s in range(1, STEPS + 1)}
+    assert set(reference) == {(r, s) for r in range(case.nproc) for s in range(1, STEPS + 1)}
     assert all(len(d) == 1 for d in reference.values())
 
-    faults = _faults(nproc, lost)
-    _, events = _run(tmp_path, nproc, args, leto, faults)
+    faults = _faults(case)
+    _, events = _run(tmp_path, case, faults)
     injected = [e for e in events if e["kind"] == "fault_injected"]
     assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
     assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
     resumed = [e for e in events if e["kind"] == "resumed"]
-    assert len(resumed) == nproc * len(faults)
+    assert len(resumed) == case.nproc * len(faults)
     # forward/backward kills re-run their step; a kill inside the update finishes it
     assert sorted({e["step"] for e in resumed}) == [3, 7, 12]
-    if lost:  # both kills that lost host parity pages found and rebuilt them
-        rebuilt = [e for e in events if e["kind"] == "pages_rebuilt" and e["lost"]["state"]["tier1"]]
-        assert len(rebuilt) == 2, [e["lost"] for e in events if e["kind"] == "pages_rebuilt"]
+    if case.lost_device_pages:  # recoveries 2 and 3 found every erased device page and rebuilt it
+        erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
+        rebuilt = {(e["rank"], e["gen"]): e["lost"]["state"] for e in events if e["kind"] == "pages_rebuilt"}
+        assert [len(e["pages"]) for e in erased] == [case.lost_device_pages] * 2, erased
+        lost = [rebuilt[(faults[1].rank, 2)], rebuilt[(faults[2].rank, 3)]]
+        assert [x["data"] for x in lost] == [case.lost_device_pages] * 2, rebuilt
+        assert lost[0]["tier1"] >= 1, rebuilt
     got = digests(events)
     assert set(got) == set(reference)
     for key, want in reference.items():
