@@ -19,7 +19,7 @@ Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
 UpdatePoint = Literal["boundary", "optimizer", "parity", "flush"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
-FaultKind = Literal["kill", "fatal", "hang"]
+FaultKind = Literal["kill", "fatal", "hang", "device"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
@@ -50,7 +50,10 @@ class FaultSpec:
     kind: FaultKind = "kill"
     """kill: SIGKILL, a hardware-operable failure (HOF), recovered in place; fatal: a fatal
     failure (FF), the trainer reports its hardware unusable and the job takes the checkpoint
-    path; hang: SIGSTOP, the trainer stops making progress (found by the heartbeat)."""
+    path; hang: SIGSTOP, the trainer stops making progress (found by the heartbeat);
+    device: SIGKILL, and the rank's device is left broken: the promoted shadow's device
+    check computes a wrong result (one flipped bit, as a bad memory cell would), so the
+    failure turns fatal after promotion and the job takes the checkpoint path."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:

@@ -41,6 +41,7 @@ class Kind(str, Enum):
     DIGEST = "digest"
     FAULT_INJECTED = "fault_injected"
     HANG_DETECTED = "hang_detected"
+    DEVICE_UNHEALTHY = "device_unhealthy"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     PAGES_ERASED = "pages_erased"

@@ -138,6 +138,10 @@ class HangWatch:
         now = self._clock()
         self._seen = [(0, now)] * self.board.nslots
 
+    def watched(self) -> int:
+        """Local ranks still watched: those that have not finished their training loop."""
+        return sum(1 for slot in range(self.board.nslots) if not self.board.read(slot)[1] & _FINISHED)
+
     def check(self) -> list[Stall]:
         """Ranks over their limit, the one idle longest first (finished ranks never stall)."""
         now = self._clock()

@@ -49,6 +49,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest
 
 from leto import faults
 from leto.config import LetoConfig
+from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, Kind
 from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard
@@ -117,6 +118,8 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._epochs: EpochBoard | None = None
         self._board: HeartbeatBoard | None = None
         self._hangs: HangWatch | None = None
+        self._device_health = NvmlHealth()
+        """GPU fatal-condition counters, baselined now (no CUDA context: NVML only)."""
         self._restart_reason = ""
         self.forkserver: ForkServer | None = None
         """Set by launch: group restarts start their workers from it (warm restarts)."""

@@ -41,13 +41,19 @@ class FailurePolicy(_Base):
     """Classification, the job-wide decision and hang verdicts for :class:`LetoAgent`."""
 
     def _classify(self, result: RunResult) -> FailureClass:
-        """FF when the state manager is gone or a trainer reported its hardware unusable;
-        HOF when a trainer was killed by a signal (on CPU the hardware is then usable);
-        ERROR when a script raised (an in-place retry would raise again)."""
+        """FF when the state manager is gone, a trainer reported its hardware unusable or
+        NVML reports a new fatal condition on a local GPU; HOF when a trainer was killed by
+        a signal (its hardware is then usable); ERROR when a script raised (an in-place
+        retry would raise again)."""
         assert self._epochs is not None
         if self._sm is None or not self._sm.alive():
             return FailureClass.FF
         if any(self._epochs.check([f"fatal/{rank}"]) for rank in result.failures):
+            return FailureClass.FF
+        problems = self._device_health.check()
+        if problems:
+            self._events.emit(Kind.DEVICE_UNHEALTHY, problems=problems)
+            logger.error("GPU health check failed: %s", "; ".join(problems))
             return FailureClass.FF
         # Killed by a signal (seen first through a pidfd, or any signal but the SIGTERM torch
         # sends a failed trainer's peers): on CPU the hardware is still usable.
@@ -75,6 +81,9 @@ class FailurePolicy(_Base):
         assert self._epochs is not None
         failure = self._classify(result)
         epoch = self._generation + 1
+        if self._recovery is not None:  # the promoted trainers failed before all stepped once
+            self.recoveries -= 1
+            self._recovery = None
         if failure is FailureClass.ERROR and worker_group.group_world_size > 1:
             # A trainer on another node died, breaking our collectives: its agent's record
             # is on its way and explains our error.
@@ -152,10 +161,15 @@ class FailurePolicy(_Base):
         stalls = self._hangs.check()
         if not stalls:
             return
-        # Peers blocked in a collective with the hung rank stall too; a process that is
-        # stopped or in uninterruptible sleep is the likelier culprit, else the longest idle.
+        # Peers blocked in a collective with the hung rank stall too. A process that is
+        # stopped or in uninterruptible sleep is the culprit; short of one, a verdict needs
+        # every local rank stalled: while one still makes progress, the stalled ones are
+        # waiting for it (a slow peer, not a hang). Then the longest idle is blamed.
         states = {s.slot: _proc_state(worker_group.workers[s.slot].id) for s in stalls}
-        stall = next((s for s in stalls if states[s.slot] in ("T", "t", "D")), stalls[0])
+        stopped = [s for s in stalls if states[s.slot] in ("T", "t", "D")]
+        if not stopped and len(stalls) < self._hangs.watched():
+            return
+        stall = (stopped or stalls)[0]
         worker = worker_group.workers[stall.slot]
         self._events.emit(
             Kind.HANG_DETECTED, rank=worker.global_rank, gen=self._generation,

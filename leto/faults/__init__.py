@@ -57,6 +57,8 @@ class FaultInjector:
         self.step = -1
         self.report_fatal: Callable[[], None] = lambda: None
         """Called before the kill of a ``kind: fatal`` fault (the trainer tells its agent)."""
+        self.break_device: Callable[[], None] = lambda: None
+        """Called before the kill of a ``kind: device`` fault (marks this rank's device bad)."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -103,6 +105,8 @@ class FaultInjector:
                     on_fire()
                 if fault.kind == "fatal":
                     self.report_fatal()
+                elif fault.kind == "device":
+                    self.break_device()
                 os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
 
     @property

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
+from leto.device_health import DeviceUnhealthyError, check_device
 from leto.erasure import ErasureConfig
 from leto.errors import LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind
@@ -113,6 +114,9 @@ class Context:
         )
         # An injected fatal failure tells the agent before dying: it is classified as an FF.
         self.injector.report_fatal = lambda: store.set(f"fatal/{env.rank}", "injected")
+        self._device_fault_key = f"/leto/device_fault/{env.rank}"
+        self.injector.break_device = lambda: raw_store.set(self._device_fault_key, "injected")
+        self._raw_store = raw_store
         self.heartbeat = Heartbeat.from_env(env.local_rank)
         self.checkpointer: Checkpointer | None = None
         self.promoted_at: float | None = None
@@ -199,14 +203,14 @@ class Context:
                 self.heartbeat.beat()
 
     def report_fatal_on_unrecoverable(self) -> None:
-        """An uncaught ``UnrecoverableStateError`` tells the agent before the trainer dies,
-        so it is classified as a fatal failure (group restart from the checkpoint)."""
+        """An uncaught ``UnrecoverableStateError`` or ``DeviceUnhealthyError`` tells the agent
+        before the trainer dies, so it is classified as a fatal failure (group restart from the checkpoint)."""
         previous = sys.excepthook
 
         def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-            if issubclass(tp, UnrecoverableStateError):
+            if issubclass(tp, (UnrecoverableStateError, DeviceUnhealthyError)):
                 with contextlib.suppress(Exception):
-                    self.store.set(f"fatal/{self.rank}", f"unrecoverable: {value}"[:500])
+                    self.store.set(f"fatal/{self.rank}", f"{tp.__name__}: {value}"[:500])
             previous(tp, value, tb)
 
         sys.excepthook = hook
@@ -246,9 +250,18 @@ class Context:
                 if "timeout" not in str(e).lower():
                     raise ProtocolError(f"lost the agent's store while waiting as a shadow: {e}") from None
         self.promoted_at = time.time()
+        # The predecessor may have died of its device: never resume on one that computes
+        # wrong (DeviceUnhealthyError is reported as fatal: a group restart, not a retry).
+        check_s = check_device(
+            self.device, pattern_bytes=(64 << 20) if self.device.type == "cuda" else (1 << 20),
+            flip_bit=self._raw_store.check([self._device_fault_key]),
+        )
         if not dist.is_initialized():
             self._build_group()
-        self.events.emit(Kind.PROMOTED, rank=env.rank, gen=env.generation, level=env.shadow_level)
+        self.events.emit(
+            Kind.PROMOTED, rank=env.rank, gen=env.generation, level=env.shadow_level,
+            device_check_s=round(check_s, 4),
+        )
 
 
 def _local_device(env: TrainerEnv) -> torch.device:
@@ -357,6 +370,7 @@ def warm_up(device: torch.device | None = None) -> None:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
     opt.step()
+    check_device(device, pattern_bytes=1 << 20)  # its first call pays ~0.1 s of lazy init
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

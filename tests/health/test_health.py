@@ -27,3 +27,14 @@ def test_stall_limits_before_and_after_the_first_step() -> None:
         assert board.read(0) == (0, 0) and watch.check() == []
     finally:
         board.close()
+
+
+def test_finished_ranks_are_not_watched() -> None:
+    board = HeartbeatBoard(2)
+    try:
+        watch = HangWatch(board, hang_timeout_s=5.0, first_step_timeout_s=30.0)
+        assert watch.watched() == 2
+        Heartbeat(board.path, 1).finished()
+        assert watch.watched() == 1
+    finally:
+        board.close()

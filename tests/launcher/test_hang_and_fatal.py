@@ -58,3 +58,26 @@ def test_fatal_failure_restarts_from_the_checkpoint_bit_identically(tmp_path, re
     assert len(redone) >= 4, redone  # 2 ranks x (first attempt + after restart)
     (done,) = [e for e in events if e["kind"] == "job_finished"]
     assert (done["restarts"], done["recoveries"]) == (1, 0)
+
+
+@pytest.mark.timeout(240)
+def test_broken_device_found_by_the_promoted_shadow_takes_the_checkpoint_path(tmp_path, reference) -> None:
+    """Emulated: a rank dies with its device (SIGKILL) and the device is left computing
+    wrong — the injector flips one bit of the promoted shadow's device-check result, as a
+    bad memory cell would. The shadow must refuse to resume (fatal), and the job restarts
+    from the checkpoint, bit-identically."""
+    faults = [FaultSpec(rank=1, step=9, phase="backward", kind="device")]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
+                            extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                   "--checkpoint-every", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(reference, events)
+    assert "DeviceUnhealthyError" in proc.stderr
+    failures = [e for e in events if e["kind"] == "failure_detected"]
+    assert [f["failure"] for f in failures] == ["hof", "ff"], failures  # the kill, then the bad device
+    (restart,) = [e for e in events if e["kind"] == "group_restart"]
+    assert "ff" in restart["reason"]
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (4, 8)  # 8 may still be in flight
+    (done,) = [e for e in events if e["kind"] == "job_finished"]
+    assert (done["restarts"], done["recoveries"]) == (1, 0)
