@@ -2,15 +2,20 @@
 CUDA context and their own communicator; digests equal the fault-free run at every step.
 
 One rank with NCCL, and two ranks sharing the GPU with gloo (NCCL refuses two ranks on
-one device). The model is the demo GPT at a size that keeps the test short; the >= 1B
-run is bench/recovery_gpu.py.
+one device). First the demo GPT at a size that keeps the test short (a kill in every
+phase), then a GPT of 1.1 B parameters (bf16 compute, fp32 master weights and AdamW
+state, deterministic kernels) with kills at random ranks, steps and phases (seeded by
+``LETO_GPU_SEED``; the schedule is printed).
 """
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 
-from leto.config import FaultSpec
+from leto.config import PHASES, FaultSpec
 from tests.launcher.harness import digests, run_leto
 
 STEPS = 16
@@ -37,3 +42,35 @@ def test_gpu_kills_in_every_phase_recover_bit_identically(tmp_path, nproc: int) 
         assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
     assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
 
+
+
+GPT_1B = ["--vocab", "32000", "--dim", "2048", "--layers", "20", "--heads", "16", "--seq", "512",
+          "--batch", "4", "--bf16"]
+
+
+def random_kills(seed: int, nproc: int, steps: int, count: int) -> list[FaultSpec]:
+    """``count`` kills at random ranks and phases, at least two steps apart (so each finds the
+    shadow generation spawned after the previous recovery)."""
+    rng = random.Random(seed)
+    kill_steps = sorted(rng.sample(range(2, steps - 1, 2), count))
+    return [FaultSpec(rank=rng.randrange(nproc), step=s, phase=rng.choice(PHASES)) for s in kill_steps]
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_gpu_1b_random_kills_recover_bit_identically(tmp_path, nproc: int) -> None:
+    steps = 12
+    faults = random_kills(int(os.environ.get("LETO_GPU_SEED", "0")) + nproc, nproc, steps, count=3)
+    print("kills:", [(f.rank, f.step, f.phase) for f in faults])
+    ref_proc, ref_events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=GPT_1B, timeout_s=550)
+    assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
+    reference = digests(ref_events)
+    assert len(reference) == nproc * steps and all(len(v) == 1 for v in reference.values())
+    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=GPT_1B, faults=faults, timeout_s=550)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = digests(events)
+    assert set(got) == set(reference)
+    for key, values in got.items():
+        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
+    assert len([e for e in events if e["kind"] == "fault_injected"]) == len(faults)
+    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
