@@ -106,6 +106,31 @@ class Heartbeat:
         self._steps.value |= _FINISHED
 
 
+_PF_EXITING = 0x4  # include/linux/sched.h: set as do_exit begins, before memory teardown
+
+
+def dying_signal(pid: int) -> int | None:
+    """The signal killing ``pid`` while it is still tearing down, else None.
+
+    A process killed by a signal is a zombie (visible to ``waitid``) only after the kernel
+    has released its memory and closed its files; on a GPU that includes destroying its
+    CUDA context, 0.5–1 s for a trainer. ``do_exit`` sets ``PF_EXITING`` and the exit code
+    (field 52 of ``/proc/pid/stat``, the waitpid status) before that teardown, so a reader
+    learns of the death — and can stop the peers, whose teardowns then overlap — early.
+    A normal exit (no signal) reads as None.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # fields[0] is field 3 (state): field n is fields[n - 3].
+    if len(fields) < 50 or not int(fields[6]) & _PF_EXITING:
+        return None
+    signo = int(fields[49]) & 0x7F
+    return signo or None
+
+
 @dataclass(frozen=True, slots=True)
 class Stall:
     """A local rank that made no progress for longer than its limit."""

@@ -52,7 +52,7 @@ from leto.config import LetoConfig
 from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, Kind
-from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard
+from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard, dying_signal
 from leto.pool.process import StateManagerProcess
 from leto.trainer.context import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW, store_prefix
 from leto_run.failures import FailurePolicy
@@ -291,7 +291,10 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         torch's PContext, on a failure, sends SIGTERM to the survivors and waits for them;
         peers stuck in a collective then take their time. With a pidfd and ``WNOWAIT`` we
         learn of the death first and SIGKILL the survivors, so the base class finds them
-        all dead. Only for leto jobs, and only for deaths by signal (HOFs).
+        all dead; ``dying_signal`` sees it even before the victim is a zombie, while the
+        kernel still tears down its memory and CUDA context, so the survivors' teardowns
+        overlap the victim's instead of following it. Only for leto jobs, and only for deaths
+        by signal (HOFs).
         """
         if not self._uses_leto or self._pcontext is None or self._detected_t is not None:
             return
@@ -309,7 +312,8 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
                 info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:  # already reaped by the base class: its business
                 continue
-            if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            killed = info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+            if killed or (info is None and dying_signal(pid) is not None):
                 self._detected_t, self._root_pid = time.time(), pid
                 for other in pids:
                     if other != pid:

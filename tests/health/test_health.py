@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from leto.health import HangWatch, Heartbeat, HeartbeatBoard
 
 
@@ -38,3 +40,27 @@ def test_finished_ranks_are_not_watched() -> None:
         assert watch.watched() == 1
     finally:
         board.close()
+
+
+def test_dying_signal_reads_a_kill_before_the_reap() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from leto.health import dying_signal
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert dying_signal(child.pid) is None  # alive
+        os.kill(child.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # a zombie: PF_EXITING and code stay
+        assert dying_signal(child.pid) == signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    ok = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, ok.pid, os.WEXITED | os.WNOWAIT)
+    try:
+        assert dying_signal(ok.pid) is None  # a normal exit is not a death by signal
+    finally:
+        ok.wait()
