@@ -34,10 +34,18 @@ torch.cuda.init(); torch.empty(1, device="cuda")
 keep = []
 if kind == "torch" and gib:
     keep.append(torch.empty(gib << 30, dtype=torch.uint8, device="cuda").fill_(1))
-elif kind == "vmm" and gib:
-    fd = cuda_vmm.create(gib << 30, 0)
-    m = cuda_vmm.map_fd(fd, gib << 30, 0)
-    t = torch.as_tensor(m, device="cuda"); t.fill_(1); keep.append((m, t))
+elif kind in ("vmm", "chunks") and gib:  # one allocation, or one per 2 MiB page
+    chunks = cuda_vmm.CudaChunks(0)
+    nbytes = gib << 30
+    size = nbytes if kind == "vmm" else 2 << 20
+    addr = chunks.reserve(nbytes)
+    fds = []
+    for off in range(0, nbytes, size):
+        fd = chunks.create(size)
+        chunks.map(addr + off, fd, size)
+        fds.append(fd)
+    chunks.enable(addr, nbytes)
+    t = torch.as_tensor(cuda_vmm.array_interface(addr, nbytes), device="cuda"); t.fill_(1); keep.append(t)
 elif kind == "busy":  # a kernel queue still running when the kill lands
     a = torch.randn(8192, 8192, device="cuda")
     for _ in range(200):
@@ -71,7 +79,7 @@ def main() -> None:
     p.add_argument("--json", default=str(REPO / "bench/results/teardown_gpu.json"))
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    cases = [("torch", 0), ("torch", 8), ("torch", 32), ("torch", 96), ("vmm", 16), ("vmm", 64), ("busy", 0)]
+    cases = [("torch", 0), ("torch", 8), ("torch", 32), ("torch", 96), ("vmm", 16), ("vmm", 64), ("chunks", 16), ("busy", 0)]
     out = []
     for kind, gib in cases:
         runs = [one(kind, gib) for _ in range(args.repeats)]
