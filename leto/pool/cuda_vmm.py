@@ -154,6 +154,11 @@ class CudaChunks:
         return location
 
 
+def host_device_pointer(host_ptr: int) -> int:
+    """The device address of page-locked, mapped host memory (``cudaHostRegisterMapped``)."""
+    return int(_check(_driver().cuMemHostGetDevicePointer(host_ptr, 0), "cuMemHostGetDevicePointer"))
+
+
 def array_interface(ptr: int, nbytes: int) -> Any:
     """An object torch.as_tensor wraps as ``nbytes`` uint8 of device memory at ``ptr``."""
     interface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}

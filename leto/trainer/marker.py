@@ -67,12 +67,29 @@ _ALLOWED: dict[Phase, frozenset[Phase]] = {
 
 
 class Marker:
-    """View of the marker words in a retained host region (uint8 tensor of MARKER_BYTES)."""
+    """View of the marker words in a retained host region (uint8 tensor of MARKER_BYTES).
 
-    def __init__(self, region: torch.Tensor) -> None:
+    ``device_words`` (on GPU): the same host memory as an int64 CUDA tensor (page-locked
+    and mapped). Every write is then a one-element fill kernel on the current stream, so
+    the marker moves only after the device work queued before it has completed — a kill
+    can never leave a marker that claims more than the device did. The trainer reads its
+    own writes from a host-side copy (``_words``, read from the memory at construction);
+    a successor reads what actually landed.
+    """
+
+    def __init__(self, region: torch.Tensor, device_words: torch.Tensor | None = None) -> None:
         if region.numel() < MARKER_BYTES:
             raise ValueError(f"marker region must hold {MARKER_BYTES} bytes")
-        self._words = region[:MARKER_BYTES].view(torch.int64)
+        memory = region[:MARKER_BYTES].view(torch.int64)
+        if device_words is not None and device_words.numel() * 8 < MARKER_BYTES:
+            raise ValueError(f"marker device view must cover {MARKER_BYTES} bytes")
+        self._device = device_words
+        self._words = memory if device_words is None else memory.clone()
+
+    def _set(self, index: int, value: int) -> None:
+        self._words[index] = value
+        if self._device is not None:
+            self._device[index].fill_(value)  # lands in stream order
 
     # -- identity ---------------------------------------------------------------------------
     def is_valid(self) -> bool:
@@ -83,9 +100,9 @@ class Marker:
 
     def initialise(self, layout_hash: int, step: int = 0) -> None:
         """Mark the state as fully initialised at ``step`` (0, or a loaded checkpoint's)."""
-        self._words[1] = layout_hash
-        self._words[2] = pack(step, Phase.IDLE)
-        self._words[0] = _signed(MAGIC)
+        self._set(1, layout_hash)
+        self._set(2, pack(step, Phase.IDLE))
+        self._set(0, _signed(MAGIC))
 
     def check_layout(self, layout_hash: int) -> None:
         if self.layout_hash() != layout_hash:
@@ -137,15 +154,15 @@ class Marker:
             raise ValueError(f"chunk {chunk} out of range")
         new_step = self.step if step is None else step
         new_sel = self.parity_sel if sel is None else sel
-        self._words[2] = pack(new_step, phase, chunk, new_sel)
+        self._set(2, pack(new_step, phase, chunk, new_sel))
 
     # -- update hyper-parameters recorded with GRADS_READY -----------------------------------
     def record_lrs(self, lrs: list[float]) -> None:
         if len(lrs) > _MAX_LR:
             raise ValueError(f"at most {_MAX_LR} parameter groups")
-        self._words[3] = len(lrs)
+        self._set(3, len(lrs))
         for i, lr in enumerate(lrs):
-            self._words[4 + i] = struct.unpack("<q", struct.pack("<d", lr))[0]
+            self._set(4 + i, struct.unpack("<q", struct.pack("<d", lr))[0])
 
     def recorded_lrs(self) -> list[float]:
         n = int(self._words[3])

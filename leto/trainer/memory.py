@@ -84,6 +84,23 @@ class RegionMemory:
             torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         return tensor, region.existing
 
+    def mapped_on_device(self, host: torch.Tensor) -> torch.Tensor | None:
+        """``host`` (a host region, page-aligned) as a CUDA tensor over the same memory, so
+        kernels write it in stream order (the marker); None on CPU.
+
+        The region is page-locked with ``cudaHostRegisterMapped`` and addressed through
+        ``cuMemHostGetDevicePointer``: device stores travel over PCIe into the memfd pages
+        the state manager keeps, visible to a successor once this process is gone.
+        """
+        if not self.cuda:
+            return None
+        portable_mapped = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), portable_mapped)
+        if int(err) != 0:
+            raise PoolError(f"cudaHostRegister(mapped) of a {host.numel()}-byte host region failed: error {int(err)}")
+        ptr = cuda_vmm.host_device_pointer(host.data_ptr())
+        return torch.as_tensor(cuda_vmm.array_interface(ptr, host.numel()), device=self.device)
+
     def fence(self) -> None:
         """Wait for queued device work: a marker written after it then tells the truth."""
         if self.cuda:

@@ -133,7 +133,8 @@ class RetainedState:
             views["snapshot"] = mem.host_region("snapshot", state_nbytes)[0]
         self.state_bytes, self.grad_bytes = views["state"], views["grads"]
         self.snapshot_bytes = views.get("snapshot")
-        self.marker = Marker(views["marker"])
+        marker_words = mem.mapped_on_device(views["marker"])
+        self.marker = Marker(views["marker"], None if marker_words is None else marker_words.view(torch.int64))
         self._rng_next = views["rng_next"]
         self.protected = (
             {}

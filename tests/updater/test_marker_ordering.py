@@ -1,0 +1,43 @@
+"""The marker's stream-ordered write path (used on GPU), exercised on CPU.
+
+On a GPU the marker's device view is a CUDA tensor over the same page-locked host memory,
+and a write lands only when the kernels queued before it have run. Here the "device view"
+is a separate buffer that reaches the memory when the test says so (the queue drains):
+until then a successor reading the memory must see the old marker, while the writer
+keeps reading its own writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+
+
+def test_writer_reads_its_own_writes_successor_reads_what_landed() -> None:
+    memory = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
+    queue = torch.zeros(MARKER_BYTES // 8, dtype=torch.int64)  # the stream, not yet drained
+    queue.copy_(memory.view(torch.int64))
+    writer = Marker(memory, queue)
+    writer.initialise(layout_hash=7, step=3)
+    assert writer.is_valid() and (writer.step, writer.phase) == (3, Phase.IDLE)
+    assert not Marker(memory).is_valid()  # nothing landed yet
+    memory.view(torch.int64).copy_(queue)  # the queued fills ran
+    writer.record_lrs([0.5, 0.25])
+    writer.advance(Phase.GRADS_READY)
+    writer.advance(Phase.PARITY_LOADED, sel=0)
+    writer.advance(Phase.CHUNK_SAVED, chunk=0)
+    landed = Marker(memory)
+    assert landed.is_valid() and (landed.step, landed.phase, landed.recorded_lrs()) == (3, Phase.IDLE, [])
+    assert (writer.phase, writer.chunk, writer.recorded_lrs()) == (Phase.CHUNK_SAVED, 0, [0.5, 0.25])
+    memory.view(torch.int64).copy_(queue)
+    landed = Marker(memory)
+    assert (landed.phase, landed.chunk, landed.recorded_lrs()) == (Phase.CHUNK_SAVED, 0, [0.5, 0.25])
+
+
+def test_a_successor_starts_from_the_memory() -> None:
+    memory = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
+    Marker(memory).initialise(layout_hash=1, step=9)
+    queue = memory.view(torch.int64).clone()
+    successor = Marker(memory, queue)
+    assert successor.layout_hash() == 1 and successor.step == 9
