@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
+import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 
@@ -66,6 +68,51 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+class ActivationBallast:
+    """GPU memory-pressure demo (``--oom-ballast-step``): at one step, a transient activation
+    held through forward and backward that fits only without the shadows' footprint.
+
+    First attempt (once the shadows are ready and hold their memory): the free memory plus
+    ``--oom-ballast-over-mib``, so it cannot be allocated. The retry, after the reclaim:
+    at least as much, and all but 1 GiB of what is free then, so that the shadows cannot
+    come back at their old level whatever their size. The ballast is never read: the
+    step's arithmetic is the same with or without it.
+    """
+
+    def __init__(self, ctx: leto.Context, args: argparse.Namespace) -> None:
+        self.ctx, self.step, self.over_bytes = ctx, args.oom_ballast_step, args.oom_ballast_over_mib << 20
+        self.enabled = self.step >= 0 and ctx.device.type == "cuda"
+        self.free_with_shadows: int | None = None
+
+    def hold(self, step: int) -> torch.Tensor | None:
+        if not self.enabled or step != self.step:
+            return None
+        if self.free_with_shadows is None:
+            deadline = time.monotonic() + 300
+            while not self.ctx.preinit.shadow_ready() and time.monotonic() < deadline:
+                if self.ctx.heartbeat is not None:
+                    self.ctx.heartbeat.beat()  # waiting on purpose, not hung
+                time.sleep(0.05)
+            torch.cuda.empty_cache()  # cached blocks would otherwise serve part of it
+            free = self.free_with_shadows = torch.cuda.mem_get_info(self.ctx.device)[0]
+            nbytes = free + self.over_bytes
+        else:
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(self.ctx.device)[0]
+            nbytes = max(self.free_with_shadows + self.over_bytes, free - (1 << 30))
+        print(f"[rank {self.ctx.rank} step {step}] ballast {nbytes >> 20} MiB, free {free >> 20} MiB, "
+              f"shadows ready: {self.ctx.preinit.shadow_ready()}", file=sys.stderr, flush=True)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.ctx.device)
+
+
+def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor, ballast: torch.Tensor | None, args: argparse.Namespace) -> torch.Tensor:
+    """The compute phase (``RetainedState.compute`` retries it if the shadows were in the way)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        loss = model(x, y)
+    loss.backward()
+    return loss
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=40)
@@ -80,6 +127,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast compute (fp32 master weights)")
+    p.add_argument("--oom-ballast-step", type=int, default=-1, metavar="STEP",
+                   help="GPU: at STEP, hold a transient activation of the free memory plus "
+                        "--oom-ballast-over-mib (it fits only once the shadows are reclaimed)")
+    p.add_argument("--oom-ballast-over-mib", type=int, default=256, metavar="MIB",
+                   help="how far the ballast exceeds the free memory (less than the shadows' footprint)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if torch.cuda.is_available():  # bit-exact recovery needs deterministic kernels
@@ -94,13 +146,16 @@ def main() -> None:
         model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
     state = ctx.retain(model, opt)
+    ballast = ActivationBallast(ctx, args)
     for step in state.steps(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = batch(step, ctx.rank, args, ctx.device)
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = model(x, y)
-        loss.backward()
+
+        def compute(step: int = step, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            return forward_backward(model, x, y, ballast.hold(step), args)
+
+        loss = state.compute(compute)
         state.step(max_grad_norm=1.0, loss=loss)
 
 

@@ -14,12 +14,13 @@ from typing import Any, Literal, get_args, get_origin
 
 from leto.erasure.config import ErasureConfig
 from leto.errors import ConfigError
+from leto.preinit.config import PreinitConfig
 
 Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
 UpdatePoint = Literal["boundary", "optimizer", "parity", "flush"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
-FaultKind = Literal["kill", "fatal", "hang", "device"]
+FaultKind = Literal["kill", "fatal", "hang", "device", "oom"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
@@ -53,7 +54,13 @@ class FaultSpec:
     path; hang: SIGSTOP, the trainer stops making progress (found by the heartbeat);
     device: SIGKILL, and the rank's device is left broken: the promoted shadow's device
     check computes a wrong result (one flipped bit, as a bad memory cell would), so the
-    failure turns fatal after promotion and the job takes the checkpoint path."""
+    failure turns fatal after promotion and the job takes the checkpoint path; oom: a real
+    ``torch.OutOfMemoryError`` at the forward/backward point, raised only while the node's
+    shadows hold device memory (L2, L3: as if their footprint made it fail): the
+    pre-initialisation controller reclaims them and the trainer retries the step."""
+    oom_bytes: int = 0
+    """kind oom, CPU runs with ``leto.preinit.emulated_device_bytes``: the step's emulated
+    activation demand beyond the trainer's usual memory (it decides the relaunch level)."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
@@ -70,6 +77,10 @@ class FaultSpec:
             raise ConfigError("fault chunk needs point: boundary, optimizer or parity, and must be >= 0")
         if self.kind not in FAULT_KINDS:
             raise ConfigError(f"fault kind {self.kind!r} is not one of {', '.join(FAULT_KINDS)}")
+        if self.kind == "oom" and (self.phase not in ("forward", "backward") or self.erases):
+            raise ConfigError("fault kind oom needs phase forward or backward (the compute phase) and erases no pages")
+        if self.oom_bytes < 0 or (self.oom_bytes and self.kind != "oom"):
+            raise ConfigError(f"fault oom_bytes needs kind: oom and must be >= 0, got {self.oom_bytes}")
 
     @property
     def erases(self) -> bool:
@@ -139,8 +150,12 @@ class LetoConfig:
     (on CPU the kernel only runs in Triton's slow interpreter). Fused and unfused results
     agree to float rounding, not bit for bit; recovery is exact either way, since a job
     keeps one path before and after a failure."""
-    shadow_level: Literal[1, 3] = 3
-    """Pre-initialisation level of shadows: 1 = imports done, 3 = + process group built."""
+    shadow_level: Literal[1, 2, 3] = 3
+    """Highest pre-initialisation level of shadows: 1 = imports and model (no device
+    memory), 2 = + CUDA context and cuBLAS, 3 = + process group built. The controller
+    (``preinit``) lowers it when the actives need the memory and raises it back."""
+    preinit: PreinitConfig = field(default_factory=PreinitConfig)
+    """The pre-initialisation controller: shadows give their memory back on an OOM."""
     poll_interval_s: float = 0.02
     """How often the agent polls its trainers; a dead active is seen within this time."""
     dashboard: bool = True

@@ -9,6 +9,8 @@ until the trainer's first step, so compilation and data loading are not hangs) a
 the trainer, which is then recovered like any other crash.
 
 The board costs one increment of a shared 64-bit word per beat: no syscall, no store.
+Each slot also carries words for the pre-initialisation controller (``leto.preinit.board``):
+the agent and its trainers already share this page, and it is node-local, as shadows are.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 ENV_HEARTBEAT = "LETO_HEARTBEAT_FILE"
-_WORDS = 2  # per local rank: progress beats, committed steps
+_WORDS = 16  # per local rank: progress beats, committed steps, then leto.preinit.board words
+_HEARTBEAT_WORDS = 2
 _FINISHED = 1 << 63  # set in the steps word once the trainer has run its last step
 
 
@@ -66,9 +69,18 @@ class HeartbeatBoard:
         return self._words[slot * _WORDS], self._words[slot * _WORDS + 1]
 
     def reset(self) -> None:
-        """Zero every slot (a new generation of trainers starts counting afresh)."""
-        for i in range(self.nslots * _WORDS):
-            self._words[i] = 0
+        """Zero every slot's heartbeat (a new generation of trainers starts counting afresh);
+        the other words are counters and reports that outlive a generation."""
+        for slot in range(self.nslots):
+            for i in range(_HEARTBEAT_WORDS):
+                self._words[slot * _WORDS + i] = 0
+
+    def word(self, slot: int, index: int) -> int:
+        """Word ``index`` of local rank ``slot`` (indices >= 2: ``leto.preinit.board``)."""
+        return self._words[slot * _WORDS + index]
+
+    def set_word(self, slot: int, index: int, value: int) -> None:
+        self._words[slot * _WORDS + index] = value
 
     def close(self) -> None:
         del self._words
@@ -85,6 +97,7 @@ class Heartbeat:
             self._mm = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
+        self._slot = (ctypes.c_uint64 * _WORDS).from_buffer(self._mm, slot * _WORDS * 8)
         self._progress = ctypes.c_uint64.from_buffer(self._mm, slot * _WORDS * 8)
         self._steps = ctypes.c_uint64.from_buffer(self._mm, (slot * _WORDS + 1) * 8)
 
@@ -104,6 +117,13 @@ class Heartbeat:
     def finished(self) -> None:
         """The training loop is over: what remains (teardown, exit) is not watched."""
         self._steps.value |= _FINISHED
+
+    def word(self, index: int) -> int:
+        """Word ``index`` of this rank's slot (indices >= 2: ``leto.preinit.board``)."""
+        return self._slot[index]
+
+    def set_word(self, index: int, value: int) -> None:
+        self._slot[index] = value
 
 
 _PF_EXITING = 0x4  # include/linux/sched.h: set as do_exit begins, before memory teardown

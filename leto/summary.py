@@ -88,3 +88,23 @@ def restarts_and_recoveries(events: list[dict[str, Any]]) -> tuple[int, int]:
     restarts = sum(1 for e in events if e["kind"] == "group_restart")
     recoveries = sum(1 for e in events if e["kind"] == "shadows_promoted")
     return restarts, recoveries
+
+
+def shadow_line(events: list[dict[str, Any]]) -> str | None:
+    """The pre-initialisation controller in one line: level now, why, reclaims so far."""
+    levels = [e for e in events if e["kind"] == "shadow_level"]
+    if not levels:
+        return None
+    last = levels[-1]
+    reclaimed = [e["t"] for e in events if e["kind"] == "shadow_reclaimed"]
+    line = f"shadows L{last['level']} ({last['reason']}"
+    if last.get("headroom_bytes") is not None:
+        line += f": headroom {_gib(last['headroom_bytes'])}, peak {_gib(last['peak_bytes'])}"
+    line += f") · reclaims {len(reclaimed)}"
+    if reclaimed and reclaimed[-1] > last["t"]:
+        line += " · none now: relaunched once the retried step reports its memory"
+    return line
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"

@@ -17,7 +17,10 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
   group restart and the trainers load the newest checkpoint (``leto.checkpoint``).
   A plain torchrun script never enters this: it gets torchrun's behaviour unchanged;
 * hang detection: a shared-memory heartbeat per local rank (``leto.health``); a rank
-  without progress for ``hang_timeout_s`` is SIGKILLed and handled as the crash it is.
+  without progress for ``hang_timeout_s`` is SIGKILLed and handled as the crash it is;
+* the pre-initialisation controller (``leto.preinit``): an active's OOM request on the
+  heartbeat board makes the agent kill and reap its shadows, answer, and relaunch them at
+  the highest level that fits once every active has reported the retried step's memory.
 
 Shadows are spawned only after every local active has called ``leto.init()``, so a plain
 torchrun script never sees one. Replacements after a recovery are spawned once every
@@ -54,7 +57,9 @@ from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, Kind
 from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard, dying_signal
 from leto.pool.process import StateManagerProcess
-from leto.trainer.context import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW, store_prefix
+from leto.preinit.controller import PreinitController, ShadowState
+from leto.preinit.levels import LevelChoice, ShadowLevel
+from leto.trainer.context import ENV_CHECKPOINT, ENV_PREINIT, ROLE_ACTIVE, ROLE_SHADOW, store_prefix
 from leto_run.failures import FailurePolicy
 from leto_run.warm_start import ForkServer, warm_spawns
 
@@ -85,10 +90,13 @@ class GenerationLogsSpecs(DefaultLogsSpecs):
 
     generation = 0
     """The generation being spawned (set by the agent; envs may not carry it)."""
+    launch = 0
+    """Its launch (> 0: relaunched after a reclaim, in ``gen_1.1/``)."""
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        gen = f"{self.generation}.{self.launch}" if self.launch else str(self.generation)
         tagged = {
-            rank: {**env, "TORCHELASTIC_RESTART_COUNT": f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}_gen{self.generation}"}
+            rank: {**env, "TORCHELASTIC_RESTART_COUNT": f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}_gen{gen}"}
             for rank, env in envs.items()
         }
         return super().reify(tagged)
@@ -121,6 +129,8 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._device_health = NvmlHealth()
         """GPU fatal-condition counters, baselined now (no CUDA context: NVML only)."""
         self._restart_reason = ""
+        self._preinit: PreinitController | None = None
+        self._launches: dict[int, int] = {}
         self.forkserver: ForkServer | None = None
         """Set by launch: group restarts start their workers from it (warm restarts)."""
         self.recoveries = 0
@@ -131,14 +141,18 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         super()._set_local_rank_env(worker_env, local_rank, spec)
         worker_env.update(self._spawn_env)
 
-    def _spawn(self, worker_group: WorkerGroup, role: str, generation: int) -> PContext:
+    def _spawn(
+        self, worker_group: WorkerGroup, role: str, generation: int, level: int | None = None, launch: int = 0
+    ) -> PContext:
         """Start one generation of trainers for every local rank; returns its PContext."""
         assert self._sm is not None
         self._spawn_env = {
             "LETO_ROLE": role,
             "LETO_GENERATION": str(generation),
             "LETO_POOL_SOCKET": self._sm.socket_path,
-            "LETO_SHADOW_LEVEL": str(self._leto.shadow_level),
+            "LETO_SHADOW_LEVEL": str(level or self._leto.shadow_level),
+            "LETO_SHADOW_LAUNCH": str(launch),
+            ENV_PREINIT: json.dumps(dataclasses.asdict(self._leto.preinit)),
             "LETO_CONSISTENCY": self._leto.consistency,
             "LETO_RMU_CHUNK_BYTES": str(self._leto.rmu_chunk_bytes),
             "LETO_RMU_FUSED": {None: "auto", True: "1", False: "0"}[self._leto.rmu_fused],
@@ -151,7 +165,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             ENV_CHECKPOINT: json.dumps(dataclasses.asdict(self._leto.checkpoint)) if self._leto.checkpoint else "",
         }
         if isinstance(self._logs_specs, GenerationLogsSpecs):
-            self._logs_specs.generation = generation
+            self._logs_specs.generation, self._logs_specs.launch = generation, launch
         active = self._pcontext
         try:
             with (
@@ -200,6 +214,8 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         if self._board is None:
             self._board = HeartbeatBoard(worker_group.spec.local_world_size)
         self._hangs = HangWatch(self._board, self._leto.hang_timeout_s, self._leto.first_step_timeout_s)
+        self._preinit = PreinitController(self._leto.preinit, self._leto.shadow_level, self._board)
+        self._launches = {}
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
         self._events.emit(
             Kind.WORKERS_STARTED, restart=self._restart_count(), pids=pcontext.pids(),
@@ -210,6 +226,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._watch_registration(worker_group)
         self._watch_recovery(worker_group)
+        self._watch_preinit(worker_group)
         if self._uses_leto and self._epochs is not None:
             record = self._epochs.poll(self._generation + 1)
             if record is not None:  # another node saw a failure: do as it decided
@@ -260,6 +277,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             if self._sm is not None:
                 self._sm.stop()
                 self._sm = None
+            self._preinit = None  # its words live in the board
             if self._board is not None:
                 self._board.close()
                 self._board = None
@@ -279,11 +297,19 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             self._uses_leto = True
             self._spawn_shadows(worker_group)
 
-    def _spawn_shadows(self, worker_group: WorkerGroup) -> None:
-        self._shadows = self._spawn(worker_group, ROLE_SHADOW, self._generation + 1)
-        self._events.emit(Kind.SHADOWS_SPAWNED, gen=self._generation + 1, pids=self._shadows.pids())
-        assert self._store is not None
-        self._store.set(f"shadows/{self._generation + 1}/{worker_group.group_rank}", "1")
+    def _spawn_shadows(self, worker_group: WorkerGroup, choice: LevelChoice | None = None) -> None:
+        """Spawn the next generation's shadows at ``choice``'s level (default: the configured one)."""
+        assert self._store is not None and self._preinit is not None
+        gen = self._generation + 1
+        choice = choice or LevelChoice(level=ShadowLevel(self._leto.shadow_level), reason="configured")
+        level = choice.level
+        launch = self._launches.get(gen, -1) + 1
+        self._launches[gen] = launch
+        self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
+        self._shadows = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
+        self._preinit.spawned(level)
+        self._events.emit(Kind.SHADOWS_SPAWNED, gen=gen, pids=self._shadows.pids(), level=int(level), launch=launch)
+        self._store.set(f"shadows/{gen}/{worker_group.group_rank}", "1")
 
     def _detect_killed_active(self) -> None:
         """See a trainer killed by a signal without reaping it, and stop its peers at once.
@@ -345,6 +371,8 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         for worker in worker_group.workers:
             self._store.set(f"promote/{self._generation}/{worker.global_rank}", str(epoch))
         self._pcontext, self._shadows = self._shadows, None
+        if self._preinit is not None:
+            self._preinit.closed()  # the shadows are the actives now
         if self._hangs is not None:
             self._hangs.arm()
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
@@ -385,9 +413,48 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         if self._store.check(self._local_keys(worker_group, "stepped", self._recovery["gen"])):
             recovery, self._recovery = self._recovery, None
             self._events.emit(Kind.RECOVERY_DONE, **recovery, done_t=time.time())
-            self._spawn_shadows(worker_group)
+            assert self._preinit is not None  # the fresh actives' peak decides the level
+            self._spawn_shadows(worker_group, self._preinit.choose("recovery"))
 
     def _close_shadows(self, death_sig: signal.Signals = signal.SIGKILL) -> None:
         if self._shadows is not None:
             self._shadows.close(death_sig=death_sig, timeout=5)
             self._shadows = None
+        if self._preinit is not None:
+            self._preinit.closed()
+
+    def _watch_preinit(self, worker_group: WorkerGroup) -> None:
+        """Answer actives' OOMs by reclaiming the shadows; relaunch them when it is known
+        what fits (every active committed the retried step and reported its memory)."""
+        ctrl = self._preinit
+        if ctrl is None or not self._uses_leto or self._detected_t is not None:
+            return  # during a failure the actives are being stopped anyway
+        slots = ctrl.requests()
+        if slots:
+            self._reclaim_shadows(worker_group, slots)
+        if ctrl.relaunch_due():
+            if worker_group.group_world_size > 1:
+                # The shadows of every node share one process group; relaunching this node's
+                # alone would not join it. Until the next recovery a HOF restarts the group.
+                logger.warning("shadows reclaimed on a multi-node job: not relaunched until the next recovery")
+                ctrl.closed()
+                return
+            self._spawn_shadows(worker_group, ctrl.choose("oom"))
+
+    def _reclaim_shadows(self, worker_group: WorkerGroup, slots: list[int]) -> None:
+        """SIGKILL this node's shadows, reap them, then answer the waiting trainers."""
+        assert self._preinit is not None and self._store is not None
+        ranks = [worker_group.workers[s].global_rank for s in slots]
+        level = 0
+        if self._shadows is not None and self._preinit.state is ShadowState.LIVE:
+            level, t0, pids = int(self._preinit.level), time.time(), self._shadows.pids()
+            self._shadows.close(death_sig=signal.SIGKILL, timeout=5)  # returns once reaped
+            self._shadows = None
+            self._preinit.reclaimed()
+            gen = self._generation + 1
+            self._store.delete_key(f"shadows/{gen}/{worker_group.group_rank}")  # not ready for a HOF
+            self._events.emit(
+                Kind.SHADOW_RECLAIMED, gen=gen, level=level, ranks=ranks, pids=list(pids.values()),
+                reclaim_s=time.time() - t0, reclaims=self._preinit.reclaims,
+            )
+        self._preinit.answer(slots, level)

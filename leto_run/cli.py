@@ -102,7 +102,8 @@ def _add_leto_group(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--consistency", choices=_leto_choices("consistency"),
                    help="Update consistency: snapshot (full pre-update copy) or rmu.")
     g.add_argument("--shadow-level", type=int, choices=_leto_choices("shadow_level"),
-                   help="Shadow pre-initialisation level: 1 = imports, 3 = + process group.")
+                   help="Highest shadow pre-initialisation level: 1 = imports and model, 2 = + CUDA "
+                   "context, 3 = + process group (lowered on an OOM, raised back after recovery).")
     g.add_argument("--recovery", choices=_leto_choices("recovery"),
                    help="in_place: promote shadows on failure; restart: torchrun's group restart.")
     g.add_argument(

@@ -29,7 +29,7 @@ _PLAIN_KINDS = {
     "workers_started", "shadows_spawned", "shadow_ready", "fault_injected", "failure_detected",
     "actives_stopped", "shadows_promoted", "resumed", "recovery_done", "job_finished",
     "pages_erased", "pages_rebuilt", "unrecoverable_state", "group_restart",
-    "epoch", "hang_detected", "checkpoint_loaded",
+    "epoch", "hang_detected", "checkpoint_loaded", "shadow_reclaimed", "shadow_level", "oom_retry",
 }
 
 
@@ -106,6 +106,9 @@ class Dashboard:
         if kind == "shadows_spawned":
             for r in self.ranks.values():
                 r.shadow_level = "L0 (starting)"
+        elif kind == "shadow_reclaimed":
+            for r in self.ranks.values():
+                r.shadow_level = "reclaimed"
         if self.plain_mode and kind in _PLAIN_KINDS:
             fields = {k: v for k, v in e.items() if k not in ("t", "kind", "src", "points")}
             print(f"[leto {time.strftime('%H:%M:%S', time.localtime(e['t']))}] {kind} {fields}", file=sys.stderr, flush=True)
@@ -133,5 +136,7 @@ class Dashboard:
         value = summary.ettr(self.events)
         restarts, recoveries = summary.restarts_and_recoveries(self.events)
         counts = f"in-place recoveries {recoveries} · group restarts {restarts}"
-        table.caption = f"ETTR {value * 100:.1f} % · {counts}" if value is not None else counts
+        caption = f"ETTR {value * 100:.1f} % · {counts}" if value is not None else counts
+        shadows = summary.shadow_line(self.events)
+        table.caption = f"{caption}\n{shadows}" if shadows else caption
         return table

@@ -38,7 +38,7 @@ def decode(text: str) -> list[FaultSpec]:
 
 
 class FaultInjector:
-    """Kills this process at the scheduled (step, phase) points of its rank."""
+    """Kills this process (or raises an OOM) at the scheduled (step, phase) points of its rank."""
 
     def __init__(
         self,
@@ -59,6 +59,10 @@ class FaultInjector:
         """Called before the kill of a ``kind: fatal`` fault (the trainer tells its agent)."""
         self.break_device: Callable[[], None] = lambda: None
         """Called before the kill of a ``kind: device`` fault (marks this rank's device bad)."""
+        self.shadow_present: Callable[[], bool] = lambda: False
+        """``kind: oom`` faults fire only while this is true (the node's shadows hold device memory)."""
+        self.on_oom: Callable[[int], None] = lambda nbytes: None
+        """Called with a ``kind: oom`` fault's ``oom_bytes`` before it raises."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -95,12 +99,16 @@ class FaultInjector:
                 continue
             if fault.chunk is not None and fault.chunk != chunk:
                 continue
+            if fault.kind == "oom" and not self.shadow_present():
+                continue  # emulates the shadows' footprint: without it the allocation would fit
             if self._claim(i):
                 self.injected += 1
                 self.events.emit(
                     Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i, point=at, chunk=chunk,
                     fault_kind=fault.kind,
                 )
+                if fault.kind == "oom":
+                    self._raise_oom(fault)
                 if on_fire is not None:
                     on_fire()
                 if fault.kind == "fatal":
@@ -108,6 +116,15 @@ class FaultInjector:
                 elif fault.kind == "device":
                     self.break_device()
                 os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+
+    def _raise_oom(self, fault: FaultSpec) -> None:
+        import torch
+
+        self.on_oom(fault.oom_bytes)
+        raise torch.OutOfMemoryError(
+            f"injected: rank {self.rank} step {self.step} {fault.phase}: an allocation does not fit "
+            "beside this node's shadows"
+        )
 
     @property
     def pending(self) -> bool:

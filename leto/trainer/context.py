@@ -36,6 +36,9 @@ from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
 from leto.health import Heartbeat
 from leto.pool.client import PoolClient
+from leto.preinit.config import PreinitConfig
+from leto.preinit.guard import OomGuard
+from leto.preinit.probe import probe_for
 
 if TYPE_CHECKING:
     from leto.checkpoint import Checkpointer
@@ -46,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 ROLE_ACTIVE, ROLE_SHADOW = "active", "shadow"
 ENV_CHECKPOINT = "LETO_CHECKPOINT"  # JSON of leto.config.CheckpointConfig, or empty
+ENV_PREINIT = "LETO_PREINIT"  # JSON of leto.preinit.PreinitConfig, or empty
 _WAIT_SLICE = timedelta(seconds=60)
 
 
@@ -63,11 +67,19 @@ class TrainerEnv:
     master_port: int
     pool_socket: str
     shadow_level: int
+    shadow_launch: int
+    """How many times this shadow generation was launched before (relaunches after a reclaim)."""
     consistency: str
     rmu_chunk_bytes: int
     rmu_fused: bool | None
     digest: bool
     erasure: ErasureConfig | None
+    preinit: PreinitConfig
+
+    @property
+    def holds_device(self) -> bool:
+        """False for an L1 shadow: it must not create a CUDA context before promotion."""
+        return self.role != ROLE_SHADOW or self.shadow_level >= 2
 
     @classmethod
     def from_environ(cls) -> TrainerEnv:
@@ -86,11 +98,13 @@ class TrainerEnv:
                 master_port=int(env["MASTER_PORT"]),
                 pool_socket=env["LETO_POOL_SOCKET"],
                 shadow_level=int(env.get("LETO_SHADOW_LEVEL", "3")),
+                shadow_launch=int(env.get("LETO_SHADOW_LAUNCH", "0")),
                 consistency=env.get("LETO_CONSISTENCY", "rmu"),
                 rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", str(1 << 22))),
                 rmu_fused={"auto": None, "1": True, "0": False}[env.get("LETO_RMU_FUSED", "auto")],
                 digest=env.get("LETO_DIGEST", "0") == "1",
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
+                preinit=PreinitConfig(**json.loads(env[ENV_PREINIT])) if env.get(ENV_PREINIT) else PreinitConfig(),
             )
         except KeyError as e:
             raise ProtocolError(f"leto-run did not set {e.args[0]} for this trainer") from None
@@ -118,12 +132,18 @@ class Context:
         self.injector.break_device = lambda: raw_store.set(self._device_fault_key, "injected")
         self._raw_store = raw_store
         self.heartbeat = Heartbeat.from_env(env.local_rank)
+        self.device = _local_device(env)
+        """Where this rank computes: its own GPU (LOCAL_RANK modulo the GPUs) or the CPU."""
+        self.preinit = OomGuard(
+            self.heartbeat, probe_for(self.device, env.local_rank, env.preinit), env.preinit, self.events, env.rank
+        )
+        """This trainer's side of the pre-initialisation controller (reports, reclaims)."""
+        self.injector.shadow_present = self.preinit.shadows_hold_memory
+        self.injector.on_oom = self.preinit.demand
         self.checkpointer: Checkpointer | None = None
         self.promoted_at: float | None = None
         self._started = time.time()
         self._build_group: Callable[[], None] = lambda: None
-        self.device = _local_device(env)
-        """Where this rank computes: its own GPU (LOCAL_RANK modulo the GPUs) or the CPU."""
         self.collective_device = torch.device("cpu")
         """Where collective inputs must live (the GPU under NCCL)."""
 
@@ -241,6 +261,7 @@ class Context:
             Kind.SHADOW_READY, rank=env.rank, gen=env.generation, level=env.shadow_level,
             init_s=time.time() - self._started,
         )
+        self.preinit.announce_ready(env.shadow_level)
         key = f"promote/{env.generation}/{env.rank}"  # set by this node's agent, after it stopped the actives
         while True:
             try:
@@ -250,6 +271,8 @@ class Context:
                 if "timeout" not in str(e).lower():
                     raise ProtocolError(f"lost the agent's store while waiting as a shadow: {e}") from None
         self.promoted_at = time.time()
+        if self.device.type == "cuda" and not env.holds_device:
+            torch.cuda.set_device(self.device)  # an L1 shadow's CUDA context starts now
         # The predecessor may have died of its device: never resume on one that computes
         # wrong (DeviceUnhealthyError is reported as fatal: a group restart, not a retry).
         check_s = check_device(
@@ -265,10 +288,11 @@ class Context:
 
 
 def _local_device(env: TrainerEnv) -> torch.device:
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # asks the driver for a count: no context is created
         return torch.device("cpu")
     device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    if env.holds_device:
+        torch.cuda.set_device(device)
     return device
 
 
@@ -297,7 +321,9 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     ctx = Context(env, base, raw)
     ctx.report_fatal_on_unrecoverable()
     ctx.events.emit(Kind.TRAINER_STARTED, rank=env.rank, gen=env.generation, role=env.role, pid=os.getpid())
-    pg_store = dist.PrefixStore(f"gen{env.generation}/pg/", base)
+    # A relaunched shadow generation (after a reclaim) must not meet the killed one's keys.
+    launch = f".{env.shadow_launch}" if env.shadow_launch else ""
+    pg_store = dist.PrefixStore(f"gen{env.generation}{launch}/pg/", base)
     backend = _pick_backend(backend, ctx)
     if backend == "nccl":
         ctx.collective_device = ctx.device
@@ -316,7 +342,8 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         return ctx
     if env.role != ROLE_SHADOW:
         raise ProtocolError(f"unknown LETO_ROLE {env.role!r}")
-    warm_up(ctx.device)
+    # L1 warms PyTorch on the CPU only: no CUDA context, no device memory (leto.preinit).
+    warm_up(ctx.device if env.holds_device else torch.device("cpu"))
     if env.shadow_level >= 3:
         build_group()
         dist.barrier()  # the communicator's connections are made now, not at recovery

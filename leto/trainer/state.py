@@ -5,7 +5,9 @@
 step through the update marker (see ``leto.trainer.marker``):
 
 * compute phase (forward, backward, gradient all-reduce, clipping): model state is
-  read-only, so a failure here costs only the re-run of this step;
+  read-only, so a failure here costs only the re-run of this step; an out-of-memory error
+  in forward/backward run through ``compute()`` reclaims the node's shadows and re-runs
+  them in place (``leto.preinit``);
 * ``GRADS_READY`` then a barrier: once any rank passes it, every rank's gradients are
   final, so any rank can finish the update alone;
 * update phase, ``consistency: rmu`` (the default, paper §5.2): the optimizer runs chunk
@@ -24,11 +26,12 @@ from its forward pass.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 ENV_RMU_PARITY = "LETO_RMU_PARITY"
 """Test hook: "0" turns off the RMU's incremental parity (the paper's "RMP alone")."""
 
@@ -61,7 +66,11 @@ class RetainedState:
         wait_for_promotion: Callable[[], None] | None = None,
     ) -> None:
         """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
-        they exist: mapping reads nothing) and waits, so promotion costs no mapping work."""
+        they exist: mapping reads nothing) and waits, so promotion costs no mapping work.
+        An L1 shadow waits before anything that could touch its device."""
+        if wait_for_promotion is not None and not ctx.env.holds_device:
+            wait_for_promotion()
+            wait_for_promotion = None
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -255,6 +264,41 @@ class RetainedState:
         for p, grad in self._unbound_grads():
             p.grad = grad  # undo a zero_grad(set_to_none=True)
 
+    def compute(self, fn: Callable[[], T]) -> T:
+        """Run this step's compute phase (forward and backward) through ``fn``.
+
+        An out-of-memory error while the node has shadows is theirs to pay for: the shadows
+        are reclaimed (``leto.preinit.guard.OomGuard.reclaim``, which also says why this is
+        the hook into PyTorch's allocator), the step's RNG is restored from retained memory,
+        the retained gradients are zeroed and ``fn`` runs again — the same step, bit for bit,
+        since model state is read-only here. Without shadows the error propagates.
+        ``fn`` must not run collectives: the other ranks do not retry with this one.
+        """
+        step = self.marker.step
+        while True:
+            try:
+                return fn()
+            except torch.OutOfMemoryError as e:
+                if not self.ctx.preinit.can_reclaim():
+                    raise
+                message = str(e).splitlines()[0] if str(e) else "out of memory"
+            # Out of the except block: the traceback, and with it the failed attempt's
+            # activations and autograd graph, is released before the reclaim.
+            if self.device.type == "cuda":  # device memory held in reference cycles, cached blocks
+                gc.collect()
+                torch.cuda.empty_cache()
+            logger.warning("[rank %d step %d] %s: reclaiming the shadows and retrying", self.ctx.rank, step, message)
+            if not self.ctx.preinit.reclaim(step):
+                raise torch.OutOfMemoryError(f"{message} (no shadows left to reclaim)")
+            self._restart_compute()
+
+    def _restart_compute(self) -> None:
+        """Back to the start of this step's compute phase (its RNG, zero gradients)."""
+        set_rng_blob(self._rng, self.device)
+        self.grad_bytes.zero_()
+        for p, grad in self._unbound_grads():
+            p.grad = grad
+
     def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
@@ -272,6 +316,7 @@ class RetainedState:
         dist.barrier()
         self._update(step)
         self._committed_this_step = True
+        self.ctx.preinit.report()  # memory after the step, before the agent may read it
         if not self._announced:  # tells the agent this generation is training (recovery done)
             self.ctx.store.set(f"stepped/{self.ctx.env.generation}/{self.ctx.rank}", "1")
             self._announced = True

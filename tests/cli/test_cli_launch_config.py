@@ -251,7 +251,7 @@ def test_leto_flags_override_job_file_and_faults_concatenate(script: str, tmp_pa
         ("launch: {nnodes: [1, 2]}\n", "launch.nnodes: expected a single value"),
         ("lauch: {}\n", "unknown top-level key 'lauch'"),
         ("leto: {shadow_levle: 1}\n", "leto: unknown key 'shadow_levle'"),
-        ("leto: {shadow_level: 2}\n", "leto.shadow_level: 2 is not one of 1, 3"),
+        ("leto: {shadow_level: 4}\n", "leto.shadow_level: 4 is not one of 1, 2, 3"),
         ("script_args: --x\n", "script_args: expected a list"),
         ("- a\n", "expected a mapping at top level"),
         ("launch: [1, 2\n", "malformed YAML"),
