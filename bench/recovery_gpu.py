@@ -49,10 +49,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int) -> list[dict]:
+def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int, consistency: str) -> list[dict]:
     events = tmp / "leto.jsonl"
     cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard",
-           "--events", str(events), "--consistency", "snapshot"]
+           "--events", str(events), "--consistency", consistency]
     for rank, step, phase in kills:
         cmd += ["--inject-fault", f"rank={rank},step={step},phase={phase}"]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
@@ -114,6 +114,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
     p.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)")
+    p.add_argument("--consistency", choices=("rmu", "snapshot"), default="rmu",
+                   help="leto's update consistency (rmu: the product default)")
     args = p.parse_args()
     if args.small:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
@@ -121,7 +123,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         last = args.nproc - 1
-        leto_events = run_leto(tmp, args.steps, [(last, 40, "backward"), (0, args.steps - 12, "update")], args.nproc)
+        leto_events = run_leto(tmp, args.steps, [(last, 40, "backward"), (0, args.steps - 12, "update")], args.nproc,
+                               args.consistency)
         print(f"[{time.time() - t_start:.0f}s] leto-run done", flush=True)
         recs = [r for r in summary.recoveries(leto_events) if r.total_s is not None]
         print("leto recoveries (ms): " + "; ".join(
@@ -135,7 +138,7 @@ def main() -> None:
     params = next((e for e in leto_events if e["kind"] == "step_done"), {})
     leto_median = statistics.median(r.total_s for r in recs)
     print(f"model ~1.1B params (dim 2048 x 20 layers, vocab 32000), bf16 compute, fp32 AdamW; leto iteration "
-          f"{leto_iter * 1e3:.0f} ms (snapshot consistency)")
+          f"{leto_iter * 1e3:.0f} ms ({args.consistency} consistency)")
     for r in recs:
         print(f"  leto recovery at step {r.step}: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
               + f" ms → total {r.total_s * 1e3:.0f} ms")
@@ -149,7 +152,7 @@ def main() -> None:
     print(f"{'(c) torchrun + disk checkpoint':42s} {disk['recovery_s']:12.3f}")
     ettr = summary.ettr(leto_events)
     result = {"date": time.strftime("%Y-%m-%d"), "leto_recovery_s": [r.total_s for r in recs],
-              "leto_phases_s": [r.phases for r in recs], "leto_iteration_s": leto_iter, "leto_ettr": ettr,
+              "leto_phases_s": [r.phases for r in recs], "leto_iteration_s": leto_iter, "leto_ettr": ettr, "consistency": args.consistency,
               "torchrun_mem": mem, "torchrun_disk": disk, "first_step_event": params,
               "speedup_vs_mem": mem["recovery_s"] / leto_median, "speedup_vs_disk": disk["recovery_s"] / leto_median}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
