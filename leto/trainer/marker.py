@@ -73,8 +73,8 @@ class Marker:
     and mapped). Every write is then a one-element fill kernel on the current stream, so
     the marker moves only after the device work queued before it has completed — a kill
     can never leave a marker that claims more than the device did. The trainer reads its
-    own writes from a host-side copy (``_words``, read from the memory at construction);
-    a successor reads what actually landed.
+    own writes from a host-side copy (``_words``, read from the memory at construction and
+    by :meth:`reload`); a successor reads what actually landed.
     """
 
     def __init__(self, region: torch.Tensor, device_words: torch.Tensor | None = None) -> None:
@@ -84,7 +84,14 @@ class Marker:
         if device_words is not None and device_words.numel() * 8 < MARKER_BYTES:
             raise ValueError(f"marker device view must cover {MARKER_BYTES} bytes")
         self._device = device_words
+        self._memory = memory
         self._words = memory if device_words is None else memory.clone()
+
+    def reload(self) -> None:
+        """Re-read the host copy from the memory (a shadow that mapped the marker ahead
+        must, once its predecessor is gone: the words moved on since)."""
+        if self._device is not None:
+            self._words.copy_(self._memory)
 
     def _set(self, index: int, value: int) -> None:
         self._words[index] = value

@@ -90,6 +90,8 @@ class RetainedState:
         t0 = time.perf_counter()
         if not mapped_ahead:
             self._map_regions()
+        else:  # mapped before the predecessor died: read the marker as it finally landed
+            self.marker.reload()
         rank = ctx.rank
         self.reattached = self.marker.is_valid()
         if self.reattached:

@@ -41,3 +41,16 @@ def test_a_successor_starts_from_the_memory() -> None:
     queue = memory.view(torch.int64).clone()
     successor = Marker(memory, queue)
     assert successor.layout_hash() == 1 and successor.step == 9
+
+
+def test_a_shadow_that_mapped_ahead_reloads_after_promotion() -> None:
+    memory = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
+    active = Marker(memory)
+    active.initialise(layout_hash=1, step=2)
+    shadow = Marker(memory, memory.view(torch.int64).clone())  # mapped ahead, at step 2
+    active.advance(Phase.GRADS_READY)
+    active.advance(Phase.UPDATING)
+    active.advance(Phase.IDLE, 3)  # the active went on, then died
+    assert shadow.step == 2  # its copy is stale until it reloads
+    shadow.reload()
+    assert (shadow.step, shadow.phase) == (3, Phase.IDLE)
