@@ -103,14 +103,14 @@ class FaultInjector:
                 continue  # emulates the shadows' footprint: without it the allocation would fit
             if self._claim(i):
                 self.injected += 1
+                if on_fire is not None and fault.kind != "oom":  # the emulated aftermath first:
+                    on_fire()  # the event then times the kill itself
                 self.events.emit(
                     Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i, point=at, chunk=chunk,
                     fault_kind=fault.kind,
                 )
                 if fault.kind == "oom":
                     self._raise_oom(fault)
-                if on_fire is not None:
-                    on_fire()
                 if fault.kind == "fatal":
                     self.report_fatal()
                 elif fault.kind == "device":
