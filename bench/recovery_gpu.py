@@ -111,7 +111,8 @@ def main() -> None:
     p.add_argument("--json", default=str(REPO / "bench/results/recovery_gpu.json"))
     p.add_argument("--mem-dir", default="/dev/shm/leto-bench-ckpt")
     p.add_argument("--disk-dir", default=str(Path(tempfile.gettempdir()) / "leto-bench-ckpt"))
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=120,
+                   help="kills at step 40 and steps-12: keep them >= ~15 s apart so the replacement shadow is ready")
     p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
     p.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)")
     p.add_argument("--consistency", choices=("rmu", "snapshot"), default="rmu",
