@@ -22,26 +22,33 @@ STEPS = 16
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "128", "--batch", "8", "--bf16"]
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_gpu_kills_in_every_phase_recover_bit_identically(tmp_path, nproc: int) -> None:
-    ref_proc, ref_events = run_leto(tmp_path, steps=STEPS, nproc=nproc, model_args=MODEL, timeout_s=600)
+def run_against_fault_free(tmp_path, nproc: int, model: list[str], steps: int, faults: list[FaultSpec]) -> list[dict]:
+    """A fault-free run, then the same job with ``faults``: every per-step digest of the
+    second equals the first's, and each fault was injected and recovered in place."""
+    ref_proc, ref_events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=model, timeout_s=550)
     assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
     reference = digests(ref_events)
-    assert len(reference) == nproc * STEPS and all(len(v) == 1 for v in reference.values())
-    faults = [
-        FaultSpec(rank=0, step=3, phase="forward"),
-        FaultSpec(rank=nproc - 1, step=7, phase="backward"),
-        FaultSpec(rank=0, step=11, phase="update"),
-    ]
-    proc, events = run_leto(tmp_path, steps=STEPS, nproc=nproc, model_args=MODEL, faults=faults, timeout_s=600)
+    assert len(reference) == nproc * steps and all(len(v) == 1 for v in reference.values())
+    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=model, faults=faults, timeout_s=550)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = digests(events)
     assert set(got) == set(reference)
     for key, values in got.items():
         assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
+    assert len([e for e in events if e["kind"] == "fault_injected"]) == len(faults)
     assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
+    return events
 
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_gpu_kills_in_every_phase_recover_bit_identically(tmp_path, nproc: int) -> None:
+    faults = [
+        FaultSpec(rank=0, step=3, phase="forward"),
+        FaultSpec(rank=nproc - 1, step=7, phase="backward"),
+        FaultSpec(rank=0, step=11, phase="update"),
+    ]
+    run_against_fault_free(tmp_path, nproc, MODEL, STEPS, faults)
 
 
 GPT_1B = ["--vocab", "32000", "--dim", "2048", "--layers", "20", "--heads", "16", "--seq", "512",
@@ -62,15 +69,4 @@ def test_gpu_1b_random_kills_recover_bit_identically(tmp_path, nproc: int) -> No
     steps = 12
     faults = random_kills(int(os.environ.get("LETO_GPU_SEED", "0")) + nproc, nproc, steps, count=3)
     print("kills:", [(f.rank, f.step, f.phase) for f in faults])
-    ref_proc, ref_events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=GPT_1B, timeout_s=550)
-    assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
-    reference = digests(ref_events)
-    assert len(reference) == nproc * steps and all(len(v) == 1 for v in reference.values())
-    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=GPT_1B, faults=faults, timeout_s=550)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = digests(events)
-    assert set(got) == set(reference)
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
-    assert len([e for e in events if e["kind"] == "fault_injected"]) == len(faults)
-    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
+    run_against_fault_free(tmp_path, nproc, GPT_1B, steps, faults)
