@@ -22,7 +22,6 @@ from leto.erasure import engine, gf16
 from leto.erasure.bitslice import TILE_BYTES, plane_masks, plane_masks_tensor
 from leto.erasure.config import ErasureConfig
 from leto.erasure.rs import CauchyCode, DecodePlan
-from leto.errors import UnrecoverableStateError
 
 logger = logging.getLogger(__name__)
 
@@ -140,12 +139,24 @@ class ProtectionGroup:
 
     def encode_tier2(self) -> None:
         """Tier-2 parity over the tier-1 pages (runs where the parity lives)."""
-        h1, h2 = self.config.tier1_parity, self.config.tier2_parity
+        self.encode_tier2_of(self.tier1, self.tier2)
+
+    def encode_tier2_of(self, tier1: torch.Tensor, out: torch.Tensor) -> None:
+        """Tier-2 parity of ``tier1`` (this group's tier 1 or a copy of it, e.g. the
+        updater's working parity on the device) into ``out``, where both live: the Triton
+        kernel on CUDA, PyTorch on CPU. The bytes equal :meth:`encode_tier2` of the same
+        tier 1 (the engines are bit-identical)."""
+        pb, h1, h2 = self.config.page_bytes, self.config.tier1_parity, self.config.tier2_parity
         if h2 == 0:
             return
-        engine.mac(self._c2, [self.tier1_page(p) for p in range(h1)],
-                   [self.tier2_page(q) for q in range(h2)], accumulate=False,
-                   backend=self.backend)
+        _check_flat("tier1", tier1, h1 * pb)
+        _check_flat("out", out, h2 * pb)
+        if tier1.device != out.device:
+            raise ValueError("tier1 and out must live on one device")
+        masks = self._device_masks("c2", self._c2) if out.device == self.data.device and out.is_cuda else None
+        engine.mac(self._c2, [tier1[p * pb : (p + 1) * pb] for p in range(h1)],
+                   [out[q * pb : (q + 1) * pb] for q in range(h2)], accumulate=False,
+                   backend=self.backend, masks=masks)
 
     # -- incremental update ----------------------------------------------------------
     def _check_range(self, page_index: int, byte_offset: int, old: torch.Tensor,

@@ -9,7 +9,7 @@ Per step (paper Pseudocode 1, lines 5–12)::
         Q[1-sel] ^= RS_j(U xor chunk j)     (scratch)
         commit                                            CHUNK_COMMITTED(j, sel=1-sel)
         Q[sel_old][ranges of j] <- Q[sel]   (resync the other buffer)
-    H <- Q[sel]; refresh tier 2                           FLUSHING → IDLE(t+1)
+    H <- Q[sel]; H2 <- T2(Q[sel]) (encoded on the device) FLUSHING → IDLE(t+1)
 
 Every arrow into a marker state is one 64-bit store (``leto.trainer.marker``), so a kill
 anywhere leaves a state from which the step can be finished exactly:
@@ -18,7 +18,8 @@ anywhere leaves a state from which the step can be finished exactly:
   which ``Q[sel]`` is the parity of the data and lost pages are rebuilt from it;
 * CHUNK_COMMITTED(j) / PARITY_LOADED: the data matches ``Q[sel]``; ``Q[1-sel]`` may be
   half-written, so it is resynchronised from ``Q[sel]``;
-* FLUSHING: every chunk is in; the host copy is redone from ``Q[sel]``.
+* FLUSHING: every chunk is in; the host copy of both tiers is redone from ``Q[sel]``
+  (see ``_install_parity`` for why torn host tiers are harmless).
 
 All three buffers (undo, Q[0], Q[1]) are pool regions ("rmu.undo", "rmu.parity"), so they
 survive the trainer. On a GPU they are the memory the paper borrows from activations (they
@@ -32,6 +33,7 @@ one group at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -116,6 +118,7 @@ class ResumableUpdater:
         self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
         self.fused = FusedChunks(layout, self.chunks, state, grads, undo) if fused else None
         self._working: list[list[ProtectionGroup]] = []
+        self._copy_stream: torch.cuda.Stream | None = None  # the flush's device-to-host copies
         if protected is not None:
             if parity is None:
                 raise ProtocolError("erasure protection needs the working parity buffers")
@@ -334,29 +337,84 @@ class ResumableUpdater:
             return
         assert self.protected is not None
         for host, a, b in zip(self.protected.groups, self._working[0], self._working[1], strict=True):
-            a.tier1.copy_(host.tier1)
-            b.tier1.copy_(host.tier1)
+            a.tier1.copy_(host.tier1, non_blocking=True)
+            b.tier1.copy_(a.tier1)  # device to device: one host transfer per group, not two
 
     def _flush(self, step: int) -> None:
-        """Install the committed parity in host memory and refresh tier 2; commit the step."""
+        """Install the committed parity in host memory (both tiers); commit the step."""
         if self.marker.phase != Phase.FLUSHING:
             self.marker.advance(Phase.FLUSHING)
         if self.protected is not None:
-            sel = self.marker.parity_sel
-            for i, host in enumerate(self.protected.groups):
-                if not self.incremental_parity:
+            if self.incremental_parity:
+                self._install_parity()
+            else:
+                for host in self.protected.groups:
                     host.encode_all()
-                    continue
-                src = self._working[sel][i].tier1
+        self.marker.advance(Phase.IDLE, step + 1)
+        if self.state.is_cuda:  # host parity is read by the host only after this
+            torch.cuda.current_stream(self.state.device).synchronize()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
+
+    def _install_parity(self) -> None:
+        """Host tier 1 <- Q[sel]; host tier 2 <- T2(Q[sel]) encoded where Q lives.
+
+        Crash consistency (the invariant recovery relies on): in FLUSHING, Q[sel] is final
+        and nothing writes it, and the flush is a pure function of Q[sel], so a kill
+        anywhere in it is repaired by running it again (``resume`` -> ``_flush``). Host
+        tier 1 and tier 2 may then be torn in any combination (tier 2 written while tier 1
+        is half copied, or the reverse); that is harmless because the host tiers are read
+        only outside ``WORKING_PHASES`` (a rebuild of model state from tier 1, of tier 1
+        from tier 2), and the marker leaves FLUSHING only after both copies have landed
+        (the IDLE store is ordered after them: program order on CPU, stream order on GPU,
+        where the side stream is joined first). Mid-flush, lost data pages are rebuilt from
+        Q[sel] and lost host parity pages are left to the rerun flush. Tier 2 is staged in
+        Q[1-sel], which is free from FLUSHING on: nothing reads it until the next step's
+        load overwrites it (``prepare`` resyncs it only before FLUSHING).
+
+        On CUDA the tier-1 copies run on a side stream while the tier-2 kernels run on the
+        current one; each group's tier-2 copy waits for its kernel (an event). On CPU the
+        same calls run in program order.
+        """
+        assert self.protected is not None
+        cfg = self.protected.cfg
+        sel = self.marker.parity_sel
+        auth, spare = self._working[sel], self._working[1 - sel]
+        h2_bytes = cfg.tier2_parity * cfg.page_bytes
+        cuda = self.state.is_cuda
+        main = torch.cuda.current_stream(self.state.device) if cuda else None
+        side = self._side_stream() if cuda else None
+        if side is not None:
+            side.wait_stream(main)  # Q[sel] is final: the last fold and resync are queued before
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for i, (host, q) in enumerate(zip(self.protected.groups, auth, strict=True)):
+                src = q.tier1
                 half = src.numel() // 2 // TILE_BYTES * TILE_BYTES
-                host.tier1[:half].copy_(src[:half])
+                host.tier1[:half].copy_(src[:half], non_blocking=True)
                 if i == 0:
                     self.injector.point("update", at="flush",
                                         on_fire=lambda h=host, a=half: _scribble(h.tier1, [(a, h.tier1.numel() - a)], seed=11))
-                host.tier1[half:].copy_(src[half:])
-                host.encode_tier2()
-        self.marker.advance(Phase.IDLE, step + 1)
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
+                host.tier1[half:].copy_(src[half:], non_blocking=True)
+        staged = []
+        for host, q, s in zip(self.protected.groups, auth, spare, strict=True):
+            if not h2_bytes:
+                break
+            t2 = s.tier1[:h2_bytes] if h2_bytes <= s.tier1.numel() else torch.empty_like(host.tier2, device=s.tier1.device)
+            host.encode_tier2_of(q.tier1, t2)
+            staged.append(t2)  # kept alive until the side stream is joined below
+            if side is not None:
+                done = torch.cuda.Event()
+                done.record(main)
+                side.wait_event(done)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                host.tier2.copy_(t2, non_blocking=True)
+        if side is not None:
+            main.wait_stream(side)  # the IDLE marker store comes after every copy
+        del staged
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.state.device)
+        return self._copy_stream
 
 
 def _page_runs(spans: list, pb: int) -> list[tuple[int, int, int, int, int, int]]:

@@ -67,7 +67,9 @@ class Rig:
 
     @classmethod
     def build(cls, net: nn.Module, *, erasure: ErasureConfig | None, chunk_bytes: int, lr: float = 1e-2,
-              incremental: bool = True, fused: bool = False) -> Rig:
+              incremental: bool = True, fused: bool = False, backend: str = "torch") -> Rig:
+        """``backend="triton"`` runs the groups' page arithmetic (the working parity's fold
+        and the flush's tier-2 encode) in Triton's interpreter (``TRITON_INTERPRET=1``)."""
         opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True)
         params = list(net.parameters())
         layout = Layout.plan(params, [], opt)
@@ -85,7 +87,7 @@ class Rig:
             p2 = torch.zeros(len(spans) * erasure.tier2_parity * pb, dtype=torch.uint8)
             h1, h2 = erasure.tier1_parity * pb, erasure.tier2_parity * pb
             groups = [ProtectionGroup(erasure, state[s.byte_offset : s.byte_offset + s.nbytes],
-                                      p1[i * h1 : (i + 1) * h1], p2[i * h2 : (i + 1) * h2], backend="torch")
+                                      p1[i * h1 : (i + 1) * h1], p2[i * h2 : (i + 1) * h2], backend=backend)  # type: ignore[arg-type]
                       for i, s in enumerate(spans)]
             for g in groups:
                 g.encode_all()
