@@ -67,15 +67,19 @@ class Rig:
 
     @classmethod
     def build(cls, net: nn.Module, *, erasure: ErasureConfig | None, chunk_bytes: int, lr: float = 1e-2,
-              incremental: bool = True, fused: bool = False, backend: str = "torch") -> Rig:
-        """``backend="triton"`` runs the groups' page arithmetic (the working parity's fold
+              incremental: bool = True, fused: bool = False, backend: str = "torch",
+              device: str = "cpu") -> Rig:
+        """``device="cuda"`` puts the state, gradients and RMU buffers on the GPU and the
+        parity tiers in pinned host memory, as a trainer does.
+        ``backend="triton"`` runs the groups' page arithmetic (the working parity's fold
         and the flush's tier-2 encode) in Triton's interpreter (``TRITON_INTERPRET=1``)."""
         opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True)
         params = list(net.parameters())
         layout = Layout.plan(params, [], opt)
         nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
-        state = torch.zeros(nbytes, dtype=torch.uint8)
-        grads = torch.zeros(layout.grad_bytes, dtype=torch.uint8)
+        state = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        grads = torch.zeros(layout.grad_bytes, dtype=torch.uint8, device=device)
+        pin = torch.device(device).type == "cuda"
         for p, slot in zip(params, layout.params, strict=True):
             slot.view(state).copy_(p.detach())
         undo_n, par_n = buffer_bytes(layout, nbytes, chunk_bytes, erasure, fused=fused)
@@ -83,8 +87,8 @@ class Rig:
         if erasure is not None:
             pb = erasure.page_bytes
             spans = plan_groups(nbytes, erasure)
-            p1 = torch.zeros(len(spans) * erasure.tier1_parity * pb, dtype=torch.uint8)
-            p2 = torch.zeros(len(spans) * erasure.tier2_parity * pb, dtype=torch.uint8)
+            p1 = torch.zeros(len(spans) * erasure.tier1_parity * pb, dtype=torch.uint8, pin_memory=pin)
+            p2 = torch.zeros(len(spans) * erasure.tier2_parity * pb, dtype=torch.uint8, pin_memory=pin)
             h1, h2 = erasure.tier1_parity * pb, erasure.tier2_parity * pb
             groups = [ProtectionGroup(erasure, state[s.byte_offset : s.byte_offset + s.nbytes],
                                       p1[i * h1 : (i + 1) * h1], p2[i * h2 : (i + 1) * h2], backend=backend)  # type: ignore[arg-type]
@@ -93,7 +97,8 @@ class Rig:
                 g.encode_all()
             protected = SimpleNamespace(cfg=erasure, groups=groups)
         rig = cls(layout, opt, state, grads, torch.get_rng_state().clone(), torch.zeros(MARKER_BYTES, dtype=torch.uint8),
-                  torch.zeros(undo_n, dtype=torch.uint8), torch.zeros(par_n, dtype=torch.uint8) if par_n else None,
+                  torch.zeros(undo_n, dtype=torch.uint8, device=device),
+                  torch.zeros(par_n, dtype=torch.uint8, device=device) if par_n else None,
                   protected, chunk_bytes, incremental, fused)
         Marker(rig.marker_mem).initialise(layout.digest)
         return rig

@@ -17,19 +17,20 @@ TWO_T2 = ErasureConfig(page_bytes=4096, data_pages=8, tier1_parity=4, tier2_pari
 T2_WIDER = ErasureConfig(page_bytes=4096, data_pages=8, tier1_parity=1, tier2_parity=2)  # staged outside Q
 
 
-def _fresh_parity(rig: Rig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Both tiers of every group re-encoded from the data, into new buffers (torch engine)."""
+def fresh_parity(rig: Rig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Both tiers of every group re-encoded from the data, into new host buffers (the
+    PyTorch engine, whatever device the data is on)."""
     out = []
     for g in rig.protected.groups:
-        t1, t2 = torch.empty_like(g.tier1), torch.empty_like(g.tier2)
-        fresh = ProtectionGroup(g.config, g.data, t1, t2, backend="torch")
+        t1, t2 = torch.empty(g.tier1.shape, dtype=torch.uint8), torch.empty(g.tier2.shape, dtype=torch.uint8)
+        fresh = ProtectionGroup(g.config, g.data.cpu(), t1, t2, backend="torch")
         fresh.encode_all()
         out.append((t1, t2))
     return out
 
 
-def _assert_parity_is_fresh(rig: Rig) -> None:
-    for i, (g, (t1, t2)) in enumerate(zip(rig.protected.groups, _fresh_parity(rig), strict=True)):
+def assert_parity_is_fresh(rig: Rig) -> None:
+    for i, (g, (t1, t2)) in enumerate(zip(rig.protected.groups, fresh_parity(rig), strict=True)):
         assert torch.equal(g.tier1, t1), f"group {i}: host tier 1 is not the parity of the data"
         assert torch.equal(g.tier2, t2), f"group {i}: host tier 2 is not the parity of tier 1"
 
@@ -45,7 +46,7 @@ def test_host_parity_after_updates_equals_a_full_reencode(erasure: ErasureConfig
         with monkeypatch.context() as patch:
             patch.setattr(ProtectionGroup, "encode_tier2", host_encode)
             _step(rig, s, KillAt())
-        _assert_parity_is_fresh(rig)
+        assert_parity_is_fresh(rig)
     assert rig.marker.step == 3 and rig.marker.phase == Phase.IDLE
 
 
@@ -93,14 +94,14 @@ def test_kill_in_the_flush_torn_host_tiers_lost_pages_then_tier2_rebuild(torn: s
         g.rebuild([p - i * d for p in lost if i * d <= p < (i + 1) * d])
     assert updater.resume(1) == "flush"
     assert rig.marker.step == 2 and rig.marker.phase == Phase.IDLE
-    _assert_parity_is_fresh(rig)
+    assert_parity_is_fresh(rig)
     # at IDLE: a host tier-1 page and H1 data pages per group lost, rebuilt tier 2 first
     lost = rig.erase_pages(cfg.tier1_parity, seed=2)
     for i, g in enumerate(rig.protected.groups):
         g.tier1_page(2).zero_()
         report = g.rebuild([p - i * d for p in lost if i * d <= p < (i + 1) * d], [2])
         assert not report.tier2_reencoded, "the tier-1 page came from tier 2"
-    _assert_parity_is_fresh(rig)
+    assert_parity_is_fresh(rig)
     _step(rig, 2, KillAt())
     assert torch.equal(rig.state, ref.state)
     for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
@@ -119,4 +120,4 @@ def test_flush_kill_with_tier2_staged_outside_the_working_parity() -> None:
     assert updater.resume(1) == "flush"
     _step(rig, 2, KillAt())
     assert torch.equal(rig.state, ref.state)
-    _assert_parity_is_fresh(rig)
+    assert_parity_is_fresh(rig)
