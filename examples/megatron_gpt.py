@@ -6,7 +6,9 @@
 
 Argument names are Megatron's (``pretrain_gpt.py``). Data is synthetic, deterministic and
 keyed by (seed, iteration, data-parallel rank): the data position is the step, so a
-recovered run is bit-identical to a fault-free one. With no CUDA the documented
+recovered run is bit-identical to a fault-free one. ``--tensor-model-parallel-size N``
+shards the model over N ranks (the TP ranks of a data-parallel replica read the same
+batch); gradients are averaged over the data-parallel group only. With no CUDA the documented
 ``torch.cuda`` shims (examples/megatron_cpu_shims.py) are installed first.
 
 ``--bf16`` is Megatron's bf16 mixed precision as Leto retains it: parameters, gradients and
@@ -46,6 +48,8 @@ from leto.integrations import megatron as lm
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP degree (no sequence parallelism); data parallelism is the rest of the world")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
@@ -82,6 +86,7 @@ def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
     # Megatron's attention softmax returns bf16 probabilities. deterministic_mode: the
     # embedding's backward without atomics (F.embedding's is not deterministic on CUDA).
     return TransformerConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=torch.float32,
@@ -179,22 +184,29 @@ class Baseline:
             for group in self.opt.param_groups:
                 group["lr"] = lr_at(it, args)
             self.opt.zero_grad(set_to_none=False)
-            loss = forward_loss(self.model, get_batch(it, ctx.rank, args, ctx.device), args.bf16)
+            loss = forward_loss(self.model, get_batch(it, dp_rank(), args, ctx.device), args.bf16)
             loss.backward()
             grads = [p.grad for p in self.params]
-            if ctx.world_size > 1:
+            sync = lm.megatron_grad_sync()  # what Leto's step uses: the DP group, TP-aware clipping
+            if sync.size() > 1:
                 flat = torch._utils._flatten_dense_tensors(grads)
-                dist.all_reduce(flat)
-                flat.div_(ctx.world_size)
+                sync.all_reduce_mean_(flat)
                 for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                     g.copy_(synced)
-            torch.nn.utils.clip_grad_norm_(self.params, args.clip_grad, foreach=True)
+            sync.clip_(self.params, args.clip_grad)
             self.opt.step()
             loss_value = float(loss.detach())
             _sync(ctx.device)
         if self.isolated:
             lm.reseed_tracker(args.seed, it)  # the Leto step's tracker states, untouched by ours
         return time.perf_counter() - t0, loss_value
+
+
+def dp_rank() -> int:
+    """This rank's data-parallel rank: the TP ranks of one replica read the same batch."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
 
 
 def _sync(device: torch.device) -> None:
@@ -230,7 +242,7 @@ def train_plain(args: argparse.Namespace) -> None:
         if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count():
             backend = "nccl"  # one GPU per rank; ranks sharing a GPU use gloo, as leto-run does
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    parallel_state.initialize_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
     lm.reseed_tracker(args.seed, -1)  # as lm.init_parallel
     plain = Baseline(Rank(rank, world, device), args, isolated=False)
     iter_s, losses = [], []
@@ -253,9 +265,11 @@ def main() -> None:
         return
 
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
-    dp = lm.init_parallel(ctx, seed=args.seed)  # Megatron's parallel_state on Leto's group
+    parallel = lm.ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    dp = lm.init_parallel(ctx, seed=args.seed, parallel=parallel)  # Megatron's parallel_state on Leto's group
     if ctx.rank == 0 and not ctx.is_shadow:
-        print(f"megatron_gpt: world {ctx.world_size} (DP {dp}), backend {dist.get_backend()} on {ctx.device}", flush=True)
+        print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}, DP {dp}), "
+              f"backend {dist.get_backend()} on {ctx.device}", flush=True)
     torch.manual_seed(args.seed)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
@@ -273,7 +287,7 @@ def main() -> None:
             base_s.append(baseline.step(it)[0])
         for group in opt.param_groups:
             group["lr"] = lr_at(it, args)
-        loss = forward_loss(model, get_batch(it, ctx.rank, args, ctx.device), args.bf16)
+        loss = forward_loss(model, get_batch(it, dp_rank(), args, ctx.device), args.bf16)
         loss.backward()
         state.step(loss=loss)
         _sync(ctx.device)

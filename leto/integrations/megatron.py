@@ -9,6 +9,15 @@ Megatron's optimizer settings (``OptimizerConfig``: lr, betas, eps, weight decay
 map onto a torch ``AdamW`` with Megatron's parameter groups (no decay on biases and norms),
 which is what Megatron itself runs when neither Apex nor Transformer Engine is present.
 
+* **Tensor parallelism.** Megatron builds each rank's shard of the model from
+  ``parallel_state``; the retained layout is simply the parameters this rank holds.
+  ``init_parallel`` points Leto's gradient seam (``Context.grad_sync``) at Megatron's
+  data-parallel group and at ``clip_grads_model_parallel`` (Megatron's global-norm rule:
+  squares summed over the model-parallel group, TP-duplicated parameters counted once).
+  Without sequence parallelism the duplicated parameters (norms, row-parallel biases,
+  position embeddings) get identical gradients on every TP rank, so nothing else is
+  reduced across TP. Sequence parallelism is refused (its norm gradients need a TP
+  all-reduce, and gloo has no reduce-scatter for the CPU tests).
 * **Meta-device build.** A reattaching trainer (every shadow) builds the model on ``meta``
   (``build_gpt``): Megatron must then take its CPU-initialisation path, which allocates on
   the default device, so ``use_cpu_initialization`` is forced on and initialisation off —
@@ -17,7 +26,7 @@ which is what Megatron itself runs when neither Apex nor Transformer Engine is p
 * **Parameter attributes.** Megatron tags parameters (``tensor_model_parallel``,
   ``partition_dim``, ``sequence_parallel``, ``shared_embedding``, ...);
   ``torch.utils.swap_tensors`` moves ``__dict__`` with the swap, so ``retain_megatron``
-  puts them back on the retained parameters.
+  puts them back on the retained parameters (the clipping rule reads them).
 * **RNG.** Leto retains torch's default generators. Megatron's ``CudaRNGStatesTracker``
   holds further states (tensor-parallel dropout, expert-parallel) in a Python dict, lost
   with the process. ``MegatronState`` reseeds every tracked state at the start of each step
@@ -26,9 +35,8 @@ which is what Megatron itself runs when neither Apex nor Transformer Engine is p
 
 Not built (see docs/MEGATRON.md for what each needs): Megatron's own
 ``DistributedDataParallel`` (``param_and_grad_buffer``), its ``DistributedOptimizer``
-(sharded fp32 main params and Adam state), and tensor/pipeline/context/expert parallelism
-(Leto's all-reduce spans the whole world, i.e. it is the data-parallel group only when
-every model-parallel size is 1; ``init_parallel`` refuses anything else).
+(sharded fp32 main params and Adam state), sequence parallelism, and
+pipeline/context/expert parallelism (``ParallelConfig`` refuses them).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from leto.errors import ConfigError
+from leto.trainer.grad_sync import GradSync
 from leto.trainer.layout import Layout
 
 if TYPE_CHECKING:
@@ -75,7 +84,9 @@ def require_megatron() -> str:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Megatron's model-parallel sizes; data parallelism is whatever the world leaves."""
+    """Megatron's model-parallel sizes; data parallelism is whatever the world leaves.
+
+    Tensor parallelism is supported; pipeline, context and expert parallelism are not yet."""
 
     tensor_model_parallel_size: int = 1
     """Megatron's --tensor-model-parallel-size."""
@@ -91,11 +102,11 @@ class ParallelConfig:
         bad = {k: v for k, v in sizes.items() if v < 1}
         if bad:
             raise ConfigError(f"parallel sizes must be >= 1: {bad}")
-        if any(v != 1 for v in sizes.values()):
+        unsupported = {k: v for k, v in sizes.items() if v != 1 and k != "tensor_model_parallel_size"}
+        if unsupported:
             raise ConfigError(
-                f"leto's Megatron integration runs data parallelism only (all model-parallel sizes 1), "
-                f"got {sizes}: its flat all-reduce spans the whole world; tensor/pipeline/context/expert "
-                "parallelism need the per-group reduction described in docs/MEGATRON.md"
+                f"leto's Megatron integration runs tensor and data parallelism only, got {unsupported}: "
+                "pipeline/context/expert parallelism need what docs/MEGATRON.md describes"
             )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -108,9 +119,12 @@ class ParallelConfig:
 def init_parallel(ctx: Context, *, seed: int, parallel: ParallelConfig | None = None) -> int:
     """Megatron's ``parallel_state`` on Leto's process group; returns the data-parallel size.
 
-    Call right after ``leto.init()``. Megatron builds its model from ``parallel_state``, so a
-    shadow needs its process group before promotion: shadow level 3 (the default). The RNG
-    tracker is seeded for model construction (``reseed_tracker(seed, -1)``).
+    Call right after ``leto.init()``, before ``retain``. Megatron builds its model from
+    ``parallel_state``, so a shadow needs its process group before promotion: shadow level 3
+    (the default); its ``new_group`` calls live under its generation's store prefix, apart
+    from the actives' groups. Under model parallelism ``ctx.grad_sync`` becomes Megatron's
+    data-parallel group and clipping rule (``megatron_grad_sync``). The RNG tracker is seeded
+    for model construction (``reseed_tracker(seed, -1)``).
     """
     require_megatron()
     import torch.distributed as dist
@@ -128,8 +142,52 @@ def init_parallel(ctx: Context, *, seed: int, parallel: ParallelConfig | None = 
             context_parallel_size=parallel.context_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
         )
+    ctx.grad_sync = megatron_grad_sync()
     reseed_tracker(seed, -1)
     return dp
+
+
+def megatron_grad_sync() -> GradSync:
+    """Leto's gradient seam for Megatron's ``parallel_state`` (initialised).
+
+    Pure data parallelism keeps Leto's default (the world, torch's clipping); under model
+    parallelism gradients are averaged over the data-parallel group and clipped by
+    ``clip_grads_model_parallel``.
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state.get_model_parallel_group().size() == 1:
+        return GradSync()
+    return GradSync(group=parallel_state.get_data_parallel_group(), clip=clip_grads_model_parallel)
+
+
+def clip_grads_model_parallel(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Megatron's global-norm clipping for a non-distributed optimizer; returns the norm.
+
+    The norm is over the whole model: squared shard norms summed over the model-parallel
+    group, counting a parameter that every TP rank holds whole (no ``tensor_model_parallel``
+    attribute: norms, row-parallel biases) on TP rank 0 only, and a shared one once
+    (``megatron.core.optimizer.clip_grads`` with its parameter filter, whose helpers
+    allocate on ``"cuda"`` by name and so do not run on CPU). Same coefficient rule:
+    ``max_norm / (norm + 1e-6)``, applied when below 1.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    counted = [p.grad for p in with_grad if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    device = grads[0].device
+    if counted:
+        squares = torch.stack([n.float() for n in torch._foreach_norm(counted)]).square().sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+    torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    norm = squares.sqrt()
+    coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coeff)
+    return norm
 
 
 def meta_config(config: TransformerConfig) -> TransformerConfig:

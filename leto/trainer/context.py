@@ -39,6 +39,7 @@ from leto.pool.client import PoolClient
 from leto.preinit.config import PreinitConfig
 from leto.preinit.guard import OomGuard
 from leto.preinit.probe import probe_for
+from leto.trainer.grad_sync import GradSync
 
 if TYPE_CHECKING:
     from leto.checkpoint import Checkpointer
@@ -146,6 +147,9 @@ class Context:
         self._build_group: Callable[[], None] = lambda: None
         self.collective_device = torch.device("cpu")
         """Where collective inputs must live (the GPU under NCCL)."""
+        self.grad_sync = GradSync()
+        """Gradient all-reduce group and clipping rule: the world, torch's clipping. A
+        model-parallel integration sets its data-parallel group here before ``retain``."""
 
     @property
     def rank(self) -> int:

@@ -307,8 +307,8 @@ class RetainedState:
         self._check_grads_bound()
         self.ctx.injector.point("sync")
         self._allreduce_grads()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm, foreach=True)
+        if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
+            self.ctx.grad_sync.clip_(self.params, max_grad_norm)
         self._rng_next.copy_(rng_blob(self.device))
         self._encode("grads")  # final gradients stay recoverable until the update commits
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
@@ -370,18 +370,18 @@ class RetainedState:
             )
 
     def _allreduce_grads(self) -> None:
-        if self.ctx.world_size == 1:
+        """Mean over ``ctx.grad_sync``'s group (the world unless an integration set its
+        data-parallel group): one flat all-reduce when every gradient has one dtype."""
+        sync = self.ctx.grad_sync
+        if self.ctx.world_size == 1 or sync.size() == 1:
             return
         dtypes = {s.dtype for s in self.layout.grads}
         if len(dtypes) == 1:
             (dtype,) = dtypes
-            flat = self.grad_bytes[: self.layout.grad_bytes].view(dtype)
-            dist.all_reduce(flat)
-            flat.div_(self.ctx.world_size)
+            sync.all_reduce_mean_(self.grad_bytes[: self.layout.grad_bytes].view(dtype))
         else:
             for p in self.params:
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.ctx.world_size)
+                sync.all_reduce_mean_(p.grad)
 
     # -- resume ------------------------------------------------------------------------------
     def _resume(self) -> int:

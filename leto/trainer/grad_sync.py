@@ -1,0 +1,49 @@
+"""How a rank's gradients are synchronised and clipped before the update.
+
+The default is plain data parallelism: a mean all-reduce over the whole world and
+``torch.nn.utils.clip_grad_norm_``. A model-parallel integration (Megatron's tensor
+parallelism, ``leto.integrations.megatron``) sets ``Context.grad_sync`` before ``retain``:
+the all-reduce then spans its data-parallel group only, and clipping takes the global norm
+over the model-parallel shards (each parameter counted once). Both run in the compute phase,
+before ``GRADS_READY``, so the update — the RMU's chunks included — applies gradients that
+are already reduced and clipped, and a finishing rank reads them from retained memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ClipFn = Callable[[list[torch.nn.Parameter], float], torch.Tensor]
+"""Clips the parameters' ``.grad`` in place to a global norm; returns the norm before clipping."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GradSync:
+    """The gradient synchronisation seam of ``RetainedState.step``."""
+
+    group: dist.ProcessGroup | None = None
+    """Group of the gradient mean all-reduce: the data-parallel group. None: the whole world."""
+    clip: ClipFn | None = None
+    """Global-norm clipping. None: ``torch.nn.utils.clip_grad_norm_`` (every parameter local)."""
+
+    def size(self) -> int:
+        """Ranks that average their gradients (1: nothing to reduce)."""
+        return dist.get_world_size(self.group)
+
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` in place over the group."""
+        size = self.size()
+        if size == 1:
+            return
+        dist.all_reduce(tensor, group=self.group)
+        tensor.div_(size)
+
+    def clip_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the gradients of ``params`` in place to ``max_norm``; returns the total norm."""
+        if self.clip is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return self.clip(params, max_norm)
