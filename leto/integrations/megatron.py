@@ -20,9 +20,11 @@ which is what Megatron itself runs when neither Apex nor Transformer Engine is p
   all-reduce, and gloo has no reduce-scatter for the CPU tests).
 * **Meta-device build.** A reattaching trainer (every shadow) builds the model on ``meta``
   (``build_gpt``): Megatron must then take its CPU-initialisation path, which allocates on
-  the default device, so ``use_cpu_initialization`` is forced on and initialisation off —
-  Megatron's GPU path passes ``device=torch.cuda.current_device()`` explicitly and would
-  allocate real memory under a meta context.
+  the default device, so ``use_cpu_initialization`` is forced on — Megatron's GPU path
+  passes ``device=torch.cuda.current_device()`` explicitly and would allocate real memory
+  under a meta context. Initialisation stays on (free on meta): Megatron sets a weight's
+  ``tensor_model_parallel`` attribute only inside its initialisers, and a shadow without it
+  would count its sharded weights as TP duplicates in the clipping norm.
 * **Parameter attributes.** Megatron tags parameters (``tensor_model_parallel``,
   ``partition_dim``, ``sequence_parallel``, ``shared_embedding``, ...);
   ``torch.utils.swap_tensors`` moves ``__dict__`` with the swap, so ``retain_megatron``
@@ -191,8 +193,11 @@ def clip_grads_model_parallel(params: list[torch.nn.Parameter], max_norm: float)
 
 
 def meta_config(config: TransformerConfig) -> TransformerConfig:
-    """The config to build on ``meta``: CPU-init path (default device), no initialisation."""
-    return dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=False)
+    """The config to build on ``meta``: the CPU-init path, which allocates on the default device.
+
+    ``perform_initialization`` must stay on: Megatron tags sharded weights
+    (``tensor_model_parallel``, ``partition_dim``) inside its initialisers only."""
+    return dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=True)
 
 
 def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,

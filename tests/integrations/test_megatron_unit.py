@@ -7,7 +7,8 @@ What cannot run on CPU, and so is not tested here (it is the GPU step of issue 6
 * Megatron's GPU initialisation path (``use_cpu_initialization=False``) and the real
   ``CudaRNGStatesTracker`` (here: the CPU tracker of examples/megatron_cpu_shims.py);
 * Transformer Engine layer specs, fused kernels, bf16 Megatron runs;
-* Megatron DDP buffers / DistributedOptimizer and TP/PP/EP layouts (not integrated at all).
+* Megatron DDP buffers / DistributedOptimizer and PP/CP/EP layouts (not integrated); TP over
+  several ranks is tested end to end in test_megatron_tp.py.
 """
 
 from __future__ import annotations
@@ -78,14 +79,44 @@ def test_imports_and_version(megatron):
     assert lm.require_megatron() == lm.MEGATRON_VERSION
 
 
-def test_parallel_config_refuses_model_parallelism():
+def test_parallel_config_takes_tensor_parallelism_only():
     from leto.integrations.megatron import ParallelConfig
 
     assert ParallelConfig().data_parallel_size(4) == 4
-    with pytest.raises(ConfigError, match="data parallelism only"):
-        ParallelConfig(tensor_model_parallel_size=2)
+    assert ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(4) == 2
+    with pytest.raises(ConfigError, match="not a multiple"):
+        ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(3)
+    for size in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        with pytest.raises(ConfigError, match="tensor and data parallelism only"):
+            ParallelConfig(**{size: 2})
     with pytest.raises(ConfigError, match=">= 1"):
         ParallelConfig(pipeline_model_parallel_size=0)
+
+
+def test_grad_sync_without_model_parallelism_is_the_default(parallel):
+    lm = parallel
+    sync = lm.megatron_grad_sync()
+    assert sync.group is None and sync.clip is None and sync.size() == 1
+
+
+def test_model_parallel_clipping_equals_torch_on_one_shard(parallel):
+    # TP=1: every parameter is counted, so the norm and the clipped gradients are torch's.
+    lm = parallel
+    model = _gpt(lm, resuming=False)
+    params = list(model.parameters())
+    torch.manual_seed(1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    want_grads = [p.grad.clone() for p in params]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, g in zip(ref, want_grads, strict=True):
+        r.grad = g
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5, foreach=True)
+    got = lm.clip_grads_model_parallel(params, 0.5)
+    torch.testing.assert_close(got, want)
+    assert got > 0.5  # the clip did bite
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
 
 
 def test_meta_build_allocates_nothing_and_plans_the_same_layout(parallel):
@@ -112,6 +143,15 @@ def test_adamw_uses_megatrons_decay_groups(parallel):
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["foreach"]
     with pytest.raises(ConfigError, match="DistributedOptimizer"):
         lm.adamw(model, _opt_config(use_distributed_optimizer=True))
+
+
+def test_meta_build_tags_parameters_as_a_real_build(parallel):
+    # The clipping norm reads tensor_model_parallel: a shadow's meta build must carry it.
+    lm = parallel
+    meta, real = _gpt(lm, resuming=True), _gpt(lm, resuming=False)
+    tags = [{n: dict(vars(p)) for n, p in m.named_parameters()} for m in (meta, real)]
+    assert tags[0] == tags[1]
+    assert sum(bool(a.get("tensor_model_parallel")) for a in tags[1].values()) >= 4
 
 
 def test_retain_keeps_megatron_parameter_attributes(parallel):
