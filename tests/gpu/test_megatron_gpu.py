@@ -8,7 +8,8 @@ in forward, in backward and mid-chunk inside the optimizer update; every (rank, 
 digest of the retained state must equal the fault-free run's.
 
 * world size 1, NCCL, bf16 compute (autocast) over fp32 params and Adam state;
-* two ranks sharing the GPU, gloo (NCCL refuses two ranks on one device), fp32. Every
+* two ranks sharing the GPU, gloo (NCCL refuses two ranks on one device), fp32 (on a
+  machine with two GPUs leto-run gives each rank its own and picks NCCL: DP=2). Every
   collective this layout issues runs on gloo with CUDA tensors: Leto's flat gradient
   all-reduce and Megatron's cross-entropy all-reduces (TP group of one). What would not:
   gloo has no CUDA reduce-scatter / all-gather, so Megatron's DistributedOptimizer and
@@ -16,7 +17,11 @@ digest of the retained state must equal the fault-free run's.
 * world size 1, NCCL, bf16, with two-tier parity on 2 MiB pages (one CUDA VMM chunk
   each): the backward and the update kills also lose 16 device pages of the model state
   (found by the page-map query, rebuilt from host parity, or from the RMU's working
-  parity mid-update) and a host tier-1 parity page per group.
+  parity mid-update) and a host tier-1 parity page per group;
+* tensor parallelism, TP=2 on two GPUs (one rank each), NCCL, bf16: each rank retains its
+  shard, Megatron's TP all-reduces run on NCCL groups that the L3 shadows build before
+  promotion, gradients are averaged over the data-parallel group (of one) and clipped by
+  the TP-aware global norm. Needs 2 GPUs (``nvidia-h200-x2``); skips with fewer.
 
 megatron-core is not on the GPU image; docs/MEGATRON.md says how the carried wheel is
 installed. Without it these tests skip, saying so.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from leto.config import FaultSpec
 from tests.launcher.harness import REPO, digests, run_leto
@@ -57,12 +63,21 @@ class Case:
     bf16: bool
     lost_device_pages: int = 0
     """Model-state pages lost at the backward and at the update kill (per group)."""
+    tp: int = 1
+    """--tensor-model-parallel-size."""
+    gpus: int = 1
+    """GPUs the case needs (one rank per GPU for NCCL)."""
+
+    def backend(self) -> str:
+        """What leto-run's ``backend="auto"`` picks: NCCL when every rank has a GPU of its own."""
+        return "nccl" if self.nproc <= torch.cuda.device_count() else "gloo"
 
 
 CASES = {
     "nccl-1rank-bf16": Case(1, TINY, RMU, bf16=True),
     "gloo-2ranks-fp32": Case(2, TINY, RMU, bf16=False),
     "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16),
+    "nccl-tp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, tp=2, gpus=2),
 }
 
 
@@ -78,7 +93,8 @@ def _faults(case: Case) -> list[FaultSpec]:
 
 def _run(tmp_path, case: Case, faults: list[FaultSpec]):
     proc, events = run_leto(tmp_path, steps=STEPS, nproc=case.nproc, faults=faults, leto=case.leto, script=SCRIPT,
-                            steps_flag="--train-iters", model_args=case.model, script_args=["--bf16"] * case.bf16,
+                            steps_flag="--train-iters", model_args=case.model,
+                            script_args=["--bf16"] * case.bf16 + ["--tensor-model-parallel-size", str(case.tp)],
                             timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, events
@@ -88,9 +104,13 @@ def _run(tmp_path, case: Case, faults: list[FaultSpec]):
 @pytest.mark.parametrize("name", list(CASES))
 def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     case = CASES[name]
+    if torch.cuda.device_count() < case.gpus:
+        pytest.skip(f"needs {case.gpus} GPUs (one rank each), found {torch.cuda.device_count()}: "
+                    "run on nvidia-h200-x2")
     ref_proc, ref_events = _run(tmp_path, case, [])
-    backend = "nccl" if case.nproc == 1 else "gloo"
-    assert f"backend {backend}" in ref_proc.stdout + ref_proc.stderr, "the run did not use the expected backend"
+    output = ref_proc.stdout + ref_proc.stderr
+    assert f"backend {case.backend()}" in output, "the run did not use the expected backend"
+    assert f"(TP {case.tp}, DP {case.nproc // case.tp})" in output, "the run did not use the expected TP size"
     reference = digests(ref_events)
     assert set(reference) == {(r, s) for r in range(case.nproc) for s in range(1, STEPS + 1)}
     assert all(len(d) == 1 for d in reference.values())
