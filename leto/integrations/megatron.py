@@ -207,6 +207,9 @@ def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_s
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if config.sequence_parallel:
+        raise ConfigError("sequence_parallel=True: its norm gradients need a TP all-reduce that leto does not "
+                          "run yet (docs/MEGATRON.md); turn sequence parallelism off")
     spec = layer_spec or get_gpt_layer_local_spec()
     with ctx.init_device(ctx.device) as device:
         cfg = meta_config(config) if device.type == "meta" else config

@@ -145,6 +145,12 @@ def test_adamw_uses_megatrons_decay_groups(parallel):
         lm.adamw(model, _opt_config(use_distributed_optimizer=True))
 
 
+def test_sequence_parallelism_is_refused(parallel):
+    lm = parallel
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        lm.build_gpt(FakeCtx(False), _config(sequence_parallel=True, tensor_model_parallel_size=2), vocab_size=64, max_sequence_length=16)
+
+
 def test_meta_build_tags_parameters_as_a_real_build(parallel):
     # The clipping norm reads tensor_model_parallel: a shadow's meta build must carry it.
     lm = parallel
