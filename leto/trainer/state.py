@@ -274,14 +274,17 @@ class RetainedState:
         the hook into PyTorch's allocator), the step's RNG is restored from retained memory,
         the retained gradients are zeroed and ``fn`` runs again — the same step, bit for bit,
         since model state is read-only here. Without shadows the error propagates.
-        ``fn`` must not run collectives: the other ranks do not retry with this one.
+        ``fn`` must not run collectives: the other ranks do not retry with this one (so with
+        a model-parallel ``Context.grad_sync`` the error always propagates).
         """
         step = self.marker.step
         while True:
             try:
                 return fn()
             except torch.OutOfMemoryError as e:
-                if not self.ctx.preinit.can_reclaim():
+                # A model-parallel forward runs collectives (a narrowed grad_sync group says
+                # so): the other ranks would not retry with this one, so no retry.
+                if not self.ctx.preinit.can_reclaim() or self.ctx.grad_sync.group is not None:
                     raise
                 message = str(e).splitlines()[0] if str(e) else "out of memory"
             # Out of the except block: the traceback, and with it the failed attempt's
