@@ -80,7 +80,7 @@ def _gather_index(coef: tuple[tuple[int, ...], ...]) -> torch.Tensor:
     Shape ``[n_src, n_out * 16 * 4]``; entry ``(o, i, g)`` is ``16 g + nibble g`` of row
     ``i`` of the bit matrix of ``coef[o][j]``.
     """
-    n_out, n_src = len(coef), len(coef[0])
+    n_src = len(coef[0])
     rows = bitmatrix_rows_np(np.array(coef, dtype=np.int64))
     nib = (rows[..., None] >> (4 * np.arange(4))) & 0xF  # [n_out, n_src, 16, 4]
     idx = torch.from_numpy(nib + 16 * np.arange(4)).permute(1, 0, 2, 3).contiguous()

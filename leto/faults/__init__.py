@@ -143,7 +143,7 @@ def erase_pages(pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: Eras
     from leto.trainer.protection import pages_to_erase
 
     for region, count, group_pages in (
-        ("state", fault.erase_device_pages, erasure.data_pages),
+        (fault.erase_device_region, fault.erase_device_pages, erasure.data_pages),
         ("state.p1", fault.erase_host_pages, erasure.tier1_parity),
     ):
         spec = pool.describe(fault.rank, region)

@@ -40,6 +40,11 @@ class RegionMemory:
         self._chunked: dict[str, tuple[ChunkedRegion, torch.Tensor]] = {}
 
     @property
+    def regions(self) -> set[str]:
+        """Names of the device regions mapped so far."""
+        return set(self._chunked)
+
+    @property
     def granularity(self) -> int:
         """Bytes a device chunk must be a multiple of (VMM granularity, or the OS page)."""
         return self.backend.granularity
@@ -65,15 +70,19 @@ class RegionMemory:
         self._chunked[name] = (region, tensor)
         return tensor[:nbytes], region.existing  # the allocation is rounded up to whole chunks
 
-    def lost_pages(self, name: str, page_bytes: int) -> list[int]:
-        """Pages of device region ``name`` that were lost, now on fresh zeroed chunks."""
+    def lost_chunks(self, name: str) -> list[int]:
+        """Chunks of device region ``name`` that were lost, now fresh and zeroed."""
         region, tensor = self._chunked[name]
         self.fence()  # no kernel may run on a chunk while it is swapped
         chunks = region.localize()
         if self.cuda:
             for c in chunks:
                 tensor[c * region.table.chunk_bytes : (c + 1) * region.table.chunk_bytes].zero_()
-        return region.table.pages_of(chunks, page_bytes)
+        return chunks
+
+    def lost_pages(self, name: str, page_bytes: int) -> list[int]:
+        """Pages of device region ``name`` that were lost, now on fresh zeroed chunks."""
+        return self._chunked[name][0].table.pages_of(self.lost_chunks(name), page_bytes)
 
     def host_region(self, name: str, nbytes: int) -> tuple[torch.Tensor, bool]:
         """(uint8 CPU tensor over a memfd the state manager allocates, True when retained)."""

@@ -206,6 +206,8 @@ class RetainedState:
         """
         phase = self.marker.phase
         working = self.updater is not None and phase in WORKING_PHASES
+        if working:
+            self._check_update_buffers(phase)
         if self.updater is not None:
             self.updater.prepare()  # undo a torn chunk, resync the scratch parity
         if not self.protected:
@@ -233,6 +235,17 @@ class RetainedState:
                     raise
         self.ctx.events.emit(Kind.PAGES_REBUILT, rank=self.ctx.rank, gen=self.ctx.env.generation, lost=report, rebuild_s=seconds,
                              localize_s=localize_s, phase=phase.name)
+
+    def _check_update_buffers(self, phase: Phase) -> None:
+        """Mid-update, the undo copy (while a chunk is saved) and the working parity are the
+        only consistent record of the state, and nothing protects them: a lost page of
+        either means no consistent point to resume from (the checkpoint path takes over)."""
+        needed = {"rmu.undo": phase == Phase.CHUNK_SAVED, "rmu.parity": True}
+        for name, need in needed.items():
+            if name in self.memory.regions and self.memory.lost_chunks(name) and need:
+                error = f"rank {self.ctx.rank}: device pages of {name} were lost in the middle of an update ({phase.name})"
+                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error)
+                raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
 
     def _install_fault_hooks(self) -> None:
         """Forward/backward kill points sit in the middle of the model, mid-phase."""

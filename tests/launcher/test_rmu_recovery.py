@@ -110,3 +110,32 @@ def test_rmp_alone_without_incremental_parity_diverges(tmp_path, reference, monk
     assert proc.returncode != 0 and len(refused) == 1 and refused[0]["rank"] == 1
     assert "step counters contradict" in refused[0]["error"]
     assert not [k for k in got if k[1] > 5 and k[0] == 1], "rank 1 never committed a step on the wrong state"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("region", "point", "in_place"), [
+    ("rmu.undo", "optimizer", False),  # chunk saved, half updated: the undo copy is the record
+    ("rmu.parity", "boundary", False),  # mid-update: the working parity is authoritative
+    ("rmu.undo", "boundary", True),  # between chunks the undo copy is not needed
+])
+def test_lost_update_buffers_mid_update_take_the_checkpoint_path(tmp_path, reference, region, point, in_place) -> None:
+    """The undo copy and the working parity are unprotected device regions. Losing one
+    while the resume point needs it must never be resumed on: unrecoverable_state, a group
+    restart (no checkpoint: from step 0), and still every digest equals the fault-free run.
+    Emulated as for model-state pages: the state manager drops the region's chunk."""
+    faults = [FaultSpec(rank=1, step=5, phase="update", point=point, chunk=1, erase_device_pages=1,
+                        erase_device_region=region)]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO, extra=["--max-restarts", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = digests(events)
+    assert set(got) == set(reference)
+    for key, values in got.items():
+        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+    assert [e["region"] for e in events if e["kind"] == "pages_erased"] == [region]
+    unrecoverable = [e for e in events if e["kind"] == "unrecoverable_state"]
+    restarts = [e for e in events if e["kind"] == "group_restart"]
+    if in_place:
+        assert not unrecoverable and not restarts
+    else:
+        assert [(e["rank"], e["region"]) for e in unrecoverable] == [(1, region)]
+        assert len(restarts) == 1 and "ff" in restarts[0]["reason"]
