@@ -129,23 +129,34 @@ class Heartbeat:
 _PF_EXITING = 0x4  # include/linux/sched.h: set as do_exit begins, before memory teardown
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """Fields 3.. of ``/proc/pid/stat`` (after the command name), or [] when it is gone.
+    Field n is ``fields[n - 3]``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def proc_state(pid: int) -> str:
+    """The state letter of ``pid`` (R, S, D, T, ...), or "?" when it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else "?"
+
+
 def dying_signal(pid: int) -> int | None:
     """The signal killing ``pid`` while it is still tearing down, else None.
 
     A process killed by a signal is a zombie (visible to ``waitid``) only after the kernel
     has released its memory and closed its files; on a GPU that includes destroying its
-    CUDA context, 0.5–1 s for a trainer. ``do_exit`` sets ``PF_EXITING`` and the exit code
-    (field 52 of ``/proc/pid/stat``, the waitpid status) before that teardown, so a reader
-    learns of the death — and can stop the peers, whose teardowns then overlap — early.
-    A normal exit (no signal) reads as None.
+    CUDA context (0.1–0.5 s measured on an H200, bench/teardown_gpu.py). ``do_exit`` sets
+    ``PF_EXITING`` and the exit code (field 52, the waitpid status) before that teardown,
+    so a reader learns of the death — and can stop the peers, whose teardowns then
+    overlap — early. A normal exit (no signal) reads as None.
     """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    # fields[0] is field 3 (state): field n is fields[n - 3].
-    if len(fields) < 50 or not int(fields[6]) & _PF_EXITING:
+    fields = _stat_fields(pid)
+    if len(fields) < 50 or not int(fields[6]) & _PF_EXITING:  # field 9: flags
         return None
     signo = int(fields[49]) & 0x7F
     return signo or None

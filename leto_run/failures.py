@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from leto.epoch import EpochRecord
 from leto.events import Kind
-from leto.health import FailureClass
+from leto.health import FailureClass, proc_state
 
 if TYPE_CHECKING:
     from leto_run.agent import LetoAgent
@@ -165,7 +165,7 @@ class FailurePolicy(_Base):
         # stopped or in uninterruptible sleep is the culprit; short of one, a verdict needs
         # every local rank stalled: while one still makes progress, the stalled ones are
         # waiting for it (a slow peer, not a hang). Then the longest idle is blamed.
-        states = {s.slot: _proc_state(worker_group.workers[s.slot].id) for s in stalls}
+        states = {s.slot: proc_state(worker_group.workers[s.slot].id) for s in stalls}
         stopped = [s for s in stalls if states[s.slot] in ("T", "t", "D")]
         if not stopped and len(stalls) < self._hangs.watched():
             return
@@ -182,11 +182,3 @@ class FailurePolicy(_Base):
             pass
         self._hangs.arm()  # one verdict per stall; the kill is seen by _detect_killed_active
 
-
-def _proc_state(pid: int) -> str:
-    """The state letter of ``pid`` in /proc (R, S, D, T, ...), or "?" when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"

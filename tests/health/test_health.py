@@ -64,3 +64,21 @@ def test_dying_signal_reads_a_kill_before_the_reap() -> None:
         assert dying_signal(ok.pid) is None  # a normal exit is not a death by signal
     finally:
         ok.wait()
+
+
+def test_proc_state_reads_the_state_letter() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from leto.health import proc_state
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        os.waitid(os.P_PID, child.pid, os.WSTOPPED | os.WNOWAIT)
+        assert proc_state(child.pid) == "T"
+    finally:
+        child.kill()
+        child.wait()
+    assert proc_state(child.pid) == "?"  # reaped: gone
