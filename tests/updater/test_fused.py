@@ -13,7 +13,7 @@ from leto.errors import ConfigError
 from leto.trainer.marker import Phase
 from leto.updater.fused import BLOCK, fused_token, resolve_fused
 from tests.updater.rig import KillAt, Killed, Rig, model
-from tests.updater.test_rmu import CHUNK, ERASURE, _points, _recover, _step
+from tests.updater.test_rmu import CHUNK, ERASURE, _step, sweep_kill_points
 
 WIDE = 16384
 """Chunk bytes for tests that need several kernel blocks per chunk (4096 elements)..."""
@@ -93,22 +93,8 @@ def test_every_kill_point_of_a_fused_update_finishes_exactly(erasure: ErasureCon
     ref = _run(True, erasure, chunk=WIDE, dim=DIM)
     n_chunks = len(ref.updater(KillAt()).chunks)
     assert n_chunks >= 3 and WIDE // 4 > BLOCK
-    actions = set()
-    for point, chunk in _points(n_chunks):
-        if erasure is None and point in ("parity", "flush"):
-            continue
-        rig = Rig.build(model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True)
-        _step(rig, 0, KillAt())
-        with pytest.raises(Killed):
-            _step(rig, 1, KillAt(point, chunk, legacy=point is None))
-        actions.add(_recover(rig, 1, erase_per_group=ERASURE.tier1_parity if erasure else 0))
-        assert rig.marker.step == 2 and rig.marker.phase == Phase.IDLE
-        _step(rig, 2, KillAt())
-        assert torch.equal(rig.state, ref.state), f"diverged after a kill at {point} {chunk}"
-        if erasure is not None:
-            for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
-                assert torch.equal(g.tier1, r.tier1) and torch.equal(g.tier2, r.tier2)
-    assert {"restore+finish", "resume+finish"} <= actions
+    sweep_kill_points(ref, n_chunks, erasure,
+                      lambda: Rig.build(model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True))
 
 
 def test_rmu_fused_setting_resolves_per_device(monkeypatch: pytest.MonkeyPatch) -> None:

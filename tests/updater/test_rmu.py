@@ -4,6 +4,7 @@ lost pages per group, finishes bit-identically; without incremental parity it do
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -129,15 +130,20 @@ def test_every_kill_point_with_lost_pages_finishes_exactly(erasure: ErasureConfi
     ref = _reference(erasure)
     n_chunks = len(ref.updater(KillAt()).chunks)
     assert n_chunks >= 3
+    sweep_kill_points(ref, n_chunks, erasure, lambda: Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK))
+
+
+def sweep_kill_points(ref: Rig, n_chunks: int, erasure: ErasureConfig | None, build: Callable[[], Rig]) -> None:
+    """Kill step 1 of a fresh ``build()`` rig at every point, lose H1 pages per group,
+    recover and run step 2: the state (and parity) equal ``ref``'s, bit for bit."""
     actions = set()
     for point, chunk in _points(n_chunks):
         if erasure is None and point in ("parity", "flush"):
             continue
-        rig = Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK)
+        rig = build()
         _step(rig, 0, KillAt())
-        kill = KillAt(point, chunk, legacy=point is None)
         with pytest.raises(Killed):
-            _step(rig, 1, kill)
+            _step(rig, 1, KillAt(point, chunk, legacy=point is None))
         actions.add(_recover(rig, 1, erase_per_group=ERASURE.tier1_parity if erasure else 0))
         assert rig.marker.step == 2 and rig.marker.phase == Phase.IDLE
         _step(rig, 2, KillAt())
