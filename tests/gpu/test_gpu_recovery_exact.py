@@ -16,7 +16,7 @@ import random
 import pytest
 
 from leto.config import PHASES, FaultSpec
-from tests.launcher.harness import digests, run_leto
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 16
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "128", "--batch", "8", "--bf16"]
@@ -25,16 +25,10 @@ MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "128", "--bat
 def run_against_fault_free(tmp_path, nproc: int, model: list[str], steps: int, faults: list[FaultSpec]) -> list[dict]:
     """A fault-free run, then the same job with ``faults``: every per-step digest of the
     second equals the first's, and each fault was injected and recovered in place."""
-    ref_proc, ref_events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=model, timeout_s=550)
-    assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
-    reference = digests(ref_events)
-    assert len(reference) == nproc * steps and all(len(v) == 1 for v in reference.values())
+    reference = fault_free_digests(tmp_path, steps=steps, nproc=nproc, model_args=model, timeout_s=550)
     proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=model, faults=faults, timeout_s=550)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = digests(events)
-    assert set(got) == set(reference)
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
+    assert_exact(reference, events)
     assert len([e for e in events if e["kind"] == "fault_injected"]) == len(faults)
     assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
     return events

@@ -59,6 +59,30 @@ def digests(events: list[dict]) -> dict[tuple[int, int], set[str]]:
     return dict(out)
 
 
+def fault_free_run(tmp: Path, *, steps: int, nproc: int = 2, **run_kwargs) -> tuple[dict[tuple[int, int], set[str]], list[dict]]:
+    """The reference: a fault-free run's digests (every rank, every step, one each) and events.
+    ``run_kwargs`` go to :func:`run_leto` (job section, model, script, ...)."""
+    proc, events = run_leto(tmp, steps=steps, nproc=nproc, **run_kwargs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = digests(events)
+    assert set(ref) == {(r, s) for r in range(nproc) for s in range(1, steps + 1)}
+    assert all(len(v) == 1 for v in ref.values()), "the fault-free run must be deterministic"
+    return ref, events
+
+
+def fault_free_digests(tmp: Path, *, steps: int, nproc: int = 2, **run_kwargs) -> dict[tuple[int, int], set[str]]:
+    """The digests of :func:`fault_free_run`."""
+    return fault_free_run(tmp, steps=steps, nproc=nproc, **run_kwargs)[0]
+
+
+def assert_exact(reference: dict[tuple[int, int], set[str]], events: list[dict]) -> None:
+    """Every digest of a run with failures equals the fault-free run's, and none is missing."""
+    got = digests(events)
+    assert set(got) >= set(reference), f"missing digests: {sorted(set(reference) - set(got))}"
+    for key, values in got.items():
+        assert values == reference.get(key), f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+
+
 def random_schedule(seed: int, steps: int, count: int, min_gap: int, first: int = 4) -> list[FaultSpec]:
     """``count`` kills at random (step, rank, phase), at least ``min_gap`` steps apart."""
     rng = random.Random(seed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import digests, run_leto
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 20
 # Small pages and groups so a tiny model spans several groups: 4 KiB pages, D=32.
@@ -29,9 +29,7 @@ H1_LOSSES = [
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    proc, events = run_leto(tmp_path_factory.mktemp("ref"), steps=STEPS, leto={"erasure": ERASURE})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return digests(events)
+    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS, leto={"erasure": ERASURE})
 
 
 def _lost(events: list[dict], rank: int, gen: int) -> dict:
@@ -44,10 +42,7 @@ def test_hof_plus_h1_lost_pages_per_group_recovers_bit_identically(tmp_path, ref
     """Each kill loses H1=16 model-state pages in every group and 1 tier-1 parity page."""
     proc, events = run_leto(tmp_path, steps=STEPS, faults=H1_LOSSES, leto={"erasure": ERASURE})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = digests(events)
-    assert set(got) == set(reference)
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
+    assert_exact(reference, events)
     erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
     assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), "several groups lost 16 pages"
     # The first two kills hit the compute phase: their pages were rebuilt from parity.
@@ -69,10 +64,7 @@ def test_more_than_h1_lost_pages_fall_back_and_say_so(tmp_path, reference) -> No
     assert len(unrecoverable) == 1 and unrecoverable[0]["rank"] == 1
     assert "17" in unrecoverable[0]["error"] or unrecoverable[0]["lost"]["data"] == 17
     assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 1]
-    got = digests(events)
-    assert set(got) == set(reference)
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
+    assert_exact(reference, events)
 
 
 @pytest.mark.timeout(300)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import run_leto
-from tests.multinode.harness import assert_exact, fault_free_digests
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 16
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import digests, run_leto
+from tests.launcher.harness import assert_exact, fault_free_run, run_leto
 
 STEPS = 24
 GIB = 1 << 30
@@ -33,26 +33,16 @@ FAULTS = [
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    proc, events = run_leto(tmp_path_factory.mktemp("ref"), steps=STEPS, leto=LETO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = digests(events)
-    assert set(ref) == {(r, s) for r in (0, 1) for s in range(1, STEPS + 1)}
+    ref, events = fault_free_run(tmp_path_factory.mktemp("ref"), steps=STEPS, leto=LETO)
     assert not [e for e in events if e["kind"] in ("oom_retry", "shadow_reclaimed")]
     return ref
-
-
-def _assert_exact(ref: dict, events: list[dict]) -> None:
-    got = digests(events)
-    assert set(got) == set(ref), f"steps with no digest: {sorted(set(ref) - set(got))}"
-    for key, values in got.items():
-        assert values == ref[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
 
 
 @pytest.mark.timeout(600)
 def test_oom_reclaims_shadows_and_kills_recover_from_lower_levels(tmp_path, reference) -> None:
     proc, events = run_leto(tmp_path, steps=STEPS, faults=FAULTS, leto=LETO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_exact(reference, events)
+    assert_exact(reference, events)
     injected = [(e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == "fault_injected"]
     assert injected == [(f.rank, f.step, f.kind) for f in FAULTS]
     # Both OOMs were absorbed: shadows reclaimed, the step retried, nothing restarted.
@@ -78,7 +68,7 @@ def test_oom_without_memory_reports_steps_the_level_down(tmp_path, reference) ->
     faults = [FaultSpec(rank=0, step=5, phase="forward", kind="oom"), FaultSpec(rank=1, step=11, phase="update")]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_exact(reference, events)
+    assert_exact(reference, events)
     levels = [(e["reason"], e["level"], e["headroom_bytes"]) for e in events if e["kind"] == "shadow_level"]
     assert levels == [("configured", 3, None), ("oom", 2, None), ("recovery", 3, None)]
     assert [e["level"] for e in events if e["kind"] == "promoted"] == [2, 2]

@@ -13,7 +13,12 @@ import os
 
 import pytest
 
-from tests.launcher.harness import digests, random_schedule, run_leto
+from tests.launcher.harness import (
+    assert_exact,
+    fault_free_digests,
+    random_schedule,
+    run_leto,
+)
 
 STEPS = 24
 SCHEDULES = int(os.environ.get("LETO_SOAK", "2"))
@@ -21,20 +26,11 @@ SCHEDULES = int(os.environ.get("LETO_SOAK", "2"))
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], set[str]]:
-    proc, events = run_leto(tmp_path_factory.mktemp("ref"), steps=STEPS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = digests(events)
-    assert set(ref) == {(r, s) for r in (0, 1) for s in range(1, STEPS + 1)}
-    assert all(len(v) == 1 for v in ref.values()), "the fault-free run must be deterministic"
-    return ref
+    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS)
 
 
 def _assert_exact(ref: dict, events: list[dict], faults: list) -> None:
-    got = digests(events)
-    missing = set(ref) - set(got)
-    assert not missing, f"steps with no digest: {sorted(missing)}"
-    for key, values in got.items():
-        assert values == ref[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+    assert_exact(ref, events)
     injected = [e for e in events if e["kind"] == "fault_injected"]
     assert len(injected) == len(faults), injected
     promoted = [e for e in events if e["kind"] == "shadows_promoted"]

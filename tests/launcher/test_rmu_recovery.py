@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import digests, run_leto
+from tests.launcher.harness import assert_exact, digests, fault_free_digests, run_leto
 
 STEPS = 100
 ERASURE = {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}
@@ -41,18 +41,11 @@ def _every_ten() -> list[FaultSpec]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    proc, events = run_leto(tmp_path_factory.mktemp("ref"), steps=STEPS, leto=LETO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = digests(events)
-    assert set(ref) == {(r, s) for r in (0, 1) for s in range(1, STEPS + 1)}
-    return ref
+    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS, leto=LETO)
 
 
 def _assert_exact(ref: dict, events: list[dict], faults: list[FaultSpec]) -> None:
-    got = digests(events)
-    assert set(got) == set(ref), f"steps with no digest: {sorted(set(ref) - set(got))}"
-    for key, values in got.items():
-        assert values == ref[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+    assert_exact(ref, events)
     injected = [e for e in events if e["kind"] == "fault_injected"]
     assert [(e["rank"], e["step"], e["point"], e["chunk"]) for e in injected] == [
         (f.rank, f.step, f.point, f.chunk if f.point != "flush" else None) for f in faults
@@ -127,10 +120,7 @@ def test_lost_update_buffers_mid_update_take_the_checkpoint_path(tmp_path, refer
                         erase_device_region=region)]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO, extra=["--max-restarts", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = digests(events)
-    assert set(got) == set(reference)
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+    assert_exact(reference, events)
     assert [e["region"] for e in events if e["kind"] == "pages_erased"] == [region]
     unrecoverable = [e for e in events if e["kind"] == "unrecoverable_state"]
     restarts = [e for e in events if e["kind"] == "group_restart"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from leto.config import FaultSpec
 from leto.events import read_events
-from tests.launcher.harness import GPT, GPT_ARGS, LETO_RUN, _env, digests, run_leto
+from tests.launcher.harness import GPT, GPT_ARGS, LETO_RUN, _env
 
 
 def free_port() -> int:
@@ -73,19 +73,3 @@ def log_tail(tmp: Path, chars: int = 3000) -> str:
     return "\n".join(f"--- node{i}\n" + (tmp / f"node{i}.log").read_text()[-chars:] for i in (0, 1))
 
 
-def fault_free_digests(tmp: Path, *, steps: int, nproc: int = 2) -> dict[tuple[int, int], set[str]]:
-    """The reference: digests of a fault-free single-agent run with ``nproc`` ranks."""
-    proc, events = run_leto(tmp, steps=steps, nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = digests(events)
-    assert set(ref) == {(r, s) for r in range(nproc) for s in range(1, steps + 1)}
-    assert all(len(v) == 1 for v in ref.values()), "the fault-free run must be deterministic"
-    return ref
-
-
-def assert_exact(reference: dict[tuple[int, int], set[str]], events: list[dict]) -> None:
-    """Every digest of a run with failures equals the fault-free run's, and none is missing."""
-    got = digests(events)
-    assert set(got) >= set(reference), f"missing digests: {sorted(set(reference) - set(got))}"
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged from the fault-free run"

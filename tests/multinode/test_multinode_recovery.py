@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.multinode.harness import (
-    all_events,
-    assert_exact,
-    fault_free_digests,
-    log_tail,
-    start_nodes,
-    wait_nodes,
-)
+from tests.launcher.harness import assert_exact, fault_free_digests
+from tests.multinode.harness import all_events, log_tail, start_nodes, wait_nodes
 
 STEPS = 16
 
