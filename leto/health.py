@@ -212,3 +212,16 @@ class HangWatch:
             if now - since > limit:
                 stalls.append(Stall(slot, now - since, limit))
         return sorted(stalls, key=lambda s: -s.idle_s)
+
+    def culprit(self, stalls: list[Stall], states: dict[int, str]) -> Stall | None:
+        """The stall to kill, given each stalled slot's process state letter, or None yet.
+
+        Peers blocked in a collective with the hung rank stall too. A process that is
+        stopped or in uninterruptible sleep is the culprit; short of one, a verdict needs
+        every watched rank stalled: while one still makes progress, the stalled ones are
+        waiting for it (a slow peer, not a hang). Then the longest idle is blamed.
+        """
+        stopped = [s for s in stalls if states[s.slot] in ("T", "t", "D")]
+        if not stopped and len(stalls) < self.watched():
+            return None
+        return (stopped or stalls)[0] if stalls else None

@@ -155,21 +155,16 @@ class FailurePolicy(_Base):
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _watch_hangs(self, worker_group: WorkerGroup) -> None:
-        """Kill the active whose heartbeat stalled longest; it is then recovered as a crash."""
+        """Kill the hung active (``HangWatch.culprit``); it is then recovered as a crash."""
         if self._hangs is None or self._detected_t is not None or self._pcontext is None:
             return
         stalls = self._hangs.check()
         if not stalls:
             return
-        # Peers blocked in a collective with the hung rank stall too. A process that is
-        # stopped or in uninterruptible sleep is the culprit; short of one, a verdict needs
-        # every local rank stalled: while one still makes progress, the stalled ones are
-        # waiting for it (a slow peer, not a hang). Then the longest idle is blamed.
         states = {s.slot: proc_state(worker_group.workers[s.slot].id) for s in stalls}
-        stopped = [s for s in stalls if states[s.slot] in ("T", "t", "D")]
-        if not stopped and len(stalls) < self._hangs.watched():
+        stall = self._hangs.culprit(stalls, states)
+        if stall is None:
             return
-        stall = (stopped or stalls)[0]
         worker = worker_group.workers[stall.slot]
         self._events.emit(
             Kind.HANG_DETECTED, rank=worker.global_rank, gen=self._generation,

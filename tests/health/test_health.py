@@ -82,3 +82,22 @@ def test_proc_state_reads_the_state_letter() -> None:
         child.kill()
         child.wait()
     assert proc_state(child.pid) == "?"  # reaped: gone
+
+
+def test_culprit_waits_for_a_slow_peer_and_blames_a_stopped_rank() -> None:
+    board = HeartbeatBoard(2)
+    now = [100.0]
+    try:
+        watch = HangWatch(board, hang_timeout_s=5.0, first_step_timeout_s=5.0, clock=lambda: now[0])
+        slow = Heartbeat(board.path, 1)
+        now[0] += 6.0
+        slow.beat()  # rank 1 still makes progress; rank 0 waits for it in a collective
+        (waiting,) = watch.check()
+        assert waiting.slot == 0 and watch.culprit([waiting], {0: "S"}) is None
+        now[0] += 6.0  # now both are stalled: rank 0 idle longest, rank 1 stopped
+        stalls = watch.check()
+        assert [s.slot for s in stalls] == [0, 1]
+        assert watch.culprit(stalls, {0: "S", 1: "T"}).slot == 1
+        assert watch.culprit(stalls, {0: "S", 1: "S"}).slot == 0  # no stopped one: the longest idle
+    finally:
+        board.close()
