@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import digests, run_leto
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 from tests.launcher.test_erasure_recovery import H1_LOSSES, STEPS
 
 # ~13M parameters: ~150 MiB of state = 3 groups of D=32 two-MiB pages (the last one short).
@@ -27,17 +27,8 @@ ERASURE = {"page_bytes": 2 << 20, "data_pages": 32, "tier1_parity": 16, "tier2_p
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    proc, events = run_leto(tmp_path_factory.mktemp("ref"), steps=STEPS, model_args=MODEL,
-                            leto={"erasure": ERASURE}, timeout_s=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return digests(events)
-
-
-def _exact(events: list[dict], reference: dict) -> None:
-    got = digests(events)
-    assert set(got) == set(reference)
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
+    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS, model_args=MODEL,
+                              leto={"erasure": ERASURE}, timeout_s=600)
 
 
 @pytest.mark.timeout(900)
@@ -45,7 +36,7 @@ def test_gpu_hof_plus_h1_lost_device_pages_per_group_recovers_bit_identically(tm
     proc, events = run_leto(tmp_path, steps=STEPS, model_args=MODEL, faults=H1_LOSSES, leto={"erasure": ERASURE},
                             timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _exact(events, reference)
+    assert_exact(reference, events)
     erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
     assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), "several groups lost 16 pages"
     rebuilt = {(e["rank"], e["gen"]): e for e in events if e["kind"] == "pages_rebuilt"}
@@ -70,4 +61,4 @@ def test_gpu_more_than_h1_lost_device_pages_restart_the_group_exactly(tmp_path, 
     (unrecoverable,) = [e for e in events if e["kind"] == "unrecoverable_state"]
     assert unrecoverable["rank"] == 1 and unrecoverable["lost"]["data"] == 17
     assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 1]
-    _exact(events, reference)
+    assert_exact(reference, events)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import REPO, digests, run_leto
+from tests.launcher.harness import REPO, assert_exact, fault_free_digests, run_leto
 
 STEPS, BALLAST, KILL = 20, 6, 12
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "128", "--batch", "8", "--bf16"]
@@ -29,10 +29,7 @@ MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "128", "--bat
 
 @pytest.mark.timeout(900)
 def test_activation_peak_reclaims_the_shadow_and_recovery_stays_exact(tmp_path) -> None:
-    ref_proc, ref_events = run_leto(tmp_path, steps=STEPS, nproc=1, model_args=MODEL, timeout_s=400)
-    assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
-    reference = digests(ref_events)
-    assert len(reference) == STEPS and all(len(v) == 1 for v in reference.values())
+    reference = fault_free_digests(tmp_path, steps=STEPS, nproc=1, model_args=MODEL, timeout_s=400)
 
     faults = [FaultSpec(rank=0, step=KILL, phase="backward")]
     proc, events = run_leto(
@@ -47,10 +44,7 @@ def test_activation_peak_reclaims_the_shadow_and_recovery_stays_exact(tmp_path) 
     ))
     assert proc.returncode == 0, proc.stderr[-5000:]
 
-    got = digests(events)
-    assert set(got) == set(reference)
-    for key, values in got.items():
-        assert values == reference[key], f"rank {key[0]} step {key[1]} diverged"
+    assert_exact(reference, events)
     reclaimed = [e for e in events if e["kind"] == "shadow_reclaimed"]
     assert [(e["ranks"], e["level"]) for e in reclaimed] == [([0], 3)]
     (retry,) = [e for e in events if e["kind"] == "oom_retry"]
