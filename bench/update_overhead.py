@@ -229,6 +229,29 @@ class Timer:
         return b - a  # type: ignore[operator]
 
 
+def _profile(b: Bench, mode: str, trace: Path) -> None:
+    """One update of ``mode`` under torch.profiler: where the update's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b.compute(20_000)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])
+    if b.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        b.update(mode)
+        if b.cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    key = "self_device_time_total" if b.cuda else "self_cpu_time_total"
+    events = prof.key_averages()
+    busy = sum(getattr(e, key) for e in events) / 1e6 if b.cuda else None
+    print(f"profile {mode}: wall {1e3 * wall:.1f} ms (profiled)"
+          + (f", device busy {1e3 * busy:.1f} ms (sum of kernels and copies)" if busy is not None else ""))
+    print(events.table(sort_by=key, row_limit=20, max_name_column_width=60))
+    prof.export_chrome_trace(str(trace))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -248,6 +271,9 @@ def main() -> None:
     p.add_argument("--tier2-parity", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", default="",
+                   help="comma-separated modes: after timing, one update of each under torch.profiler "
+                        "(kernel table, host vs device time, chrome trace beside the json)")
     p.add_argument("--json", type=Path, default=None,
                    help="default: $OUT/update_overhead[_gpu].json, else bench/results/")
     args = p.parse_args()
@@ -325,6 +351,8 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"rmu buffers: undo {undo_n / 2**20:.1f} MiB + working parity {par_n / 2**20:.1f} MiB; json {args.json}")
+    for m in filter(None, args.profile.split(",")):
+        _profile(b, m, args.json.with_name(f"{args.json.stem}_{m}_trace.json"))
     best = "rmu-fused" if "rmu-fused" in rows else "rmu"
     print(f"RMU overhead ratio ({best} total / reference total): {rows[best]['total_ms'] / rows['reference']['total_ms']:.4f}")
 

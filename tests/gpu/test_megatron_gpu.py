@@ -78,6 +78,7 @@ CASES = {
     "gloo-2ranks-fp32": Case(2, TINY, RMU, bf16=False),
     "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16),
     "nccl-tp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, tp=2, gpus=2),
+    "nccl-dp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2),
 }
 
 
