@@ -65,6 +65,11 @@ class FaultSpec:
     oom_bytes: int = 0
     """kind oom, CPU runs with ``leto.preinit.emulated_device_bytes``: the step's emulated
     activation demand beyond the trainer's usual memory (it decides the relaunch level)."""
+    shadow_ready_steps_before: int = 0
+    """With n > 0: at the forward point of step ``step - n`` the trainer waits (beating its
+    heartbeat) until its shadow is pre-initialised, so the shadow maps the retained regions
+    ahead and the marker moves on for n steps before the kill, as in a long job. Default 0:
+    fire at once, ready shadow or not."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
@@ -81,6 +86,8 @@ class FaultSpec:
             )
         if self.chunk is not None and (self.point in (None, "flush") or self.chunk < 0):
             raise ConfigError("fault chunk needs point: boundary, optimizer or parity, and must be >= 0")
+        if not 0 <= self.shadow_ready_steps_before <= self.step:
+            raise ConfigError(f"fault shadow_ready_steps_before must be in [0, step={self.step}]")
         if self.kind not in FAULT_KINDS:
             raise ConfigError(f"fault kind {self.kind!r} is not one of {', '.join(FAULT_KINDS)}")
         if self.kind == "oom" and (self.phase not in ("forward", "backward") or self.erases):

@@ -63,6 +63,8 @@ class FaultInjector:
         """``kind: oom`` faults fire only while this is true (the node's shadows hold device memory)."""
         self.on_oom: Callable[[int], None] = lambda nbytes: None
         """Called with a ``kind: oom`` fault's ``oom_bytes`` before it raises."""
+        self.wait_for_shadow: Callable[[], None] = lambda: None
+        """Returns once this rank's shadow is ready (faults with ``shadow_ready_steps_before``)."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -94,6 +96,10 @@ class FaultInjector:
         """
         if phase not in PHASES:
             raise ValueError(phase)
+        for _, fault in self._mine:
+            n = fault.shadow_ready_steps_before
+            if n and phase == "forward" and self.step == fault.step - n:
+                self.wait_for_shadow()  # the shadow maps the regions ahead; the kill lands n steps on
         for i, fault in self._mine:
             if fault.step != self.step or fault.phase != phase or fault.point != at:
                 continue

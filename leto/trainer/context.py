@@ -141,6 +141,7 @@ class Context:
         """This trainer's side of the pre-initialisation controller (reports, reclaims)."""
         self.injector.shadow_present = self.preinit.shadows_hold_memory
         self.injector.on_oom = self.preinit.demand
+        self.injector.wait_for_shadow = self._wait_for_own_shadow
         self.checkpointer: Checkpointer | None = None
         self.promoted_at: float | None = None
         self._started = time.time()
@@ -258,6 +259,17 @@ class Context:
                 p.register_post_accumulate_grad_hook(hb.beat)
         optimizer.register_step_pre_hook(hb.beat)
         optimizer.register_step_post_hook(hb.beat)
+
+    def _wait_for_own_shadow(self, timeout_s: float = 300.0) -> None:
+        """Until this rank's shadow waits for promotion (a fault that needs it ready); the
+        heartbeat beats meanwhile: waiting on purpose is not a hang."""
+        deadline = time.monotonic() + timeout_s
+        while not self.preinit.shadow_ready():
+            if time.monotonic() > deadline:
+                raise ProtocolError(f"rank {self.rank}: no shadow became ready within {timeout_s:.0f} s")
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
+            time.sleep(0.02)
 
     def _wait_for_promotion(self) -> None:
         env = self.env

@@ -25,6 +25,11 @@ from leto.pool.cuda_vmm import CudaChunks
 
 _DIGEST_CHUNK = 1 << 26  # int64 words per chunk of the on-device digest
 
+ENV_MAPPED_MARKER = "LETO_MAPPED_MARKER"
+"""Test hook: "1" gives host regions a "device view" on CPU too (a second tensor over the
+same memory), so the marker takes its GPU write path without a GPU: the writer reads its
+own host copy, and a shadow that mapped the marker ahead holds a copy that goes stale."""
+
 
 class RegionMemory:
     """Allocates or reattaches this rank's regions and keeps their mappings alive."""
@@ -95,14 +100,15 @@ class RegionMemory:
 
     def mapped_on_device(self, host: torch.Tensor) -> torch.Tensor | None:
         """``host`` (a host region, page-aligned) as a CUDA tensor over the same memory, so
-        kernels write it in stream order (the marker); None on CPU.
+        kernels write it in stream order (the marker); None on CPU (unless
+        ``LETO_MAPPED_MARKER=1``: then a second CPU view of the same memory).
 
         The region is page-locked with ``cudaHostRegisterMapped`` and addressed through
         ``cuMemHostGetDevicePointer``: device stores travel over PCIe into the memfd pages
         the state manager keeps, visible to a successor once this process is gone.
         """
         if not self.cuda:
-            return None
+            return host[:] if os.environ.get(ENV_MAPPED_MARKER) == "1" else None
         portable_mapped = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
         err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), portable_mapped)
         if int(err) != 0:

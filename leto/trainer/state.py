@@ -83,8 +83,12 @@ class RetainedState:
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
         mapped_ahead = wait_for_promotion is None or ctx.state_retained()
+        self.mapped_ahead_step: int | None = None
+        """The marker's step when this shadow mapped the regions ahead of its promotion."""
         if mapped_ahead:
             self._map_regions()
+            if wait_for_promotion is not None and self.marker.is_valid():
+                self.mapped_ahead_step = self.marker.step
         if wait_for_promotion is not None:
             wait_for_promotion()
         t0 = time.perf_counter()
@@ -444,7 +448,7 @@ class RetainedState:
         resume_at = low + 1 if finish else low
         self.ctx.events.emit(
             Kind.RESUMED, rank=self.ctx.rank, gen=self.ctx.env.generation, step=resume_at, action=action, points=[list(p) for p in points],
-            attach_s=self.attach_s, decide_s=time.perf_counter() - t0,
+            attach_s=self.attach_s, decide_s=time.perf_counter() - t0, mapped_ahead_step=self.mapped_ahead_step,
         )
         if self.ctx.env.digest:
             self.emit_digest()
