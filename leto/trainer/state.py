@@ -299,9 +299,13 @@ class RetainedState:
             try:
                 return fn()
             except torch.OutOfMemoryError as e:
+                if not self.ctx.preinit.can_reclaim():
+                    raise
                 # A model-parallel forward runs collectives (a narrowed grad_sync group says
                 # so): the other ranks would not retry with this one, so no retry.
-                if not self.ctx.preinit.can_reclaim() or self.ctx.grad_sync.group is not None:
+                if self.ctx.grad_sync.group is not None:
+                    e.add_note(f"rank {self.ctx.rank} step {step}: not retried after reclaiming the shadows: "
+                               "a model-parallel forward runs collectives the other ranks would not repeat")
                     raise
                 message = str(e).splitlines()[0] if str(e) else "out of memory"
             # Out of the except block: the traceback, and with it the failed attempt's
