@@ -203,7 +203,7 @@ def test_job_file_equals_the_same_flags(
 def test_job_file_standalone_and_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     job = write_job(tmp_path, "launch: {standalone: true, module: true}\nscript: pkg.train\n")
-    config, cmd, cmd_args, _ = build_launch(["--config", job])
+    config, _, cmd_args, _ = build_launch(["--config", job])
     assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "localhost:0"
     assert cmd_args == ["-u", "-m", "pkg.train"]
 

@@ -7,7 +7,6 @@ traceback would show. None launches a worker: each fails before the agent is imp
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import leto_run.cli as cli
+from leto_run import cli
 
 LETO_RUN = Path(sys.executable).with_name("leto-run")
 
@@ -108,7 +107,7 @@ def test_bad_input_is_one_line_without_traceback(
 
 def run_leto(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(LETO_RUN), *argv], cwd=cwd, text=True, capture_output=True, timeout=120
+        [str(LETO_RUN), *argv], check=False, cwd=cwd, text=True, capture_output=True, timeout=120
     )
 
 
@@ -178,7 +177,7 @@ def test_script_named_sim_is_launched_as_a_script(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     (tmp_path / "sim").write_text("print('a script')\n")
-    config, cmd, cmd_args, _ = cli.build_launch(["sim", "--steps", "3"])
+    _, cmd, cmd_args, _ = cli.build_launch(["sim", "--steps", "3"])
     assert cmd == sys.executable and cmd_args == ["-u", "sim", "--steps", "3"]
 
 

@@ -14,6 +14,7 @@ import ctypes
 import mmap
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -35,14 +36,14 @@ def region():
 
 
 def test_healthy_region_reports_nothing(region) -> None:
-    fd, addr, n = region
+    _, addr, n = region
     assert localize.scan_failed_pages(addr, n * PAGE, PAGE) == []
 
 
 @pytest.mark.parametrize("how", ["mprotect", "munmap"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bisection_finds_exactly_the_failed_pages(region, how: str, seed: int) -> None:
-    fd, addr, n = region
+    _, addr, n = region
     rng = random.Random(seed)
     bad = sorted(rng.sample(range(n), rng.randint(1, 12)) + [n - 1])  # last page too
     localize.make_inaccessible(addr, PAGE, bad, how=how)
@@ -67,11 +68,11 @@ def test_remap_gives_zeroed_usable_pages_and_keeps_the_rest(region) -> None:
 
 
 def test_rejects_misaligned_arguments(region) -> None:
-    fd, addr, n = region
+    _, addr, n = region
     with pytest.raises(ValueError, match="multiples"):
         localize.scan_failed_pages(addr, n * PAGE + 1, PAGE)
 
 
 def test_module_does_not_import_torch() -> None:
-    src = open(localize.__file__).read()
+    src = Path(localize.__file__).read_text()
     assert "import torch" not in src
