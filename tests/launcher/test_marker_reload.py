@@ -46,3 +46,20 @@ def test_promoted_shadows_read_the_marker_that_landed(tmp_path, monkeypatch) -> 
     for fault in faults:  # the killed rank's shadow mapped the marker 4 steps before the kill
         (e,) = [e for e in resumed if e["rank"] == fault.rank and e["gen"] == faults.index(fault) + 1]
         assert e["mapped_ahead_step"] == fault.step - fault.shadow_ready_steps_before, e
+
+
+def test_the_injector_waits_for_the_shadow_n_steps_before_the_kill() -> None:
+    from leto.errors import ConfigError
+    from leto.events import EventLog
+    from leto.faults import FaultInjector
+
+    fault = FaultSpec(rank=0, step=8, phase="update", shadow_ready_steps_before=4)
+    inj = FaultInjector(0, [fault], EventLog(None, "t"), claim=lambda i: True)
+    waits: list[tuple[int, str]] = []
+    inj.wait_for_shadow = lambda: waits.append((inj.step, phase))
+    for inj.step in range(8):
+        for phase in ("forward", "backward", "sync", "update"):
+            inj.point(phase)
+    assert waits == [(4, "forward")] and inj.injected == 0
+    with pytest.raises(ConfigError, match="shadow_ready_steps_before"):
+        FaultSpec(rank=0, step=3, shadow_ready_steps_before=4)
