@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import REPO, digests, run_leto
+from tests.launcher.harness import REPO, assert_exact, fault_free_digests, run_leto
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
@@ -39,10 +39,15 @@ def _tp(size: int) -> list[str]:
     return ["--tensor-model-parallel-size", str(size)]
 
 
+def _job(*, script_args=(), leto=None, timeout_s: float = 200) -> dict:
+    """``run_leto`` arguments of a Megatron job (the harness's reference runs take them too)."""
+    return {"leto": leto or LETO, "script": SCRIPT, "steps_flag": "--train-iters", "model_args": MODEL,
+            "script_args": list(script_args), "timeout_s": timeout_s}
+
+
 def _run(tmp_path, *, nproc: int, steps: int, faults=(), script_args=(), leto=None, timeout_s: float = 200):
-    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, faults=list(faults), leto=leto or LETO,
-                            script=SCRIPT, steps_flag="--train-iters", model_args=MODEL,
-                            script_args=list(script_args), timeout_s=timeout_s)
+    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, faults=list(faults),
+                            **_job(script_args=script_args, leto=leto, timeout_s=timeout_s))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, events
 
@@ -69,10 +74,7 @@ def test_tp2_matches_tp1_with_clipping(tmp_path):
 
 def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[FaultSpec], resumed_at: list[int],
                            script_args: list[str], timeout_s: float) -> None:
-    _, clean_events = _run(tmp_path, nproc=nproc, steps=steps, script_args=script_args, timeout_s=timeout_s)
-    clean = digests(clean_events)
-    assert set(clean) == {(r, s) for r in range(nproc) for s in range(1, steps + 1)}
-    assert all(len(d) == 1 for d in clean.values())
+    clean = fault_free_digests(tmp_path, steps=steps, nproc=nproc, **_job(script_args=script_args, timeout_s=timeout_s))
     _, events = _run(tmp_path, nproc=nproc, steps=steps, faults=faults, script_args=script_args, timeout_s=timeout_s)
     injected = [e for e in events if e["kind"] == "fault_injected"]
     assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
@@ -80,10 +82,7 @@ def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[Fau
     assert len(resumed) == nproc * len(faults)
     # forward/backward kills re-run their step; a kill inside the update finishes it
     assert sorted({e["step"] for e in resumed}) == resumed_at
-    faulty = digests(events)
-    assert set(faulty) == set(clean)
-    for key, want in clean.items():
-        assert faulty[key] == want, f"rank {key[0]} step {key[1]}: {faulty[key]} != {want}"
+    assert_exact(clean, events)
 
 
 @pytest.mark.timeout(500)
