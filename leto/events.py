@@ -36,6 +36,7 @@ class Kind(str, Enum):
     JOB_FINISHED = "job_finished"
     TRAINER_STARTED = "trainer_started"
     SHADOW_READY = "shadow_ready"
+    KERNELS_WARMED = "kernels_warmed"
     PROMOTED = "promoted"
     ATTACHED = "attached"
     RESUMED = "resumed"

@@ -27,6 +27,9 @@ the kernel is element-wise and deterministic.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -96,11 +99,57 @@ def adamw_undo(
             raise TypeError(f"{name} must be a flat {dt} view, got {t.dtype} {tuple(t.shape)}")
     if n <= 0:
         return
+    args, meta = _launch_args((state, grads, undo, flags), offsets, n, flag_base, token, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled, step=step)
+    _adamw_undo_kernel[(num_blocks(n),)](*args, **meta)
+
+
+def _launch_args(
+    tensors: tuple[torch.Tensor, ...], offsets: tuple[int, ...], n: int, flag_base: int, token: int, *,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float,
+) -> tuple[list[object], dict[str, int]]:
+    """The kernel's positional arguments and launch keywords for one :func:`adamw_undo` call."""
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     wd_mode = 0 if weight_decay == 0 else (1 if decoupled else 2)
-    p_off, m_off, v_off, g_off, up_off, um_off, uv_off = offsets
-    _adamw_undo_kernel[(num_blocks(n),)](
-        state, grads, undo, flags, p_off, m_off, v_off, g_off, up_off, um_off, uv_off, n, flag_base, token,
-        1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2, -(lr / bc1), bc2**0.5, eps,
-        WD_MODE=wd_mode, BLOCK_SIZE=BLOCK, num_warps=4,
-    )
+    args = [*tensors, *offsets, n, flag_base, token,
+            1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2, -(lr / bc1), bc2**0.5, eps]
+    return args, {"WD_MODE": wd_mode, "BLOCK_SIZE": BLOCK, "num_warps": 4}
+
+
+_INTS = slice(4, 14)
+"""Positions of the integer arguments (offsets, n, flag_base, token) in ``_launch_args``."""
+
+
+def warm_up(device: torch.device, calls: Iterable[dict[str, Any]]) -> int:
+    """Compile and load the specialisations that :func:`adamw_undo` would launch for ``calls``.
+
+    Each call is the keyword arguments of :func:`adamw_undo` minus the four tensors
+    (``offsets``, ``n``, ``flag_base``, ``token``, the hyper-parameters, ``step``). Triton
+    keys a launch by its constexprs (``WD_MODE`` from the weight decay) and by the width
+    of every integer argument even where it does not specialise the value (i32 below
+    2**31, i64 above: the flag token ``(step << 23) + chunk + 1`` passes 2**31 at step 256,
+    element offsets in a state region beyond 8 GiB do too). One launch per distinct key,
+    on scratch memory of ``device``, with ``n = 0`` and ``flag_base = 0`` (the same
+    width): every element access is masked off, so the real offsets are never
+    dereferenced; the only write is the progress flag of block 0 in a scratch word.
+    Returns the number of launches.
+    """
+    from triton.runtime.jit import mangle_type
+
+    scratch = torch.zeros(BLOCK, dtype=torch.float32, device=device)
+    flags = torch.zeros(2, dtype=torch.int64, device=device)
+    tensors = (scratch, scratch, scratch, flags)
+    seen: set[tuple[object, ...]] = set()
+    for call in calls:
+        args, meta = _launch_args(tensors, **call)
+        key = (*(mangle_type(a) for a in args[_INTS]), meta["WD_MODE"])
+        if key in seen:
+            continue
+        seen.add(key)
+        n_at, flag_at = _INTS.start + 7, _INTS.start + 8
+        for at, what in ((n_at, "n"), (flag_at, "flag_base")):
+            if mangle_type(args[at]) != mangle_type(0):
+                raise ValueError(f"adamw_rmu.warm_up: {what}={args[at]} is too wide to warm without touching memory")
+            args[at] = 0
+        _adamw_undo_kernel[(1,)](*args, **meta)
+    return len(seen)

@@ -28,6 +28,9 @@ class PreinitConfig:
     free_wait_s: float = 10.0
     """GPU: how long a trainer waits, after the shadows were reaped, for the device's free
     memory to go up (the driver may release a dead context's memory late)."""
+    warm_kernels: bool = True
+    """A level-3 shadow compiles and loads the Triton kernels its recovery and first update
+    launch (``leto.preinit.warmup``) before it waits; off: they compile at first use."""
     emulated_device_bytes: int = 0
     """CPU runs only (tests, demos): each rank has an emulated device of this many bytes,
     of which its trainer uses ``emulated_trainer_bytes``; an ``oom`` fault's ``oom_bytes``

@@ -40,6 +40,7 @@ from leto.erasure import padded_bytes
 from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.pool.pagemap import plan_chunk_bytes
+from leto.preinit.warmup import warm_shadow
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
@@ -90,6 +91,7 @@ class RetainedState:
             if wait_for_promotion is not None and self.marker.is_valid():
                 self.mapped_ahead_step = self.marker.step
         if wait_for_promotion is not None:
+            warm_shadow(ctx, self.layout, optimizer)  # level 3: the Triton kernels of a recovery
             wait_for_promotion()
         t0 = time.perf_counter()
         if not mapped_ahead:

@@ -1,0 +1,255 @@
+"""Kernel warm-up: a level-3 shadow compiles and loads its Triton kernels before any failure.
+
+Without it, a promoted trainer pays for Triton at first use: the rebuild of lost pages took
+7.0 s the first time in a process on an H200 against 0.58-0.90 s after (BENCHMARKS.md,
+"Device-page localisation on GPU"), and a resumed fused update pays the first launch of
+its AdamW kernel. Triton caches a compiled kernel per *specialisation*: its constexprs,
+``num_warps``, the dtype of every pointer and the width (i32 / i64) of every integer,
+whether each pointer and each specialised integer is divisible by 16, and whether such an
+integer equals 1. So the warm-up launches exactly the specialisations the real calls will
+launch, by running the same code paths on scratch memory:
+
+* ``gf16_mac`` (parity): tiny replicas of this trainer's protection groups (the job's D,
+  H1, H2 and group sizes, one 2 KiB tile per page) go through the public
+  :class:`~leto.erasure.ProtectionGroup` calls the trainer makes: ``encode_all``,
+  ``rebuild`` for every count of lost data and tier-1 pages (counts choose the tuning
+  bucket, the output count and the alignment of the offset tables), ``rebuild`` of a
+  working-parity group, ``update_pages`` for one run length per tuning bucket, and the
+  flush's device-side ``encode_tier2_of``. Page size changes no key (strides and column
+  counts stay multiples of 16).
+* ``adamw_rmu`` (fused update): ``triton_kernels.adamw_rmu.warm_up`` with the argument
+  values of every piece of this trainer's chunk plan, at both widths of the flag token.
+
+Scratch memory only: retained regions are never read or written. A new kernel is one
+entry in :data:`WARMERS` (``register("name")(fn)``, ``fn(target) -> calls``).
+
+Runs at shadow level 3 only, on CUDA (on CPU the trainer's page arithmetic is PyTorch's:
+nothing to compile, so it is a no-op), or under ``TRITON_INTERPRET=1`` (tests run the same
+code paths in Triton's interpreter). ``preinit.warm_kernels: false`` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
+from leto.erasure.bitslice import TILE_BYTES
+from leto.events import Kind
+
+if TYPE_CHECKING:
+    from leto.trainer.context import Context
+    from leto.trainer.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+Warmer = Callable[["WarmupTarget"], int]
+"""Warms one kernel for a target; returns how many calls it made (0: nothing to warm)."""
+
+WARMERS: dict[str, Warmer] = {}
+"""Every kernel the shadow warms, by name, in registration order."""
+
+
+def register(name: str) -> Callable[[Warmer], Warmer]:
+    """Add a kernel's warmer to :data:`WARMERS` (one line per kernel)."""
+
+    def add(fn: Warmer) -> Warmer:
+        if name in WARMERS:
+            raise ValueError(f"a kernel warmer named {name!r} is already registered")
+        WARMERS[name] = fn
+        return fn
+
+    return add
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WarmupTarget:
+    """What a promoted trainer will launch, derived from its layout and the job's settings."""
+
+    device: torch.device
+    """The trainer's device; warm-up scratch lives there."""
+    erasure: ErasureConfig | None = None
+    """The job's erasure protection (None: no parity kernels)."""
+    group_pages: tuple[int, ...] = ()
+    """Distinct data-page counts of the protection groups of the protected regions."""
+    run_pages: int = 1
+    """Most consecutive pages of one group that one RMU chunk's parity fold spans."""
+    fused_calls: tuple[dict[str, Any], ...] = field(default=())
+    """``adamw_undo`` keyword arguments (without tensors) of every piece of every chunk,
+    once per width of the flag token; empty when the update is not fused."""
+
+    @classmethod
+    def plan(cls, *, device: torch.device, layout: Layout, optimizer: torch.optim.Optimizer,
+             erasure: ErasureConfig | None, rmu: bool, chunk_bytes: int, fused: bool) -> WarmupTarget:
+        """The target of a trainer with this layout (the same planning functions it uses)."""
+        from leto.updater.plan import plan_chunks
+
+        state_nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
+        chunks = plan_chunks(layout, chunk_bytes, TILE_BYTES if erasure else 64, state_nbytes) if rmu else []
+        group_pages: tuple[int, ...] = ()
+        run_pages = 1
+        if erasure is not None:
+            sizes = {s.num_pages for n in (layout.state_bytes, layout.grad_bytes)
+                     for s in plan_groups(padded_bytes(n, erasure), erasure)}
+            group_pages = tuple(sorted(sizes))
+            spans = [n for c in chunks for _, n in c.spans]
+            run_pages = min(erasure.data_pages, max((-(-n // erasure.page_bytes) + 1 for n in spans), default=1))
+        calls = _fused_calls(layout, optimizer, chunks, state_nbytes) if rmu and fused else ()
+        return cls(device=device, erasure=erasure, group_pages=group_pages, run_pages=run_pages, fused_calls=calls)
+
+
+def _fused_calls(layout: Layout, optimizer: torch.optim.Optimizer, chunks: list, state_nbytes: int
+                 ) -> tuple[dict[str, Any], ...]:
+    """The fused kernel's arguments for every piece, from the updater's own chunk plan
+    (``FusedChunks`` over meta tensors: planning reads no memory)."""
+    from leto.updater.adamw import AdamWHyper
+    from leto.updater.fused import FusedChunks, flag_bytes, fused_token
+
+    meta = torch.device("meta")
+    undo_nbytes = max(c.undo_bytes for c in chunks) + flag_bytes(chunks)
+    fused = FusedChunks(layout, chunks, torch.empty(state_nbytes, dtype=torch.uint8, device=meta),
+                        torch.empty(layout.grad_bytes, dtype=torch.uint8, device=meta),
+                        torch.empty(undo_nbytes, dtype=torch.uint8, device=meta))
+    group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
+    hypers = [AdamWHyper.from_group(g, optimizer, float(g["lr"])) for g in optimizer.param_groups]
+    last = len(chunks) - 1
+    tokens = (fused_token(0, last), fused_token(1 << 9, last))  # below and above 2**31 (step 256 on)
+    calls = []
+    for plan in fused.plans:
+        for pc in plan.pieces:
+            h = hypers[group_of[pc.param]]
+            hyper = {"lr": h.lr, "beta1": h.beta1, "beta2": h.beta2, "eps": h.eps,
+                     "weight_decay": h.weight_decay, "decoupled": h.decoupled, "step": 1.0}
+            calls += [{"offsets": pc.offsets, "n": pc.n, "flag_base": pc.flag_base, "token": t, **hyper}
+                      for t in tokens]
+    return tuple(calls)
+
+
+@register("gf16_mac")
+def warm_parity(target: WarmupTarget) -> int:
+    """The erasure kernels, through replicas of the trainer's protection groups."""
+    if target.erasure is None:
+        return 0
+    from triton_kernels.gf16_mac import bucket
+
+    cfg = dataclasses.replace(target.erasure, page_bytes=TILE_BYTES)
+    calls = 0
+    for pages in target.group_pages:
+        calls += _warm_group(cfg, pages, target.run_pages, target.device, bucket)
+    return calls
+
+
+def _warm_group(cfg: ErasureConfig, pages: int, run_pages: int, dev: torch.device,
+                bucket: Callable[[int], str]) -> int:
+    pb, h1, h2 = cfg.page_bytes, cfg.tier1_parity, cfg.tier2_parity
+    cuda = dev.type == "cuda"
+    backend = "auto" if cuda else "triton"  # CPU: the interpreter (tests)
+
+    def host(nbytes: int) -> torch.Tensor:  # parity tiers live in page-locked host memory
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+
+    data = torch.zeros(pages * pb, dtype=torch.uint8, device=dev)
+    group = ProtectionGroup(cfg, data, host(h1 * pb), host(h2 * pb), backend=backend)  # type: ignore[arg-type]
+    group.encode_all()
+    calls = 1
+    for lost_data in range(min(h1, pages) + 1):
+        for lost_t1 in range(h1 - lost_data + 1):
+            if lost_data or lost_t1:  # lost tier-1 pages beyond tier 2's reach: all of tier 2 lost too
+                group.rebuild(range(lost_data), range(lost_t1), range(h2) if lost_t1 else ())
+                calls += 1
+    # the updater's working parity: tier 1 on the device, no tier 2
+    work = ProtectionGroup(dataclasses.replace(cfg, tier2_parity=0), data,
+                           torch.zeros(h1 * pb, dtype=torch.uint8, device=dev),
+                           torch.empty(0, dtype=torch.uint8, device=dev), backend=backend)  # type: ignore[arg-type]
+    for lost_data in range(1, min(h1, pages) + 1):
+        work.rebuild(range(lost_data))
+        calls += 1
+    undo = torch.zeros_like(data)
+    per_bucket = {bucket(k): k for k in range(min(pages, run_pages), 0, -1)}  # the smallest k of each
+    for k in sorted(per_bucket.values()):
+        old, new = undo[: k * pb], data[: k * pb]
+        if k > 1:  # a run of whole pages is a [k, page] view, as the updater passes it
+            old, new = old.view(k, pb), new.view(k, pb)
+        work.update_pages(work.tier1, 0, k, 0, old, new)
+        calls += 1
+    if h2:  # the flush encodes tier 2 of the working parity where it lives
+        group.encode_tier2_of(work.tier1, torch.zeros(h2 * pb, dtype=torch.uint8, device=dev))
+        calls += 1
+    return calls
+
+
+@register("adamw_rmu")
+def warm_fused_update(target: WarmupTarget) -> int:
+    """The fused RMU kernel, for the argument widths of every piece of the chunk plan."""
+    if not target.fused_calls:
+        return 0
+    from triton_kernels import adamw_rmu
+
+    return adamw_rmu.warm_up(target.device, target.fused_calls)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    """What :func:`warm_up` did: calls per kernel and the time it took."""
+
+    calls: dict[str, int]
+    seconds: float
+
+
+def warm_up(target: WarmupTarget, warmers: dict[str, Warmer] | None = None) -> WarmupReport:
+    """Run every registered warmer (or ``warmers``) for ``target``; waits for the device."""
+    t0 = time.perf_counter()
+    calls = {name: fn(target) for name, fn in (WARMERS if warmers is None else warmers).items()}
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+        torch.cuda.empty_cache()  # scratch goes back: the shadow's footprint stays its level's
+    return WarmupReport(calls, time.perf_counter() - t0)
+
+
+def skip_reason(device: torch.device, level: int, enabled: bool) -> str | None:
+    """Why a shadow at ``level`` on ``device`` does not warm kernels (None: it does)."""
+    if not enabled:
+        return "disabled (preinit.warm_kernels: false)"
+    if level < 3:
+        return f"shadow level {level}: kernels are warmed at level 3"
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "no CUDA device: the CPU path runs PyTorch, nothing to compile"
+
+
+def warm_shadow(ctx: Context, layout: Layout, optimizer: torch.optim.Optimizer) -> WarmupReport | None:
+    """The shadow's warm-up before it waits for promotion; emits ``kernels_warmed``.
+
+    A failed warm-up is logged and reported, never fatal: the kernels then compile at first
+    use after promotion, as without a warm-up.
+    """
+    from leto.updater.fused import resolve_fused
+
+    env = ctx.env
+    fields: dict[str, Any] = {"rank": env.rank, "gen": env.generation, "level": env.shadow_level}
+    reason = skip_reason(ctx.device, env.shadow_level, env.preinit.warm_kernels)
+    if reason is not None:
+        logger.info("[rank %d] kernel warm-up skipped: %s", env.rank, reason)
+        ctx.events.emit(Kind.KERNELS_WARMED, **fields, ran=False, reason=reason)
+        return None
+    try:
+        rmu = env.consistency == "rmu"
+        target = WarmupTarget.plan(
+            device=ctx.device, layout=layout, optimizer=optimizer, erasure=env.erasure, rmu=rmu,
+            chunk_bytes=env.rmu_chunk_bytes, fused=rmu and resolve_fused(env.rmu_fused, ctx.device, layout),
+        )
+        report = warm_up(target)
+    except Exception as e:  # noqa: BLE001 - the shadow stays promotable; the error is reported
+        logger.warning("[rank %d] kernel warm-up failed: %s", env.rank, e)
+        ctx.events.emit(Kind.KERNELS_WARMED, **fields, ran=False, reason=f"failed: {type(e).__name__}: {e}"[:300])
+        return None
+    logger.info("[rank %d] kernels warmed in %.2f s: %s", env.rank, report.seconds, report.calls)
+    ctx.events.emit(Kind.KERNELS_WARMED, **fields, ran=True, calls=report.calls, seconds=round(report.seconds, 4))
+    return report
