@@ -23,9 +23,10 @@ launch, by running the same code paths on scratch memory:
 Scratch memory only: retained regions are never read or written. A new kernel is one
 entry in :data:`WARMERS` (``register("name")(fn)``, ``fn(target) -> calls``).
 
-Runs at shadow level 3 only, on CUDA (on CPU the trainer's page arithmetic is PyTorch's:
-nothing to compile, so it is a no-op), or under ``TRITON_INTERPRET=1`` (tests run the same
-code paths in Triton's interpreter). ``preinit.warm_kernels: false`` turns it off.
+Runs at shadow level 3 only, on CUDA. On CPU it is a no-op (the trainer's page arithmetic
+is PyTorch's: nothing to compile), except under the test hook :data:`ENV_CPU` with
+``TRITON_INTERPRET=1``, where the same code paths run in Triton's interpreter.
+``preinit.warm_kernels: false`` turns it off.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
     from leto.trainer.layout import Layout
 
 logger = logging.getLogger(__name__)
+
+ENV_CPU = "LETO_WARM_KERNELS_CPU"
+"""Test hook: "1" (with ``TRITON_INTERPRET=1``) runs the warm-up of a CPU shadow in Triton's
+interpreter, so its code paths run in CPU tests; a CPU trainer itself never launches them."""
 
 Warmer = Callable[["WarmupTarget"], int]
 """Warms one kernel for a target; returns how many calls it made (0: nothing to warm)."""
@@ -219,7 +224,9 @@ def skip_reason(device: torch.device, level: int, enabled: bool) -> str | None:
         return "disabled (preinit.warm_kernels: false)"
     if level < 3:
         return f"shadow level {level}: kernels are warmed at level 3"
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cuda":
+        return None
+    if os.environ.get(ENV_CPU) == "1" and os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return "no CUDA device: the CPU path runs PyTorch, nothing to compile"
 

@@ -1,0 +1,172 @@
+"""The shadow's kernel warm-up (``leto.preinit.warmup``) launches every Triton specialisation
+that a recovery and a resumed update launch, touches no retained memory, and runs only
+where it should. Kernels run in Triton's interpreter when no GPU is present; a launch's
+specialisation key is computed with Triton's own ``native_specialize_impl``, as its JIT does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton_kernels is imported
+
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+
+from leto.erasure import ErasureConfig
+from leto.preinit import warmup
+from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.test_rmu import _step
+from triton_kernels import (
+    adamw_rmu,
+    gf16_mac,
+)
+
+# D=6 with 4 KiB pages (the replicas use 2 KiB), H1=3, H2=1; chunks of several kernel blocks.
+ERASURE = ErasureConfig(page_bytes=4096, data_pages=6, tier1_parity=3, tier2_parity=1)
+CHUNK = 16384
+DIM = 48
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="records launches of the interpreter's kernels; the GPU run is tests/gpu"
+)
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel: records the specialisation key of each launch."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.keys: set[tuple[object, ...]] = set()
+        fn = kernel.fn  # type: ignore[attr-defined]
+        self._sig = inspect.signature(fn)
+        self._dns = set(kernel.kwargs.get("do_not_specialize") or ())  # type: ignore[attr-defined]
+
+    def key(self, args: tuple, kwargs: dict) -> tuple[object, ...]:
+        launch = {k: v for k, v in kwargs.items() if k not in self._sig.parameters}
+        bound = self._sig.bind(*args, **{k: v for k, v in kwargs.items() if k in self._sig.parameters})
+        parts: list[object] = []
+        for name, value in bound.arguments.items():
+            if "constexpr" in str(self._sig.parameters[name].annotation):
+                parts.append((name, value))
+            else:
+                parts.append((name, native_specialize_impl(BaseBackend, value, False, name not in self._dns, True)))
+        return (*parts, tuple(sorted(launch.items())))
+
+    def __getitem__(self, grid: object):
+        def launch(*args: object, **kwargs: object) -> object:
+            self.keys.add(self.key(args, kwargs))
+            return self.kernel[grid](*args, **kwargs)  # type: ignore[index]
+
+        return launch
+
+
+@pytest.fixture
+def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
+    rec = {"gf16_mac": Recorder(gf16_mac._gf16_mac_kernel), "adamw_rmu": Recorder(adamw_rmu._adamw_undo_kernel)}
+    monkeypatch.setattr(gf16_mac, "_gf16_mac_kernel", rec["gf16_mac"])
+    monkeypatch.setattr(adamw_rmu, "_adamw_undo_kernel", rec["adamw_rmu"])
+    return rec
+
+
+def _rig() -> Rig:
+    return Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=CHUNK, fused=True, backend="triton")
+
+
+def _target(rig: Rig) -> warmup.WarmupTarget:
+    return warmup.WarmupTarget.plan(device=torch.device("cpu"), layout=rig.layout, optimizer=rig.opt, erasure=ERASURE,
+                                    rmu=True, chunk_bytes=CHUNK, fused=True)
+
+
+def _real_launches(rig: Rig) -> None:
+    """What trainers launch: fused updates with parity folds and flushes, a kill in the
+    middle of an update and its resume over rebuilt pages, and rebuilds of every count of
+    lost data / tier-1 / tier-2 pages at random positions (real groups, 4 KiB pages)."""
+    for s in range(2):
+        _step(rig, s, KillAt())
+    with pytest.raises(Killed):
+        _step(rig, 2, KillAt("parity", 1))
+    up = rig.updater(KillAt())
+    up.prepare()
+    for g in up.working_groups():
+        g.rebuild(random.Random(2).sample(range(g.num_pages), min(2, g.num_pages)))
+    assert up.resume(2) == "restore+finish"
+    rnd = random.Random(0)
+    h1, h2 = ERASURE.tier1_parity, ERASURE.tier2_parity
+    for g in rig.protected.groups:
+        for nd in range(min(h1, g.num_pages) + 1):
+            for n1 in range(h1 + 1):
+                for n2 in range(h2 + 1):
+                    if nd + n1 + n2 == 0 or nd + (n1 if n1 + n2 > h2 else 0) > h1:
+                        continue
+                    g.rebuild(rnd.sample(range(g.num_pages), nd), rnd.sample(range(h1), n1), rnd.sample(range(h2), n2))
+
+
+def test_warm_up_launches_every_specialisation_a_recovery_launches(recorders: dict[str, Recorder]) -> None:
+    rig = _rig()
+    target = _target(rig)
+    _real_launches(rig)
+    real = {name: set(r.keys) for name, r in recorders.items()}
+    assert all(real.values()), "the real calls launched both kernels"
+    for r in recorders.values():
+        r.keys.clear()
+    report = warmup.warm_up(target)
+    assert report.calls["gf16_mac"] > 0 and report.calls["adamw_rmu"] > 0
+    for name, r in recorders.items():
+        missing = real[name] - r.keys
+        assert not missing, f"{name}: {len(missing)} specialisation(s) not warmed, e.g. {min(map(str, missing))}"
+    # the fused kernel is warmed for tokens of steps >= 256 too (an i64 argument)
+    assert any(("token", ("i64", None)) in k for k in recorders["adamw_rmu"].keys)
+    assert not any(("token", ("i64", None)) in k for k in real["adamw_rmu"])
+
+
+def test_warm_up_touches_no_retained_memory() -> None:
+    rig = _rig()
+    _step(rig, 0, KillAt())
+    buffers = [rig.state, rig.grads, rig.undo, rig.parity, rig.marker_mem]
+    buffers += [t for g in rig.protected.groups for t in (g.tier1, g.tier2)]
+    before = [b.clone() for b in buffers]
+    rng = torch.get_rng_state()
+    warmup.warm_up(_target(rig))
+    assert all(torch.equal(a, b) for a, b in zip(before, buffers, strict=True))
+    assert torch.equal(rng, torch.get_rng_state()), "the warm-up must not draw from the global RNG"
+
+
+def test_fused_warm_up_covers_wide_arguments_without_touching_memory(recorders: dict[str, Recorder]) -> None:
+    """Offsets past 2**31 elements (a state region over 8 GiB) are launched with no element
+    access; arguments too wide to warm that way are a one-line error."""
+    hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "decoupled": True, "step": 1.0}
+    wide = {"offsets": (3 << 31, 1 << 32, 5 << 31, 7, 0, 1024, 2048), "n": 4096, "flag_base": 3, "token": 1 << 33}
+    assert adamw_rmu.warm_up(torch.device("cpu"), [wide | hyper, wide | hyper, {**wide, "token": 5} | hyper]) == 2
+    (key,) = [k for k in recorders["adamw_rmu"].keys if ("token", ("i64", None)) in k]
+    assert ("p_off", ("i64", None)) in key and ("g_off", ("i32", None)) in key and ("WD_MODE", 1) in key
+    with pytest.raises(ValueError, match="too wide"):
+        adamw_rmu.warm_up(torch.device("cpu"), [{**wide, "n": 1 << 31} | hyper])
+
+
+def test_runs_only_at_level_3_on_cuda_or_the_interpreter_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert warmup.skip_reason(cuda, 3, True) is None
+    assert "level 2" in warmup.skip_reason(cuda, 2, True)
+    assert "level 1" in warmup.skip_reason(cuda, 1, True)
+    assert "disabled" in warmup.skip_reason(cuda, 3, False)
+    monkeypatch.delenv(warmup.ENV_CPU, raising=False)
+    assert "no CUDA device" in warmup.skip_reason(cpu, 3, True)  # CPU: a no-op
+    monkeypatch.setenv(warmup.ENV_CPU, "1")
+    assert warmup.skip_reason(cpu, 3, True) is None  # TRITON_INTERPRET=1 is set in this module
+
+
+def test_a_new_kernel_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warmup, "WARMERS", dict(warmup.WARMERS))
+    seen = []
+    warmup.register("parity_x")(lambda t: seen.append(t) or 3)
+    report = warmup.warm_up(warmup.WarmupTarget(device=torch.device("cpu")))
+    assert report.calls == {"gf16_mac": 0, "adamw_rmu": 0, "parity_x": 3} and len(seen) == 1
+    with pytest.raises(ValueError, match="already registered"):
+        warmup.register("parity_x")(lambda t: 0)
