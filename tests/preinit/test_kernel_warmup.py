@@ -23,10 +23,7 @@ from leto.erasure import ErasureConfig
 from leto.preinit import warmup
 from tests.updater.rig import KillAt, Killed, Rig, model
 from tests.updater.test_rmu import _step
-from triton_kernels import (
-    adamw_rmu,
-    gf16_mac,
-)
+from triton_kernels import adamw_rmu, gf16_mac
 
 # D=6 with 4 KiB pages (the replicas use 2 KiB), H1=3, H2=1; chunks of several kernel blocks.
 ERASURE = ErasureConfig(page_bytes=4096, data_pages=6, tier1_parity=3, tier2_parity=1)
