@@ -260,7 +260,20 @@ class RetainedState:
             return
         middle = leaves[len(leaves) // 2]
         middle.register_forward_pre_hook(lambda *_: self.ctx.injector.point("forward"))
-        middle.register_full_backward_pre_hook(lambda *_: self.ctx.injector.point("backward"))
+        middle.register_forward_hook(self._arm_backward_point)
+
+    def _arm_backward_point(self, module: torch.nn.Module, args: object, output: object) -> None:
+        """The backward kill point: a hook on the gradient of the module's output. (A full
+        backward hook would wrap the outputs in an autograd function: a returned parameter,
+        e.g. Megatron's skipped bias, would reach compiled fusions as a plain tensor, and the
+        injected run would compile what the fault-free one never does.)"""
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        out = next((t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if out is not None:
+            out.register_hook(self._backward_point)
+
+    def _backward_point(self, grad: torch.Tensor) -> None:
+        self.ctx.injector.point("backward")
 
     # -- the step loop -----------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
