@@ -73,6 +73,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bf16", action="store_true", help="bf16 compute over fp32 params and Adam state")
+    p.add_argument("--fusions", action="store_true",
+                   help="Megatron's bias-GeLU and bias-dropout-add fusions (jit_fuser: torch.compile)")
+    p.add_argument("--no-shadow-warm-up", action="store_true",
+                   help="shadows skip warming Megatron's first iteration (lm.warm_up_shadow)")
     p.add_argument("--no-leto", action="store_true", help="a plain loop without Leto (run under torchrun)")
     p.add_argument("--compare-baseline", action="store_true", help="also train without Leto, same process")
     p.add_argument("--bench-out", default=None, help="with --no-leto or --compare-baseline: JSON of iteration times")
@@ -90,8 +94,8 @@ def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=torch.float32,
-        use_cpu_initialization=not torch.cuda.is_available(), bias_dropout_fusion=False,
-        masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(), bias_dropout_fusion=args.fusions,
+        masked_softmax_fusion=False, bias_activation_fusion=args.fusions, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, deterministic_mode=True,
     )
 
@@ -202,6 +206,30 @@ class Baseline:
         return time.perf_counter() - t0, loss_value
 
 
+class FirstIteration:
+    """Phase times of a promoted trainer's first iteration, and the ``torch.compile`` graphs
+    it compiled (none when its shadow warmed up: ``lm.warm_up_shadow``)."""
+
+    def __init__(self, ctx: leto.Context) -> None:
+        from torch._dynamo.utils import counters
+
+        self.ctx, self.counters = ctx, counters
+        self.graphs = counters["stats"]["unique_graphs"]
+        _sync(ctx.device)
+        self.times = [("start", time.perf_counter())]
+
+    def mark(self, phase: str) -> None:
+        _sync(self.ctx.device)
+        self.times.append((phase, time.perf_counter()))
+
+    def report(self, step: int) -> None:
+        phases = ", ".join(f"{name} {(t - prev) * 1e3:.0f} ms"
+                           for (_, prev), (name, t) in zip(self.times, self.times[1:], strict=False))
+        graphs = self.counters["stats"]["unique_graphs"] - self.graphs
+        print(f"megatron_gpt: rank {self.ctx.rank} promoted, first iteration (step {step}): {phases}; "
+              f"torch.compile graphs compiled {graphs}", flush=True)
+
+
 def dp_rank() -> int:
     """This rank's data-parallel rank: the TP ranks of one replica read the same batch."""
     from megatron.core import parallel_state
@@ -273,11 +301,17 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
+    if not args.no_shadow_warm_up:  # a shadow runs a throwaway layer of this job now; an active: no-op
+        lm.warm_up_shadow(ctx, transformer_config(args), vocab_size=args.vocab_size,
+                          max_sequence_length=args.max_position_embeddings or args.seq_length,
+                          micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                          loss_fn=lambda m: forward_loss(m, get_batch(0, dp_rank(), args, ctx.device), args.bf16))
     state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad)
     baseline = Baseline(ctx, args, isolated=True) if args.compare_baseline else None
     base_s: list[float] = []
     loop_s: list[float] = []  # whole loop iteration: Leto's step bookkeeping included
     top = None
+    first = FirstIteration(ctx) if ctx.promoted_at is not None else None  # a promoted shadow's, reported
     for it in state.steps(args.train_iters):
         now = time.perf_counter()
         if top is not None:
@@ -288,9 +322,17 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(it, args)
         loss = forward_loss(model, get_batch(it, dp_rank(), args, ctx.device), args.bf16)
+        if first:
+            first.mark("forward")
         loss.backward()
+        if first:
+            first.mark("backward")
         state.step(loss=loss)
         _sync(ctx.device)
+        if first:
+            first.mark("update")
+            first.report(it)
+            first = None
     if baseline is not None and args.bench_out and ctx.rank == 0 and top is not None:
         loop_s.append(time.perf_counter() - top)
         skip = len(loop_s) // 5  # warm-up, and the shadows' start-up load

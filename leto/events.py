@@ -41,6 +41,7 @@ class Kind(str, Enum):
     ATTACHED = "attached"
     RESUMED = "resumed"
     STEP_DONE = "step_done"
+    MODEL_WARMED = "model_warmed"
     DIGEST = "digest"
     FAULT_INJECTED = "fault_injected"
     OOM_RETRY = "oom_retry"

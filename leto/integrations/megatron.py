@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from leto.preinit.model_warmup import ModelWarmupResult
     from leto.trainer.context import Context
     from leto.trainer.state import RetainedState
 
@@ -215,6 +216,67 @@ def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_s
         cfg = meta_config(config) if device.type == "meta" else config
         return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
                         max_sequence_length=max_sequence_length, **gpt_kwargs)
+
+
+def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
+                   loss_fn: Callable[[GPTModel], torch.Tensor], micro_batch_size: int, seq_length: int,
+                   num_layers: int = 1, layer_spec: Any = None, **gpt_kwargs: Any) -> ModelWarmupResult | None:
+    """In a shadow at level 3: one forward and backward of a throwaway ``GPTModel`` with the
+    job's config cut to ``num_layers`` layers, on ``ctx.device``, so that what Megatron's
+    first iteration pays (``jit_fuser`` compilations for these shapes and dtypes, cuBLAS's
+    GEMM choices, kernel loading) is paid before any failure. A no-op in an active.
+
+    ``loss_fn(model)`` runs the job's forward on its real batch shape and returns the loss
+    (the script's own, so autocast and the loss are the job's). Call it before ``retain``:
+    nothing retained is mapped then. Megatron's RNG tracker is restored afterwards and its
+    global attention buffer dropped (``leto.preinit.model_warmup`` says what else is respected).
+    """
+    from leto.preinit.model_warmup import warm_model
+
+    if not ctx.is_shadow:
+        return None
+    require_megatron()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cut = dataclasses.replace(config, num_layers=min(num_layers, config.num_layers))
+
+    def run() -> None:
+        tracker = get_cuda_rng_tracker()
+        states = dict(tracker.get_states())
+        try:
+            with torch.device(ctx.device):
+                model = GPTModel(config=cut, transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
+                                 vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs)
+            loss_fn(model).backward()
+        finally:
+            tracker.set_states(states)
+            parallel_state.get_global_memory_buffer().buffer.clear()
+
+    transient = warmup_bytes(cut, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                             micro_batch_size=micro_batch_size, seq_length=seq_length)
+    return warm_model(ctx, run, name="megatron", transient_bytes=transient)
+
+
+def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, micro_batch_size: int,
+                 seq_length: int) -> int:
+    """Device memory of ``warm_up_shadow`` at its peak, estimated with margin (25 %).
+
+    Parameters and gradients of the cut model, activations per layer after Korthikanti et
+    al. (34sbh + 5as²b bytes at 16 bits, scaled to the compute dtype), the logits with their
+    fp32 copy and gradient."""
+    tp = config.tensor_model_parallel_size
+    h, ffn, heads = config.hidden_size, config.ffn_hidden_size, config.num_attention_heads
+    s, b = seq_length, micro_batch_size
+    param_b = torch.empty((), dtype=config.params_dtype).element_size()
+    act_b = 2 if (config.bf16 or config.fp16) else 4
+    per_layer = (4 * h * h + 2 * h * ffn) // tp + 13 * h
+    params = vocab_size // tp * h + max_sequence_length * h + config.num_layers * per_layer + 2 * h
+    layer_act = act_b * s * b * h * 17 + act_b * 5 * heads // tp * s * s * b // 2
+    logits = s * b * vocab_size // tp * (act_b + 8)
+    return int(1.25 * (2 * param_b * params + config.num_layers * layer_act + logits))
 
 
 def adamw(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:

@@ -1,0 +1,162 @@
+"""Model warm-up: a shadow pays, before any failure, what its first iteration would pay.
+
+A promoted trainer runs its first iteration in a fresh process: compiled fusions
+(``torch.compile`` / TorchScript specialisations, kept per process), cuBLAS's choices for
+the job's GEMM shapes, lazily loaded kernels. ``leto.init()`` warms PyTorch generically
+(``leto.trainer.context.warm_up``); an integration that knows the model's real shapes
+(``leto.integrations.megatron.warm_up_shadow``) passes a callable that runs a throwaway
+copy of part of the model here, so the same specialisations are cached in the shadow.
+
+Rules, so that the warm-up can neither change the run nor cost the actives memory:
+
+* only a shadow at level 3 runs it (a lower level was chosen because memory is short);
+* it runs before ``ctx.retain()``: nothing retained is mapped in this process yet, and the
+  callable gets no handle on it; the RNG is forked around it (and the promoted trainer
+  restores its step's RNG from retained memory anyway);
+* it waits for the active trainer's first memory report and runs only if the headroom the
+  actives left (``DeviceMemory.headroom_bytes``, their peak counted) covers its estimated
+  transient plus the controller's margin; afterwards the caching allocator's blocks are
+  returned (``torch.cuda.empty_cache``), so the shadow keeps its level's footprint;
+* a promotion that arrives meanwhile wins: the shadow skips the warm-up.
+
+Every decision is one ``model_warmed`` event (``ran``, ``reason``, seconds, bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from leto.events import Kind
+from leto.preinit import board
+from leto.preinit.levels import ShadowLevel, aggregate
+
+if TYPE_CHECKING:
+    from leto.trainer.context import Context
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ModelWarmupConfig:
+    """How long a shadow waits to learn the actives' memory before warming up."""
+
+    report_wait_s: float = 300.0
+    """Longest wait for the active trainer's first memory report (its first committed
+    step); without one the warm-up is skipped."""
+    min_level: int = ShadowLevel.L3
+    """Lowest shadow level that warms up."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelWarmupResult:
+    """What ``warm_model`` did (the ``model_warmed`` event carries the same fields)."""
+
+    ran: bool
+    reason: str
+    warm_s: float = 0.0
+    transient_bytes: int = 0
+    """The caller's estimate of the warm-up's transient device memory."""
+    peak_bytes: int = 0
+    """Measured on a GPU: the caching allocator's peak during the warm-up, over its start."""
+    compiled_graphs: int = 0
+    """``torch.compile`` graphs compiled during the warm-up (dynamo's unique graphs)."""
+
+
+def warm_model(ctx: Context, fn: Callable[[], object], *, name: str, transient_bytes: int = 0,
+                config: ModelWarmupConfig | None = None) -> ModelWarmupResult | None:
+    """Run ``fn`` in this shadow if its level and the actives' memory allow; None in an active.
+
+    ``fn`` builds and runs whatever it warms (throwaway modules on ``ctx.device``); it must
+    not touch the model being retained. ``transient_bytes``: its device memory at peak.
+    """
+    if not ctx.is_shadow:
+        return None
+    config = config or ModelWarmupConfig()
+    result = _decide(ctx, transient_bytes, config)
+    if result is None:
+        result = _run(ctx, fn, transient_bytes)
+    ctx.events.emit(Kind.MODEL_WARMED, rank=ctx.rank, gen=ctx.env.generation, level=ctx.env.shadow_level,
+                    name=name, **dataclasses.asdict(result))
+    log = logger.info if result.ran else logger.warning
+    log("[rank %d shadow gen %d] warm-up %s %s: %s (%.2f s)", ctx.rank, ctx.env.generation, name,
+        "ran" if result.ran else "skipped", result.reason, result.warm_s)
+    return result
+
+
+def _decide(ctx: Context, transient_bytes: int, config: ModelWarmupConfig) -> ModelWarmupResult | None:
+    """A skip with its reason, or None: go ahead."""
+    level = ctx.env.shadow_level
+    if level < config.min_level:
+        return ModelWarmupResult(ran=False, reason=f"shadow level {level} < {config.min_level}: memory is short",
+                            transient_bytes=transient_bytes)
+    report = _wait_for_report(ctx, config.report_wait_s)
+    if isinstance(report, str):
+        return ModelWarmupResult(ran=False, reason=report, transient_bytes=transient_bytes)
+    if ctx.store.check([_promote_key(ctx)]):  # the first iteration will pay it now anyway
+        return ModelWarmupResult(ran=False, reason="already promoted", transient_bytes=transient_bytes)
+    if report is None:  # no memory figures (CPU without emulation): nothing to respect
+        return None
+    device = aggregate([report])[0]
+    needed = transient_bytes + ctx.env.preinit.margin_bytes
+    if device.headroom_bytes < needed:
+        return ModelWarmupResult(
+            ran=False, transient_bytes=transient_bytes,
+            reason=f"headroom {device.headroom_bytes} B < warm-up {transient_bytes} B + margin "
+                   f"{ctx.env.preinit.margin_bytes} B",
+        )
+    return None
+
+
+def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, int] | str | None:
+    """The active's newest memory report (None: it reports none), or why there is none."""
+    hb = ctx.heartbeat
+    if hb is None:
+        return None  # not under leto-run's agent
+    key = _promote_key(ctx)
+    deadline = time.monotonic() + wait_s
+    while hb.word(board.MEM_SEQ) == 0:
+        if ctx.store.check([key]):
+            return "promoted before the active trainer reported its memory"
+        if time.monotonic() > deadline:
+            return f"no memory report from the active trainer in {wait_s:.0f} s"
+        time.sleep(_POLL_S)
+    words = tuple(hb.word(i) for i in board.MEM_WORDS)
+    return None if words[1] == 0 else words  # type: ignore[return-value]
+
+
+def _promote_key(ctx: Context) -> str:
+    return f"promote/{ctx.env.generation}/{ctx.rank}"  # set by the agent (Context._wait_for_promotion)
+
+
+def _run(ctx: Context, fn: Callable[[], object], transient_bytes: int) -> ModelWarmupResult:
+    from torch._dynamo.utils import counters
+
+    device = ctx.device
+    cuda = device.type == "cuda"
+    graphs = counters["stats"]["unique_graphs"]
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    ran, reason, peak = True, "ok", 0
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        try:
+            fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+        except torch.OutOfMemoryError as e:  # the actives' demand grew meanwhile: they win
+            ran, reason = False, f"out of memory: {str(e).splitlines()[0]}"
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()  # back to the level's footprint
+    return ModelWarmupResult(ran=ran, reason=reason, warm_s=time.perf_counter() - t0, transient_bytes=transient_bytes,
+                        peak_bytes=peak, compiled_graphs=counters["stats"]["unique_graphs"] - graphs)
