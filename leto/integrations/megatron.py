@@ -235,29 +235,37 @@ def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, 
 
     if not ctx.is_shadow:
         return None
+    cut = dataclasses.replace(config, num_layers=min(num_layers, config.num_layers))
+    transient = warmup_bytes(cut, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                             micro_batch_size=micro_batch_size, seq_length=seq_length)
+    return warm_model(ctx, lambda: run_throwaway(ctx.device, cut, vocab_size=vocab_size,
+                                                 max_sequence_length=max_sequence_length, loss_fn=loss_fn,
+                                                 layer_spec=layer_spec, **gpt_kwargs),
+                      name="megatron", transient_bytes=transient)
+
+
+def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
+                  loss_fn: Callable[[GPTModel], torch.Tensor], layer_spec: Any = None, **gpt_kwargs: Any) -> None:
+    """One forward and backward of a fresh ``GPTModel(config)`` on ``device``, then dropped.
+
+    Megatron's RNG tracker is restored afterwards and its global attention buffer emptied;
+    the caller forks torch's RNG if it must not move (``warm_model`` does)."""
     require_megatron()
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    cut = dataclasses.replace(config, num_layers=min(num_layers, config.num_layers))
-
-    def run() -> None:
-        tracker = get_cuda_rng_tracker()
-        states = dict(tracker.get_states())
-        try:
-            with torch.device(ctx.device):
-                model = GPTModel(config=cut, transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
-                                 vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs)
-            loss_fn(model).backward()
-        finally:
-            tracker.set_states(states)
-            parallel_state.get_global_memory_buffer().buffer.clear()
-
-    transient = warmup_bytes(cut, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-                             micro_batch_size=micro_batch_size, seq_length=seq_length)
-    return warm_model(ctx, run, name="megatron", transient_bytes=transient)
+    tracker = get_cuda_rng_tracker()
+    states = dict(tracker.get_states())
+    try:
+        with torch.device(device):
+            model = GPTModel(config=config, transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
+                             vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs)
+        loss_fn(model).backward()
+    finally:
+        tracker.set_states(states)
+        parallel_state.get_global_memory_buffer().buffer.clear()
 
 
 def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, micro_batch_size: int,

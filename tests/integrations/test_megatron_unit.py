@@ -197,3 +197,33 @@ def test_tiny_gpt_step_on_cpu(parallel):
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
+
+
+def test_throwaway_run_restores_the_tracker_and_drops_its_buffer(parallel):
+    """``run_throwaway`` (the shadow's model warm-up): Megatron's RNG tracker states and its
+    global attention buffer are as before; the job's own model is not touched."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    lm = parallel
+    model = _gpt(lm, resuming=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tracker = get_cuda_rng_tracker()
+    states = {k: v.clone() for k, v in tracker.get_states().items()}
+    seen = []
+
+    def loss_fn(m):
+        tokens = torch.randint(0, 64, (2, 16))
+        loss = m(tokens, torch.arange(16).expand(2, -1), lm.causal_mask(16, torch.device("cpu")), labels=tokens)
+        seen.extend([sum(p.numel() for p in m.parameters()), len(parallel_state.get_global_memory_buffer().buffer)])
+        return loss.mean()
+
+    config = _config(attention_dropout=0.1)
+    lm.run_throwaway(torch.device("cpu"), config, vocab_size=64, max_sequence_length=16, loss_fn=loss_fn)
+    after = tracker.get_states()
+    assert set(after) == set(states) and all(torch.equal(after[k], states[k]) for k in states)
+    assert seen[1] > 0 and parallel_state.get_global_memory_buffer().buffer == {}, "its attention scratch is dropped"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # the estimate counts at least the throwaway's parameters and gradients
+    assert lm.warmup_bytes(config, vocab_size=64, max_sequence_length=16, micro_batch_size=2,
+                           seq_length=16) >= 2 * 4 * seen[0]
