@@ -241,7 +241,24 @@ def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, 
     return warm_model(ctx, lambda: run_throwaway(ctx.device, cut, vocab_size=vocab_size,
                                                  max_sequence_length=max_sequence_length, loss_fn=loss_fn,
                                                  layer_spec=layer_spec, **gpt_kwargs),
-                      name="megatron", transient_bytes=transient)
+                      name="megatron", transient_bytes=transient, agree=_agree_over_model_parallel(ctx))
+
+
+def _agree_over_model_parallel(ctx: Context) -> Callable[[bool], bool] | None:
+    """Under model parallelism the throwaway forward runs TP collectives: all shadows of a
+    model-parallel group warm up, or none (one MIN all-reduce over the shadows' group)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_model_parallel_group()
+    if group.size() == 1:
+        return None
+
+    def agree(go: bool) -> bool:
+        flag = torch.tensor([int(go)], dtype=torch.int32, device=ctx.collective_device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return agree
 
 
 def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,

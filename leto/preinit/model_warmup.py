@@ -71,16 +71,22 @@ class ModelWarmupResult:
 
 
 def warm_model(ctx: Context, fn: Callable[[], object], *, name: str, transient_bytes: int = 0,
-                config: ModelWarmupConfig | None = None) -> ModelWarmupResult | None:
+               agree: Callable[[bool], bool] | None = None,
+               config: ModelWarmupConfig | None = None) -> ModelWarmupResult | None:
     """Run ``fn`` in this shadow if its level and the actives' memory allow; None in an active.
 
     ``fn`` builds and runs whatever it warms (throwaway modules on ``ctx.device``); it must
     not touch the model being retained. ``transient_bytes``: its device memory at peak.
+    ``agree``: when ``fn`` runs collectives (tensor parallelism), turns this shadow's go/no-go
+    into its group's (all or none), so no shadow waits in a collective for a peer that skipped.
     """
     if not ctx.is_shadow:
         return None
     config = config or ModelWarmupConfig()
     result = _decide(ctx, transient_bytes, config)
+    if agree is not None and not agree(result is None) and result is None:
+        result = ModelWarmupResult(ran=False, reason="a peer in its collectives' group skips it",
+                                   transient_bytes=transient_bytes)
     if result is None:
         result = _run(ctx, fn, transient_bytes)
     ctx.events.emit(Kind.MODEL_WARMED, rank=ctx.rank, gen=ctx.env.generation, level=ctx.env.shadow_level,

@@ -102,6 +102,21 @@ def test_lower_levels_and_actives_skip_it(tmp_path):
     assert len(_warmed(tmp_path)) == 2, "an active trainer emits nothing"
 
 
+def test_a_group_of_shadows_warms_up_all_or_none(tmp_path):
+    """``agree`` (tensor parallelism: the warm-up runs TP collectives) gets each shadow's
+    go/no-go; a peer's no-go turns this shadow's go into a skip, and a no-go is still voted."""
+    ctx, hb_board = _shadow(tmp_path, 3)
+    _report(hb_board, total=0, free=0, reserved=0, peak=0)
+    votes, work = [], _Work()
+    result = warm_model(ctx, work, name="test", agree=lambda go: votes.append(go) or False)
+    assert votes == [True] and work.calls == 0 and not result.ran and "peer" in result.reason
+    result = warm_model(ctx, work, name="test", agree=lambda go: votes.append(go) or True)
+    assert votes == [True, True] and work.calls == 1 and result.ran
+    ctx.env.shadow_level = 2
+    result = warm_model(ctx, work, name="test", agree=lambda go: votes.append(go) or True)
+    assert votes == [True, True, False] and work.calls == 1 and "level 2" in result.reason
+
+
 def test_it_runs_only_within_the_headroom_the_actives_left(tmp_path):
     # free 100 MiB, but the active's peak is 40 MiB above what it holds now: headroom 60 MiB
     ctx, hb_board = _shadow(tmp_path, 3)
