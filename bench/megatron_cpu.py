@@ -6,9 +6,9 @@ Two leto-run jobs of examples/megatron_gpt.py (2 ranks, gloo, the CPU torch.cuda
 * overhead: ``--compare-baseline`` interleaves, step by step in the same processes, the
   same Megatron model trained without Leto (torch AdamW, one flat all-reduce, clipping)
   with the Leto run; medians after a 20 % warm-up;
-* recovery: SIGKILLs (backward, then inside the update), each held until the replacement
-  shadows are ready (``after_shadow_ready``); recovery time is the paper's §8.1 metric (kill → the interrupted step
-  done again on every rank), from the event stream. Run twice: shadows that skip the
+* recovery: SIGKILLs (backward, then inside the update), each with ready shadows (the step
+  before waits for them: ``shadow_ready_steps_before: 1``); recovery time is the paper's
+  §8.1 metric (kill → the interrupted step done again on every rank), from the event stream. Run twice: shadows that skip the
   warm-up of Megatron's first iteration (``--no-shadow-warm-up``), then shadows that run
   it (``lm.warm_up_shadow``); each promoted trainer prints its first iteration's phases
   and the ``torch.compile`` graphs it compiled.
@@ -58,9 +58,9 @@ def run(tmp: Path, name: str, iters: int, faults: list[dict], script_args: list[
 
 def recovery(tmp: Path, name: str, gap: int, script_args: list[str]) -> dict:
     """Two kills (backward, mid-update), each held until the shadows are ready; their recoveries."""
-    kills = [{"rank": 1, "step": gap, "phase": "backward", "after_shadow_ready": True},
+    kills = [{"rank": 1, "step": gap, "phase": "backward", "shadow_ready_steps_before": 1},
              {"rank": 0, "step": 2 * gap, "phase": "update", "point": "optimizer", "chunk": 0,
-              "after_shadow_ready": True}]
+              "shadow_ready_steps_before": 1}]
     events, firsts = run(tmp, name, 2 * gap + 50, kills, script_args)
     recs = [r for r in summary.recoveries(events) if r.total_s is not None]
     warmed = [e for e in events if e["kind"] == "model_warmed" and e["ran"]]

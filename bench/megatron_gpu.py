@@ -12,7 +12,7 @@ Jobs of examples/megatron_gpt.py, one after the other, same model, data and seed
 
 ``--warm-up both`` (the default) runs (b) twice: shadows that skip the warm-up of Megatron's
 first iteration (``--no-shadow-warm-up``: "rmu_cold") and shadows that run it
-(``lm.warm_up_shadow``: "rmu"). Each kill waits for ready shadows (``after_shadow_ready``).
+(``lm.warm_up_shadow``: "rmu"). Each kill waits for ready shadows (``shadow_ready_steps_before: 1``).
 Every promoted trainer prints its first iteration's phases (forward, backward, update,
 device-synchronised) and the ``torch.compile`` graphs it compiled; the report repeats them.
 ``--fusions`` turns on Megatron's bias-GeLU and bias-dropout-add fusions (``jit_fuser``,
@@ -181,8 +181,8 @@ def main() -> None:
         total = k2 + 12
         if k2 <= k1 + 6:
             raise SystemExit(f"--max-steps {args.max_steps} leaves no room for two kills {k1}, {k2}")
-        kills = [{"rank": args.nproc - 1, "step": k1, "phase": "backward", "after_shadow_ready": True},
-                 {"rank": 0, "step": k2, "phase": "update", "point": "optimizer", "chunk": 0, "after_shadow_ready": True}]
+        kills = [{"rank": args.nproc - 1, "step": k1, "phase": "backward", "shadow_ready_steps_before": 1},
+                 {"rank": 0, "step": k2, "phase": "update", "point": "optimizer", "chunk": 0, "shadow_ready_steps_before": 1}]
         rmu = {"consistency": "rmu", "rmu_chunk_bytes": args.rmu_chunk_mib << 20, "faults": kills}
         runs: dict[str, tuple[dict[str, Any], list[str]]] = {}
         if args.warm_up in ("both", "off"):

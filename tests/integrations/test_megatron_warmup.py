@@ -2,8 +2,8 @@
 
 examples/megatron_gpt.py with Megatron's ``jit_fuser`` fusions on (bias-GeLU and
 bias-dropout-add, compiled by ``torch.compile`` per process), 2 ranks, gloo, shadows at L3.
-Kills wait for a ready shadow (``after_shadow_ready``), so every promoted trainer comes from
-a shadow that ran the warm-up. Checked: each such shadow reports the warm-up (``model_warmed``,
+Each kill waits for a ready shadow the step before (``shadow_ready_steps_before=1``), so
+every promoted trainer comes from a shadow that ran the warm-up. Checked: each such shadow reports the warm-up (``model_warmed``,
 ran, fusion graphs compiled there); each promoted trainer's first iteration compiles nothing;
 every (rank, step) digest equals the fault-free run's. A control run without the warm-up
 shows that its promoted trainer compiles the fusions in its first iteration instead. The
@@ -27,8 +27,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7", "--fusions"]
 LETO = {"consistency": "rmu", "rmu_chunk_bytes": 65536}
 FAULTS = [
-    FaultSpec(rank=1, step=6, phase="backward", after_shadow_ready=True),
-    FaultSpec(rank=0, step=13, phase="update", point="optimizer", chunk=1, after_shadow_ready=True),
+    FaultSpec(rank=1, step=6, phase="backward", shadow_ready_steps_before=1),
+    FaultSpec(rank=0, step=13, phase="update", point="optimizer", chunk=1, shadow_ready_steps_before=1),
 ]
 FIRST = re.compile(r"rank (\d) promoted, first iteration \(step (\d+)\).*torch\.compile graphs compiled (\d+)")
 

@@ -1,5 +1,4 @@
-"""The model warm-up's decisions (who runs it, at which level, with how much memory), and
-the faults that wait for a ready shadow (``after_shadow_ready``), which measure it.
+"""The model warm-up's decisions: who runs it, at which level, with how much memory.
 
 A shadow's view of the job is played by a real heartbeat board (the active's memory report
 in its words), a real ``HashStore`` (the promotion key) and a real event log; the warm-up
@@ -13,16 +12,12 @@ import dataclasses
 import threading
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from leto.config import FaultSpec
 from leto.events import EventLog, read_events
-from leto.faults import FaultInjector
 from leto.health import Heartbeat, HeartbeatBoard
 from leto.preinit import PreinitConfig, board
-from leto.preinit.guard import OomGuard
 from leto.preinit.model_warmup import ModelWarmupConfig, warm_model
 
 MIB = 1 << 20
@@ -142,25 +137,3 @@ def test_it_waits_for_the_first_report_and_yields_to_a_promotion(tmp_path):
     result = warm_model(ctx, work, name="test", config=ModelWarmupConfig(report_wait_s=0.1))
     assert work.calls == 1 and not result.ran and result.reason.startswith("no memory report")
 
-
-def test_a_fault_after_shadow_ready_holds_until_the_shadow_waits(tmp_path):
-    """``after_shadow_ready``: the kill point holds (beating) until the shadow announced itself."""
-    hb_board = HeartbeatBoard(1)
-    hb = Heartbeat(hb_board.path, 0)
-    events = EventLog(tmp_path / "events.jsonl", "trainer0")
-    guard = OomGuard(hb, None, PreinitConfig(), events, rank=0)
-    spec = FaultSpec(rank=0, step=3, phase="forward", kind="oom", after_shadow_ready=True)
-    injector = FaultInjector(0, [spec], events, claim=lambda i: True)
-    injector.wait_for_shadow, injector.shadow_present = guard.wait_for_shadow, guard.shadows_hold_memory
-    injector.step = 3
-
-    def shadow_ready() -> None:
-        hb_board.set_word(0, board.SHADOW_LEVEL, 3)
-        hb_board.set_word(0, board.SHADOW_READY, 3)
-
-    threading.Timer(0.3, shadow_ready).start()
-    t0, beats = time.monotonic(), hb_board.read(0)[0]
-    with pytest.raises(torch.OutOfMemoryError):
-        injector.point("forward")  # an oom fault raises where a kill would SIGKILL
-    assert time.monotonic() - t0 >= 0.3 and injector.injected == 1
-    assert hb_board.read(0)[0] > beats, "holding at the kill point is progress, not a hang"
