@@ -215,8 +215,17 @@ class FirstIteration:
 
         self.ctx, self.counters = ctx, counters
         self.graphs = counters["stats"]["unique_graphs"]
+        self.memory = self._memory()
         _sync(ctx.device)
         self.times = [("start", time.perf_counter())]
+
+    def _memory(self) -> tuple[int, int, int]:
+        """CUDA caching allocator: (segments allocated so far, bytes reserved, alloc retries)."""
+        if self.ctx.device.type != "cuda":
+            return (0, 0, 0)
+        stats = torch.cuda.memory_stats(self.ctx.device)
+        return (stats.get("segment.all.allocated", 0), stats.get("reserved_bytes.all.current", 0),
+                stats.get("num_alloc_retries", 0))
 
     def mark(self, phase: str) -> None:
         _sync(self.ctx.device)
@@ -226,8 +235,13 @@ class FirstIteration:
         phases = ", ".join(f"{name} {(t - prev) * 1e3:.0f} ms"
                            for (_, prev), (name, t) in zip(self.times, self.times[1:], strict=False))
         graphs = self.counters["stats"]["unique_graphs"] - self.graphs
+        memory = ""
+        if self.ctx.device.type == "cuda":
+            (seg0, res0, retry0), (seg1, res1, retry1) = self.memory, self._memory()
+            memory = (f"; cudaMalloc segments +{seg1 - seg0} (+{(res1 - res0) / 2**30:.2f} GiB reserved), "
+                      f"alloc retries +{retry1 - retry0}")
         print(f"megatron_gpt: rank {self.ctx.rank} promoted, first iteration (step {step}): {phases}; "
-              f"torch.compile graphs compiled {graphs}", flush=True)
+              f"torch.compile graphs compiled {graphs}{memory}", flush=True)
 
 
 def dp_rank() -> int:
