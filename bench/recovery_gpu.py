@@ -15,6 +15,7 @@ with NCCL (or ``--nproc 2``: DP=2, one GPU per rank, each shadow with its own NC
 (c) the same with the checkpoint on local disk.
 
     python bench/recovery_gpu.py --json OUT.json [--mem-dir /dev/shm/x] [--disk-dir /tmp/x]
+    python bench/recovery_gpu.py --profile-from OUT.json   # only (re)write OUT_profile.json
 """
 
 from __future__ import annotations
@@ -106,6 +107,22 @@ def sim_profile(result: dict) -> dict:
     }
 
 
+def write_profile(result: dict, result_path: Path) -> Path:
+    """Write :func:`sim_profile` of ``result`` beside ``result_path`` as ``<stem>_profile.json``."""
+    out = result_path.with_name(result_path.stem + "_profile.json")
+    out.write_text(json.dumps(sim_profile(result), indent=2))
+    return out
+
+
+def profile_from(result_path: Path) -> Path:
+    """The simulator profile of a stored result JSON, without measuring anything."""
+    try:
+        result = json.loads(result_path.read_text())
+        return write_profile(result, result_path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"recovery_gpu: --profile-from {result_path}: {type(e).__name__}: {e}") from None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", default=str(REPO / "bench/results/recovery_gpu.json"))
@@ -117,7 +134,12 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)")
     p.add_argument("--consistency", choices=("rmu", "snapshot"), default="rmu",
                    help="leto's update consistency (rmu: the product default)")
+    p.add_argument("--profile-from", type=Path, metavar="RESULT_JSON",
+                   help="write RESULT_JSON's simulator profile (<stem>_profile.json beside it) and exit")
     args = p.parse_args()
+    if args.profile_from is not None:
+        print(f"wrote {profile_from(args.profile_from)}")
+        return
     if args.small:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
     t_start = time.time()
@@ -158,7 +180,7 @@ def main() -> None:
               "speedup_vs_mem": mem["recovery_s"] / leto_median, "speedup_vs_disk": disk["recovery_s"] / leto_median}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
-    Path(args.json).with_name(Path(args.json).stem + "_profile.json").write_text(json.dumps(sim_profile(result), indent=2))
+    write_profile(result, Path(args.json))
     print(f"leto ETTR over the run: {ettr * 100:.1f} % (two failures in {args.steps} steps)")
     print(f"speedup vs disk: {result['speedup_vs_disk']:.1f}x")
     print(f"speedup vs in-memory: {result['speedup_vs_mem']:.1f}x")
