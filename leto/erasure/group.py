@@ -2,8 +2,10 @@
 
 The group does not own memory: the data is a view of retained state (device or host) and
 the parity tensors live in state-manager host memory; the caller passes all of them in.
-Tier 1 is a Cauchy RS code over the data pages, tier 2 a Cauchy RS code over the tier-1
-pages. Arithmetic runs where the data is (Triton on CUDA, PyTorch on CPU); tier 2 always
+Tier 1 is a generalised RS code over the data pages (:class:`leto.erasure.rs.GRSCode`),
+tier 2 a Cauchy RS code over the tier-1 pages. A group built with ``syndromes=True``
+holds the tier-1 *syndromes* instead of the parity (the updater's device working copy:
+cheaper to update, see rs.py); :meth:`syndromes_of` / :meth:`parity_of` convert. Arithmetic runs where the data is (Triton on CUDA, PyTorch on CPU); tier 2 always
 runs where the parity is. No persistent parity lives on the device: device scratch is
 allocated per call and freed.
 """
@@ -21,7 +23,7 @@ import torch
 from leto.erasure import engine, gf16
 from leto.erasure.bitslice import TILE_BYTES, plane_masks, plane_masks_tensor
 from leto.erasure.config import ErasureConfig
-from leto.erasure.rs import CauchyCode, DecodePlan
+from leto.erasure.rs import CauchyCode, DecodePlan, GRSCode
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class ProtectionGroup:
         tier2: torch.Tensor,
         *,
         backend: engine.Backend = "auto",
+        syndromes: bool = False,
     ) -> None:
         pb = config.page_bytes
         _check_flat("data", data)
@@ -80,12 +83,14 @@ class ProtectionGroup:
         self.data, self.tier1, self.tier2 = data, tier1, tier2
         self.num_pages = data.numel() // pb
         self.backend = backend
-        self.code1 = CauchyCode(config.data_pages, config.tier1_parity)
+        self.grs = GRSCode(config.data_pages, config.tier1_parity)
+        self.syndromes = syndromes
+        self.code1 = self.grs.syndromes() if syndromes else self.grs
         self.code2 = CauchyCode(config.tier1_parity, config.tier2_parity)
         self._c1 = self.code1.coef(range(self.num_pages))
         self._c2 = self.code2.coef()
         c21 = gf16.mat_mul(np.array(self._c2, dtype=np.int64).reshape(-1, config.tier1_parity),
-                           np.array(self._c1, dtype=np.int64))
+                           self.grs.matrix[:, : self.num_pages])
         self._c21 = tuple(tuple(int(v) for v in row) for row in c21)
         self._masks: dict[str, torch.Tensor] = {}
 
@@ -158,6 +163,27 @@ class ProtectionGroup:
                    [out[q * pb : (q + 1) * pb] for q in range(h2)], accumulate=False,
                    backend=self.backend, masks=masks)
 
+    def syndromes_of(self, parity: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = W parity``: the tier-1 syndromes of a tier-1 parity buffer (16 pages in,
+        16 out, on the device both live on)."""
+        self._convert("to_syndromes", self.grs.to_syndromes, parity, out)
+
+    def parity_of(self, syndromes: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = W^-1 syndromes``: the tier-1 parity of a syndrome buffer."""
+        self._convert("from_syndromes", self.grs.from_syndromes, syndromes, out)
+
+    def _convert(self, name: str, m: np.ndarray, src: torch.Tensor, out: torch.Tensor) -> None:
+        pb, h1 = self.config.page_bytes, self.config.tier1_parity
+        _check_flat("src", src, h1 * pb)
+        _check_flat("out", out, h1 * pb)
+        if src.device != out.device or src.data_ptr() == out.data_ptr():
+            raise ValueError("conversion needs distinct buffers on one device")
+        coef = tuple(tuple(int(v) for v in row) for row in m)
+        masks = self._device_masks(name, coef) if out.is_cuda and self._on_device() else None
+        engine.mac(coef, [src[p * pb : (p + 1) * pb] for p in range(h1)],
+                   [out[p * pb : (p + 1) * pb] for p in range(h1)], accumulate=False,
+                   backend=self.backend, masks=masks)
+
     # -- incremental update ----------------------------------------------------------
     def _check_range(self, page_index: int, byte_offset: int, old: torch.Tensor,
                      new: torch.Tensor) -> None:
@@ -219,7 +245,7 @@ class ProtectionGroup:
                    masks=masks)
 
     def update_pages(self, parity: torch.Tensor, first_page: int, k: int, byte_offset: int,
-                     old: torch.Tensor, new: torch.Tensor) -> None:
+                     old: torch.Tensor, new: torch.Tensor, *, parity_in: torch.Tensor | None = None) -> None:
         """:meth:`update_into` for a chunk of ``k`` consecutive pages, in one launch.
 
         Bytes ``[byte_offset, +n)`` of data pages ``first_page .. first_page + k - 1``
@@ -231,6 +257,11 @@ class ProtectionGroup:
         work beyond argument checks: the encode masks are cached on the device (built at
         the first call), offsets are scalars, and the kernel is launched once, so it can
         also be captured in a CUDA graph. :meth:`commit_tier1` refreshes tier 2 after.
+
+        ``parity_in`` (same shape as ``parity``): read the range's old parity from it
+        instead, i.e. ``parity = parity_in ^ delta`` on the range (out of place; the
+        updater's double buffer). The syndrome kernel does that in its one pass; the other
+        paths copy the range first.
         """
         pb, h1 = self.config.page_bytes, self.config.tier1_parity
         o2, n2 = self._chunk_view("old", old, k), self._chunk_view("new", new, k)
@@ -244,8 +275,23 @@ class ProtectionGroup:
                              f"{TILE_BYTES}-byte tiles inside the page")
         if parity.dtype != torch.uint8 or parity.numel() != h1 * pb:
             raise ValueError(f"parity must be {h1 * pb} uint8 bytes")
+        if parity_in is not None and (parity_in.shape != parity.shape or parity_in.device != parity.device):
+            raise ValueError("parity_in must match parity in size and device")
         if n == 0 or k == 0:
+            if parity_in is not None:
+                parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(parity_in.view(h1, pb)[:, byte_offset : byte_offset + n])
             return
+        if self._on_device() and parity.device == old.device == new.device and self.syndromes and h1 <= 16:
+            from triton_kernels.gf16_syndrome import scale_masks, syndrome_update
+
+            q = parity.view(torch.int32)
+            syndrome_update(scale_masks(self.config.data_pages, parity.device), first_page, k,
+                            n2.view(torch.int32), n2.stride(0) // 4, o2.view(torch.int32), o2.stride(0) // 4,
+                            q if parity_in is None else parity_in.view(torch.int32), q,
+                            byte_offset // 4, pb // 4, h1, n // TILE_BYTES)
+            return
+        if parity_in is not None:
+            parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(parity_in.view(h1, pb)[:, byte_offset : byte_offset + n])
         if self._on_device() and parity.device == old.device == new.device:
             from triton_kernels.gf16_mac import gf16_mac_strided
 

@@ -1,9 +1,24 @@
-"""A systematic MDS Reed-Solomon code over GF(2^16) built from a Cauchy matrix.
+"""Systematic MDS Reed-Solomon codes over GF(2^16): the coefficient algebra.
 
-Parity ``p`` is ``sum_j c[p][j] * d_j`` with ``c[p][j] = 1 / (x_p + y_j)``, ``x_p = p``
-and ``y_j = H + j`` (all distinct, so every square submatrix of ``c`` is non-singular and
-any ``H`` erasures among the ``D + H`` pages are recoverable). Linearity gives the
-incremental update ``parity_p ^= c[p][j] * (old_j ^ new_j)``.
+Both codes give parity ``p`` as ``sum_j c[p][j] * d_j``; every square submatrix of ``c``
+is non-singular, so any ``H`` erasures among the ``D + H`` pages are recoverable, and
+linearity gives the incremental update ``parity_p ^= c[p][j] * (old_j ^ new_j)``.
+
+* :class:`CauchyCode`: ``c[p][j] = 1 / (x_p + y_j)``, ``x_p = p``, ``y_j = H + j`` (tier 2).
+* :class:`GRSCode` (tier 1): the generalised RS code whose parity-check matrix is the
+  Vandermonde ``[V | W]`` with ``V[p][j] = a^(p j)`` (data page ``j`` at the point
+  ``a^j``) and ``W[p][q] = a^(p (D + q))`` (parity page ``q``), ``p < H``, ``a`` the
+  primitive element. Any H columns of it form a Vandermonde matrix on distinct points, so
+  the code is MDS; its parity is ``P = W^-1 S`` of the *syndromes* ``S = V d``.
+
+Why tier 1 is GRS (docs/ERASURE.md): syndrome ``p`` of ``k`` consecutive pages
+``j0..j0+k-1`` is ``a^(p j0) * sum_i (a^p)^i d_(j0+i)``, a Horner polynomial in the
+*fixed* constant ``a^p``. In the bit-sliced layout multiplying by ``a`` is a plane
+rotation plus three XORs, so the per-page work of an update falls from a generic 16x16
+GF(2) product per parity (256 AND-XOR per 32 symbols) to ``3p + 16`` XORs; the generic
+product is paid once per chunk for ``a^(p j0)``. The updater keeps its device working
+parity in syndrome form (:meth:`GRSCode.syndromes`) and converts at the ends of a step
+(``S = W P`` at load, ``P = W^-1 S`` at the flush, 16 pages each per group).
 
 This module is pure coefficient algebra (no page data): it produces the matrices that
 the engines (:mod:`leto.erasure.engine`) apply to pages.
@@ -41,25 +56,28 @@ class DecodePlan:
     """``coef`` as an int64 ``[outputs, sources]`` array (what the GPU path uploads)."""
 
 
-class CauchyCode:
-    """The ``[D + H, D]`` Cauchy Reed-Solomon code; ``data_pages`` D, ``parity_pages`` H."""
+def _check_shape(data_pages: int, parity_pages: int, points: int) -> None:
+    if data_pages < 1 or parity_pages < 0:
+        raise ConfigError(f"need data_pages >= 1 and parity_pages >= 0, "
+                          f"got {data_pages} and {parity_pages}")
+    if data_pages + parity_pages > points:
+        raise ConfigError(
+            f"data_pages + parity_pages = {data_pages + parity_pages} exceeds the "
+            f"{points} distinct points of GF(2^16); use smaller protection groups"
+        )
 
-    def __init__(self, data_pages: int, parity_pages: int) -> None:
-        if data_pages < 1 or parity_pages < 0:
-            raise ConfigError(f"need data_pages >= 1 and parity_pages >= 0, "
-                              f"got {data_pages} and {parity_pages}")
-        if data_pages + parity_pages > gf16.ORDER:
-            raise ConfigError(
-                f"data_pages + parity_pages = {data_pages + parity_pages} exceeds the "
-                f"{gf16.ORDER} distinct points of GF(2^16); use smaller protection groups"
-            )
-        self.data_pages = data_pages
-        self.parity_pages = parity_pages
-        h = parity_pages
-        x = np.arange(h, dtype=np.int64)[:, None]
-        y = np.arange(h, h + data_pages, dtype=np.int64)[None, :]
-        s = x ^ y
-        self._matrix = gf16.EXP_NP[(gf16.ORDER - 1 - gf16.LOG_NP[s]) % (gf16.ORDER - 1)]
+
+def _powers(base: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """``base ** exponents`` elementwise for non-zero field elements (via the log table)."""
+    return gf16.EXP_NP[(gf16.LOG_NP[base] * exponents) % (gf16.ORDER - 1)]
+
+
+class SystematicCode:
+    """A systematic ``[D + H, D]`` code given by its ``H x D`` parity matrix ``c``."""
+
+    data_pages: int
+    parity_pages: int
+    _matrix: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
@@ -92,33 +110,103 @@ class CauchyCode:
                 f"{len(ld)} data and {len(lp)} parity pages lost, but the code tolerates "
                 f"{self.parity_pages} erasures per group; restore from the checkpoint"
             )
-        ld_set, lp_set = set(ld), set(lp)
-        surv_d = [j for j in range(d) if j not in ld_set]
-        use_p = [p for p in range(self.parity_pages) if p not in lp_set][: len(ld)]
-        c = self._matrix[:, :d]
-        n_src = len(surv_d) + len(use_p)
-        rows: list[np.ndarray] = []
+        return _decode_plan(self._matrix, d, ld, lp)
+
+
+class CauchyCode(SystematicCode):
+    """The ``[D + H, D]`` Cauchy Reed-Solomon code; ``data_pages`` D, ``parity_pages`` H."""
+
+    def __init__(self, data_pages: int, parity_pages: int) -> None:
+        _check_shape(data_pages, parity_pages, gf16.ORDER)
+        self.data_pages = data_pages
+        self.parity_pages = parity_pages
+        h = parity_pages
+        x = np.arange(h, dtype=np.int64)[:, None]
+        y = np.arange(h, h + data_pages, dtype=np.int64)[None, :]
+        s = x ^ y
+        self._matrix = gf16.EXP_NP[(gf16.ORDER - 1 - gf16.LOG_NP[s]) % (gf16.ORDER - 1)]
+
+
+class GRSCode(SystematicCode):
+    """The ``[D + H, D]`` generalised RS code of the module docstring (tier 1).
+
+    ``matrix`` is the generator ``W^-1 V``; :attr:`check_data` (``V``), :attr:`to_syndromes`
+    (``W``: ``S = W P``) and :attr:`from_syndromes` (``W^-1``) serve the syndrome form.
+    """
+
+    def __init__(self, data_pages: int, parity_pages: int) -> None:
+        # the points a^0 .. a^(D+H-1) must be distinct: D + H <= 2^16 - 1
+        _check_shape(data_pages, parity_pages, gf16.ORDER - 1)
+        self.data_pages, self.parity_pages = data_pages, parity_pages
+        p = np.arange(parity_pages, dtype=np.int64)[:, None]
+        a = np.full((1, 1), gf16.ALPHA, dtype=np.int64)
+        self.check_data = _powers(a, p * np.arange(data_pages, dtype=np.int64)[None, :])
+        self.to_syndromes = _powers(a, p * np.arange(data_pages, data_pages + parity_pages, dtype=np.int64)[None, :])
+        self.from_syndromes = (np.array(gf16.mat_inv(self.to_syndromes.tolist()), dtype=np.int64)
+                               if parity_pages else np.zeros((0, 0), dtype=np.int64))
+        self._matrix = gf16.mat_mul(self.from_syndromes, self.check_data) if parity_pages else \
+            np.zeros((0, data_pages), dtype=np.int64)
+
+    def syndromes(self) -> SyndromeCode:
+        """The syndrome form ``S = V d`` of this code (the updater's working parity)."""
+        return SyndromeCode(self)
+
+
+class SyndromeCode(SystematicCode):
+    """Syndromes ``S_p = sum_j a^(p j) d_j`` of a :class:`GRSCode` as "parity pages".
+
+    Not an MDS code on its own (a square submatrix of ``V`` on non-consecutive rows may be
+    singular), but lost *data* pages are always recoverable while every syndrome page is
+    intact: ``e`` lost pages use syndromes ``0..e-1``, a Vandermonde matrix on distinct
+    points. Lost syndrome pages (the updater's working parity) are refused.
+    """
+
+    def __init__(self, code: GRSCode) -> None:
+        self.data_pages, self.parity_pages = code.data_pages, code.parity_pages
+        self._matrix = code.check_data
+
+    def decode_plan(
+        self, lost_data: set[int] | list[int], lost_parity: set[int] | list[int],
+        *, present_data: int | None = None,
+    ) -> DecodePlan:
+        """Rebuild lost data pages from the survivors and the syndromes (none may be lost)."""
+        if lost_parity:
+            raise UnrecoverableStateError(
+                f"syndrome pages {sorted(set(lost_parity))} of the working parity were lost; "
+                "restore from the checkpoint"
+            )
+        return super().decode_plan(lost_data, (), present_data=present_data)
+
+
+def _decode_plan(c_all: np.ndarray, d: int, ld: list[int], lp: list[int]) -> DecodePlan:
+    """The one-pass decode plan of a systematic code with parity matrix ``c_all``."""
+    ld_set, lp_set = set(ld), set(lp)
+    surv_d = [j for j in range(d) if j not in ld_set]
+    use_p = [p for p in range(c_all.shape[0]) if p not in lp_set][: len(ld)]
+    c = c_all[:, :d]
+    n_src = len(surv_d) + len(use_p)
+    rows: list[np.ndarray] = []
+    if ld:
+        cinv = np.array(gf16.mat_inv(c[np.ix_(use_p, ld)].tolist()), dtype=np.int64)
+        # d_L = Cinv * (parity_used + C[used, surv] d_surv)
+        r_data = gf16.mat_mul(cinv, c[np.ix_(use_p, surv_d)])
+        r_par = cinv
+        rows.extend(np.concatenate([r_data, r_par], axis=1))
+    else:
+        r_data = np.zeros((0, len(surv_d)), dtype=np.int64)
+        r_par = np.zeros((0, 0), dtype=np.int64)
+    for p in lp:
+        # parity_p = C[p, surv] d_surv + C[p, L] d_L
+        row = np.zeros(n_src, dtype=np.int64)
+        row[: len(surv_d)] = c[p, surv_d]
         if ld:
-            cinv = np.array(gf16.mat_inv(c[np.ix_(use_p, ld)].tolist()), dtype=np.int64)
-            # d_L = Cinv * (parity_used + C[used, surv] d_surv)
-            r_data = gf16.mat_mul(cinv, c[np.ix_(use_p, surv_d)])
-            r_par = cinv
-            rows.extend(np.concatenate([r_data, r_par], axis=1))
-        else:
-            r_data = np.zeros((0, len(surv_d)), dtype=np.int64)
-            r_par = np.zeros((0, 0), dtype=np.int64)
-        for p in lp:
-            # parity_p = C[p, surv] d_surv + C[p, L] d_L
-            row = np.zeros(n_src, dtype=np.int64)
-            row[: len(surv_d)] = c[p, surv_d]
-            if ld:
-                via = gf16.mat_mul(c[np.ix_([p], ld)], np.concatenate([r_data, r_par], axis=1))
-                row ^= via[0]
-            rows.append(row)
-        sources = tuple(PageRef("data", j) for j in surv_d) + tuple(
-            PageRef("parity", p) for p in use_p)
-        outputs = tuple(PageRef("data", j) for j in ld) + tuple(PageRef("parity", p) for p in lp)
-        matrix = (np.stack(rows).astype(np.int64) if rows
-                  else np.zeros((0, n_src), dtype=np.int64))
-        coef = tuple(tuple(row) for row in matrix.tolist())
-        return DecodePlan(sources=sources, outputs=outputs, coef=coef, matrix=matrix)
+            via = gf16.mat_mul(c[np.ix_([p], ld)], np.concatenate([r_data, r_par], axis=1))
+            row ^= via[0]
+        rows.append(row)
+    sources = tuple(PageRef("data", j) for j in surv_d) + tuple(
+        PageRef("parity", p) for p in use_p)
+    outputs = tuple(PageRef("data", j) for j in ld) + tuple(PageRef("parity", p) for p in lp)
+    matrix = (np.stack(rows).astype(np.int64) if rows
+              else np.zeros((0, n_src), dtype=np.int64))
+    coef = tuple(tuple(row) for row in matrix.tolist())
+    return DecodePlan(sources=sources, outputs=outputs, coef=coef, matrix=matrix)

@@ -1,0 +1,198 @@
+"""Triton kernel: incremental update of GF(2^16) RS *syndromes* by Horner's rule.
+
+The updater keeps its device working parity as the syndromes of the tier-1 code
+(``leto.erasure.rs.GRSCode``): ``S_p = sum_j a^(p j) d_j`` for ``p < H``, ``a`` the
+primitive element. A chunk that changes bytes ``[lo, hi)`` of the ``k`` consecutive pages
+``j0 .. j0 + k - 1`` of a group changes syndrome ``p`` by
+
+    dS_p = a^(p j0) * sum_i (a^p)^i * (old_(j0+i) ^ new_(j0+i))
+         = a^(p j0) * Horner_(a^p)(delta_(j0+k-1), ..., delta_(j0))
+
+Why this and not the generic kernel (``gf16_mac``): there every page costs a 16x16 GF(2)
+matrix product per parity page (256 AND-XOR per 32 symbols; H = 16 makes that 64 lane-ops
+per changed byte and the update compute-bound beyond 2-page chunks, docs/ERASURE.md). Here
+the multiplier of the Horner step is the *compile-time* constant ``a^p``, and in the
+bit-sliced layout multiplying by ``a`` is a rotation of the 16 planes plus three XORs
+(``x^16 = x^12 + x^3 + x + 1``). So a page costs ``sum_p (3p + 16)`` = 616 XORs per 32
+symbols for H = 16 (about 10 lane-ops per changed byte instead of 64), and the generic
+product is paid once per chunk, for the scale ``a^(p j0)`` (masks from a per-``j0`` table
+on the device, built once per code shape).
+
+How the constant multiply compiles: :func:`_times_alpha` shifts the planes as
+``sum(S & x)`` with the shift matrix ``S`` built from ``tl.arange`` comparisons (one term
+per row, so the sum is the XOR) and XORs the top plane into the feedback taps. The plane
+axis lies inside one thread, so ``S``'s entries are constants after unrolling and LLVM
+folds ``x & -1``, ``x & 0`` and ``y + 0`` away: three XORs remain (checked in the PTX,
+docs/ERASURE.md). Sums rather than XOR reductions because Triton's interpreter runs custom
+reductions element by element in Python (2-3 s per call) but sums in numpy. Each program holds 8 parity accumulators of ``[16, BLOCK]`` (one column
+of 32 symbols per thread, ~180 registers); H > 8 runs as two halves in one launch (the
+half is the fastest grid axis, so both read the same deltas from L2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 64
+"""Columns (32-symbol words) per program: one per thread at 2 warps."""
+NUM_WARPS = 2
+MAX_PARITY = 16
+"""Syndromes per launch: two halves of 8 accumulators."""
+_SCALE_WORDS = tl.constexpr(MAX_PARITY * 256)
+"""Masks per ``j0`` in the scale table (16 syndromes x 16 x 16 planes)."""
+
+
+@triton.jit
+def _plane(x, b: tl.constexpr):
+    """Plane ``b`` of ``[16, BLOCK]`` planes as a ``[BLOCK]`` row (a one-term sum: folds
+    to a register read when compiled; a numpy sum in the interpreter)."""
+    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == b, x, 0), axis=0)
+
+
+@triton.jit
+def _times_alpha(x):
+    """``a * x`` on ``[16, BLOCK]`` bit planes: y[i] = x[i-1], x[15] feeds bits 0, 1, 3, 12."""
+    i = tl.arange(0, 16)[:, None]
+    k = tl.arange(0, 16)[None, :]
+    shift = tl.where(k == i - 1, -1, 0)  # one input per output row: the sum is the XOR
+    y = tl.sum(shift[:, :, None] & x[None, :, :], axis=1)
+    ii = tl.arange(0, 16)
+    taps = tl.where((ii == 0) | (ii == 1) | (ii == 3) | (ii == 12), -1, 0)
+    return y ^ (taps[:, None] & _plane(x, 15)[None, :])
+
+
+@triton.jit
+def _times_alpha_pow(x, E: tl.constexpr):
+    for _ in tl.static_range(E):
+        x = _times_alpha(x)
+    return x
+
+
+@triton.jit
+def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok):
+    """``q_out[p] = q_in[p] ^ c_p * acc`` with ``c_p``'s bit matrix from ``scale_ptr``."""
+    if p < n_par:
+        where = q_base + p * q_stride + offs
+        y = tl.load(q_in + where, mask=ok, other=0)
+        for b in tl.static_range(16):
+            m = tl.load(scale_ptr + p * 256 + b * 16 + tl.arange(0, 16))  # out planes fed by plane b
+            y = y ^ (m[:, None] & _plane(acc, b)[None, :])
+        tl.store(q_out + where, y, mask=ok)
+
+
+@triton.jit
+def _half(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
+          n_par, offs, ok, P0: tl.constexpr, BLOCK: tl.constexpr):
+    a0 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    a1 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    a2 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    a3 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    a4 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    a5 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    a6 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    a7 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    for r in range(k):
+        page = tl.cast(k - 1 - r, tl.int64)  # Horner: the last page first
+        d = tl.load(new_ptr + page * new_stride + offs, mask=ok, other=0)
+        d = d ^ tl.load(old_ptr + page * old_stride + offs, mask=ok, other=0)
+        a0 = _times_alpha_pow(a0, P0 + 0) ^ d
+        a1 = _times_alpha_pow(a1, P0 + 1) ^ d
+        a2 = _times_alpha_pow(a2, P0 + 2) ^ d
+        a3 = _times_alpha_pow(a3, P0 + 3) ^ d
+        a4 = _times_alpha_pow(a4, P0 + 4) ^ d
+        a5 = _times_alpha_pow(a5, P0 + 5) ^ d
+        a6 = _times_alpha_pow(a6, P0 + 6) ^ d
+        a7 = _times_alpha_pow(a7, P0 + 7) ^ d
+    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+
+
+@triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
+def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
+                     q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr):
+    half = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # word offset of plane b of each column within a page range (2 KiB tiles of 16 x 32 words)
+    offs = tl.arange(0, 16)[:, None] * 32 + ((cols // 32) * 512 + cols % 32)[None, :]
+    ok = (tl.arange(0, 16)[:, None] >= 0) & (cols < n_cols)[None, :]
+    scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
+    if half == 0:
+        _half(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+              n_par, offs, ok, 0, BLOCK)
+    else:
+        _half(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+              n_par, offs, ok, 8, BLOCK)
+
+
+@functools.lru_cache(maxsize=8)
+def _scale_masks_np(data_pages: int) -> np.ndarray:
+    """``[D, 16 p, 16 in-plane, 16 out-plane]`` 0/-1 masks of ``a^(p j0)`` for every ``j0``."""
+    from leto.erasure import gf16
+    from leto.erasure.bitslice import plane_masks_tensor
+
+    j0 = np.arange(data_pages, dtype=np.int64)[:, None]
+    p = np.arange(MAX_PARITY, dtype=np.int64)[None, :]
+    c = gf16.EXP_NP[(j0 * p) % (gf16.ORDER - 1)]  # a^(p j0), [D, 16]
+    m = plane_masks_tensor(torch.from_numpy(c.reshape(1, -1)))  # [D*16, 16, 16]
+    return m.reshape(data_pages, MAX_PARITY, 16, 16).numpy()
+
+
+_DEVICE_MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def scale_masks(data_pages: int, device: torch.device) -> torch.Tensor:
+    """The scale table of :func:`_scale_masks_np` on ``device`` (built once per shape)."""
+    key = (data_pages, torch.device(device))
+    if key not in _DEVICE_MASKS:
+        _DEVICE_MASKS[key] = torch.from_numpy(_scale_masks_np(data_pages)).to(device).contiguous()
+    return _DEVICE_MASKS[key]
+
+
+def syndrome_update(
+    scale: torch.Tensor,
+    first_page: int,
+    k: int,
+    new: torch.Tensor,
+    new_stride: int,
+    old: torch.Tensor,
+    old_stride: int,
+    q_in: torch.Tensor,
+    q_out: torch.Tensor,
+    q_base: int,
+    q_stride: int,
+    n_parity: int,
+    n_tiles: int,
+) -> object:
+    """``q_out[p] = q_in[p] ^ sum_(i<k) a^(p (first_page + i)) (old_i ^ new_i)``, ``p < n_parity``.
+
+    Page ``i`` of the chunk starts at word ``i * new_stride`` of ``new`` (``old`` alike),
+    syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
+    tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
+    :func:`scale_masks` of the code's D. int32 views on one device; one launch. Returns
+    Triton's compiled-kernel handle (None under the interpreter).
+    """
+    if not 0 < n_parity <= MAX_PARITY:
+        raise ValueError(f"the syndrome kernel takes 1..{MAX_PARITY} syndromes, got {n_parity}")
+    if not 0 <= first_page < scale.shape[0] - max(k - 1, 0):
+        raise IndexError(f"pages [{first_page}, +{k}) outside the scale table of {scale.shape[0]}")
+    for t in (new, old, q_in, q_out):
+        if t.dtype != torch.int32:
+            raise TypeError(f"page buffers must be int32 views, got {t.dtype}")
+    if k == 0 or n_tiles == 0:
+        return None
+    n_cols = n_tiles * 32
+    grid = (triton.cdiv(n_parity, 8), triton.cdiv(n_cols, BLOCK))
+    return _syndrome_kernel[grid](new, old, new_stride, old_stride, k, scale, first_page,
+                                  q_in, q_out, q_base, q_stride, n_parity, n_cols,
+                                  BLOCK=BLOCK, num_warps=NUM_WARPS)
