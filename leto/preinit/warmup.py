@@ -9,13 +9,14 @@ whether each pointer and each specialised integer is divisible by 16, and whethe
 integer equals 1. So the warm-up launches exactly the specialisations the real calls will
 launch, by running the same code paths on scratch memory:
 
-* ``gf16_mac`` (parity): tiny replicas of this trainer's protection groups (the job's D,
+* ``gf16_mac`` and ``gf16_syndrome`` (parity): tiny replicas of this trainer's protection groups (the job's D,
   H1, H2 and group sizes, one 2 KiB tile per page) go through the public
   :class:`~leto.erasure.ProtectionGroup` calls the trainer makes: ``encode_all``,
   ``rebuild`` for every count of lost data and tier-1 pages (counts choose the tuning
   bucket, the output count and the alignment of the offset tables), ``rebuild`` of a
-  working-parity group, ``update_pages`` for one run length per tuning bucket, and the
-  flush's device-side ``encode_tier2_of``. Page size changes no key (strides and column
+  working-parity (syndrome) group, the load's ``syndromes_of``, ``update_pages`` in and
+  out of place for one run length per tuning bucket, and the flush's ``parity_of`` and
+  device-side ``encode_tier2_of``. Page size changes no key (strides and column
   counts stay multiples of 16).
 * ``adamw_rmu`` (fused update): ``triton_kernels.adamw_rmu.warm_up`` with the argument
   values of every piece of this trainer's chunk plan, at both widths of the flag token.
@@ -169,10 +170,14 @@ def _warm_group(cfg: ErasureConfig, pages: int, run_pages: int, dev: torch.devic
             if lost_data or lost_t1:  # lost tier-1 pages beyond tier 2's reach: all of tier 2 lost too
                 group.rebuild(range(lost_data), range(lost_t1), range(h2) if lost_t1 else ())
                 calls += 1
-    # the updater's working parity: tier 1 on the device, no tier 2
+    # the updater's working parity: tier-1 syndromes on the device (Q[sel] and the spare)
     work = ProtectionGroup(dataclasses.replace(cfg, tier2_parity=0), data,
                            torch.zeros(h1 * pb, dtype=torch.uint8, device=dev),
-                           torch.empty(0, dtype=torch.uint8, device=dev), backend=backend)  # type: ignore[arg-type]
+                           torch.empty(0, dtype=torch.uint8, device=dev), backend=backend,  # type: ignore[arg-type]
+                           syndromes=True)
+    spare = torch.zeros(h1 * pb, dtype=torch.uint8, device=dev)
+    work.syndromes_of(spare, work.tier1)  # the load: S = W P
+    calls += 1
     for lost_data in range(1, min(h1, pages) + 1):
         work.rebuild(range(lost_data))
         calls += 1
@@ -182,10 +187,13 @@ def _warm_group(cfg: ErasureConfig, pages: int, run_pages: int, dev: torch.devic
         old, new = undo[: k * pb], data[: k * pb]
         if k > 1:  # a run of whole pages is a [k, page] view, as the updater passes it
             old, new = old.view(k, pb), new.view(k, pb)
-        work.update_pages(work.tier1, 0, k, 0, old, new)
-        calls += 1
-    if h2:  # the flush encodes tier 2 of the working parity where it lives
-        group.encode_tier2_of(work.tier1, torch.zeros(h2 * pb, dtype=torch.uint8, device=dev))
+        work.update_pages(spare, 0, k, 0, old, new, parity_in=work.tier1)  # a chunk's first fold
+        work.update_pages(work.tier1, 0, k, 0, old, new)  # a later fold into the same range
+        calls += 2
+    work.parity_of(work.tier1, spare)  # the flush: P = W^-1 S
+    calls += 1
+    if h2:  # the flush encodes tier 2 of the staged parity where it lives
+        group.encode_tier2_of(spare, torch.zeros(h2 * pb, dtype=torch.uint8, device=dev))
         calls += 1
     return calls
 

@@ -23,7 +23,7 @@ from leto.erasure import ErasureConfig
 from leto.preinit import warmup
 from tests.updater.rig import KillAt, Killed, Rig, model
 from tests.updater.test_rmu import _step
-from triton_kernels import adamw_rmu, gf16_mac
+from triton_kernels import adamw_rmu, gf16_mac, gf16_syndrome
 
 # D=6 with 4 KiB pages (the replicas use 2 KiB), H1=3, H2=1; chunks of several kernel blocks.
 ERASURE = ErasureConfig(page_bytes=4096, data_pages=6, tier1_parity=3, tier2_parity=1)
@@ -66,8 +66,10 @@ class Recorder:
 
 @pytest.fixture
 def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
-    rec = {"gf16_mac": Recorder(gf16_mac._gf16_mac_kernel), "adamw_rmu": Recorder(adamw_rmu._adamw_undo_kernel)}
+    rec = {"gf16_mac": Recorder(gf16_mac._gf16_mac_kernel), "adamw_rmu": Recorder(adamw_rmu._adamw_undo_kernel),
+           "gf16_syndrome": Recorder(gf16_syndrome._syndrome_kernel)}
     monkeypatch.setattr(gf16_mac, "_gf16_mac_kernel", rec["gf16_mac"])
+    monkeypatch.setattr(gf16_syndrome, "_syndrome_kernel", rec["gf16_syndrome"])
     monkeypatch.setattr(adamw_rmu, "_adamw_undo_kernel", rec["adamw_rmu"])
     return rec
 

@@ -1,0 +1,168 @@
+"""The RMU's per-chunk parity fold: generic GF(2^16) kernel vs the Horner syndrome kernel.
+
+One protection group of D = 1024 two-MiB pages (2 GiB) with H1 = 16, on one GPU. For chunk
+lengths k it times the fold of every chunk of the group (CUDA events, eager calls as the
+updater makes them) through the public ``ProtectionGroup.update_pages``:
+
+* ``generic``: the parity-form group (``gf16_mac``: a 16x16 GF(2) product per page and
+  parity page), in place: what the updater did before;
+* ``syndrome``: the syndrome-form group (``gf16_syndrome``: Horner in fixed constants),
+  in place and out of place (reads Q[sel], writes Q[1-sel]: what the updater does now).
+
+"vs copy" is the rate for the bytes a fold must move (``2 k`` data pages + ``2 H1`` parity
+ranges) over the read+write rate of a device copy of the group measured in the same run.
+Also: the load / flush conversions (``syndromes_of`` / ``parity_of``) per group, and checks
+that the syndrome kernel equals the generic kernel on the same matrix (on the GPU, 2 GiB)
+and the PyTorch reference (small). Exits non-zero if a check fails.
+
+    python3 bench/syndrome_gpu.py --json $OUT/syndrome_gpu.json
+    python3 bench/syndrome_gpu.py --tiny          # CPU dry run (Triton interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _timed(fn, dev: torch.device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run in Triton's interpreter")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from leto.erasure import ErasureConfig, ProtectionGroup
+    from leto.erasure.bitslice import TILE_BYTES, mac_pages, plane_masks
+    from triton_kernels import gf16_syndrome
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    dev = torch.device("cuda" if cuda else "cpu")
+    pb, d, h = (2 << 20, 1024, 16) if not args.tiny else (TILE_BYTES, 16, 16)
+    ks = (1, 8, 32, 64, 1024) if not args.tiny else (1, 4)
+    reps = args.reps if not args.tiny else 1
+    cfg = ErasureConfig(page_bytes=pb, data_pages=d, tier1_parity=h, tier2_parity=0)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(n: int) -> torch.Tensor:
+        return torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=dev, generator=gen).view(torch.uint8)
+
+    data, new = rnd(d * pb), rnd(d * pb)
+    empty = torch.empty(0, dtype=torch.uint8, device=dev)
+    q = [rnd(h * pb) for _ in range(2)]
+    parity_form = ProtectionGroup(cfg, data, q[0], empty, backend="triton")
+    syn = ProtectionGroup(cfg, data, q[0], empty, backend="triton", syndromes=True)
+    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                 "page_bytes": pb, "data_pages": d, "tier1": h, "date": time.strftime("%Y-%m-%d")}
+
+    # checks: kernel == generic kernel on the syndrome matrix (big), == PyTorch reference (small)
+    start = q[0].clone()
+    syn.update_pages(q[0], 0, d, 0, data.view(d, pb), new.view(d, pb))
+    got = q[0].clone()
+    q[0].copy_(start)
+    masks = plane_masks(syn.code1.coef()).to(dev)
+    from triton_kernels.gf16_mac import gf16_mac_strided
+
+    gf16_mac_strided(masks, 0, d, new.view(torch.int32), pb // 4, q[0].view(torch.int32), 0, pb // 4, pb // TILE_BYTES,
+                     accumulate=True, src2=data.view(torch.int32), src2_stride=pb // 4)
+    checks = {"syndrome_equals_generic_kernel": bool(torch.equal(got, q[0]))}
+    sd, sh, sk = 40, 16, 5
+    small_cfg = ErasureConfig(page_bytes=2 * TILE_BYTES, data_pages=sd, tier1_parity=sh, tier2_parity=0)
+    sdata, snew, sq = rnd(sk * 2 * TILE_BYTES), rnd(sk * 2 * TILE_BYTES), rnd(sh * 2 * TILE_BYTES)
+    sg = ProtectionGroup(small_cfg, torch.zeros(sd * 2 * TILE_BYTES, dtype=torch.uint8, device=dev), sq.clone(), empty,
+                         backend="triton", syndromes=True)
+    ref = sq.cpu().clone()
+    n = 2 * TILE_BYTES
+    mac_pages([row[7 : 7 + sk] for row in sg.code1.coef()], [snew.cpu()[i * n : (i + 1) * n] for i in range(sk)],
+              [ref[p * n : (p + 1) * n] for p in range(sh)], accumulate=True,
+              srcs_xor=[sdata.cpu()[i * n : (i + 1) * n] for i in range(sk)])
+    sout = torch.empty_like(sq)
+    sg.update_pages(sout, 7, sk, 0, sdata, snew, parity_in=sq)
+    checks["syndrome_equals_reference"] = bool(torch.equal(sout.cpu(), ref))
+    p_of = torch.empty_like(q[0])
+    syn.parity_of(q[0], p_of)
+    back = torch.empty_like(q[0])
+    syn.syndromes_of(p_of, back)
+    checks["conversions_round_trip"] = bool(torch.equal(back, q[0]))
+    out["checks"] = checks
+    print("checks:", checks, flush=True)
+    if not all(checks.values()):
+        raise SystemExit("syndrome_gpu: a check failed; the timings would be meaningless")
+
+    dst = torch.empty_like(data)
+    t_copy = _timed(lambda: dst.copy_(data), dev, reps)
+    copy_rate = 2 * d * pb / t_copy
+    out["copy"] = {"ms": 1e3 * t_copy, "traffic_GBps": copy_rate / 1e9}
+    print(f"copy {d * pb / 2**30:.2f} GiB: {1e3 * t_copy:.3f} ms ({copy_rate / 1e9:.0f} GB/s read+write)", flush=True)
+    pages_old, pages_new = data.view(d, pb), new.view(d, pb)
+    rows = []
+    for kk in ks:
+        chunks = list(range(0, d - kk + 1, kk))
+
+        def fold(group: ProtectionGroup, out_of_place: bool, kk: int = kk, chunks: list = chunks) -> None:
+            for j0 in chunks:
+                if out_of_place:
+                    group.update_pages(q[1], j0, kk, 0, pages_old[j0 : j0 + kk], pages_new[j0 : j0 + kk], parity_in=q[0])
+                else:
+                    group.update_pages(q[0], j0, kk, 0, pages_old[j0 : j0 + kk], pages_new[j0 : j0 + kk])
+
+        moved = 2 * kk * pb + 2 * h * pb
+        for name, group, oop in (("generic", parity_form, False), ("syndrome", syn, False),
+                                 ("syndrome, out of place", syn, True)):
+            t = _timed(lambda g=group, o=oop: fold(g, o), dev, reps) / len(chunks)
+            row = {"k": kk, "kernel": name, "us_per_chunk": 1e6 * t, "group_ms": 1e3 * t * len(chunks),
+                   "vs_copy": moved / t / copy_rate}
+            rows.append(row)
+            print(f"k={kk:5d} {name:24s} {1e6 * t:10.1f} us/chunk  group {1e3 * t * len(chunks):8.2f} ms  "
+                  f"{row['vs_copy']:5.2f}x copy", flush=True)
+    out["folds"] = rows
+    t_to = _timed(lambda: syn.syndromes_of(p_of, back), dev, reps)
+    t_from = _timed(lambda: syn.parity_of(q[0], p_of), dev, reps)
+    out["conversions_ms"] = {"syndromes_of": 1e3 * t_to, "parity_of": 1e3 * t_from}
+    print(f"conversions per group: syndromes_of {1e3 * t_to:.3f} ms, parity_of {1e3 * t_from:.3f} ms", flush=True)
+    if cuda:
+        ck = gf16_syndrome._syndrome_kernel
+        try:
+            compiled = next(iter(ck.device_caches[torch.cuda.current_device()][0].values()))
+            out["syndrome_kernel"] = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills}
+            print("syndrome kernel:", out["syndrome_kernel"], flush=True)
+        except Exception as e:  # noqa: BLE001 - the registers are a note, not a result
+            print(f"syndrome kernel registers unavailable: {e}", flush=True)
+    path = args.json or (Path(os.environ["OUT"]) / "syndrome_gpu.json" if os.environ.get("OUT")
+                         else REPO / "bench" / "results" / "syndrome_gpu.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"json {path}")
+
+
+if __name__ == "__main__":
+    main()
