@@ -291,7 +291,8 @@ def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_len
 
     Parameters and gradients of the cut model, activations per layer after Korthikanti et
     al. (34sbh + 5as²b bytes at 16 bits, scaled to the compute dtype), the logits with their
-    fp32 copy and gradient."""
+    fp32 copy and gradient; plus 64 MiB that do not scale with the model (cuBLAS workspaces
+    of a first GEMM kind, compiled kernels' scratch)."""
     tp = config.tensor_model_parallel_size
     h, ffn, heads = config.hidden_size, config.ffn_hidden_size, config.num_attention_heads
     s, b = seq_length, micro_batch_size
@@ -301,7 +302,7 @@ def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_len
     params = vocab_size // tp * h + max_sequence_length * h + config.num_layers * per_layer + 2 * h
     layer_act = act_b * s * b * h * 17 + act_b * 5 * heads // tp * s * s * b // 2
     logits = s * b * vocab_size // tp * (act_b + 8)
-    return int(1.25 * (2 * param_b * params + config.num_layers * layer_act + logits))
+    return int(1.25 * (2 * param_b * params + config.num_layers * layer_act + logits)) + (64 << 20)
 
 
 def adamw(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
