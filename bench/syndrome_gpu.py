@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run in Triton's interpreter")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time launch shapes (block x warps) at k=64")
+    ap.add_argument("--ncu", action="store_true", help="one k=64 syndrome fold and exit (run under ncu)")
     args = ap.parse_args()
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -84,6 +86,12 @@ def main() -> None:
     out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "page_bytes": pb, "data_pages": d, "tier1": h, "date": time.strftime("%Y-%m-%d")}
 
+    if args.ncu:
+        kk = min(64, d)
+        syn.update_pages(q[1], 0, kk, 0, data.view(d, pb)[:kk], new.view(d, pb)[:kk], parity_in=q[0])
+        if cuda:
+            torch.cuda.synchronize()
+        return
     # checks: kernel == generic kernel on the syndrome matrix (big), == PyTorch reference (small)
     start = q[0].clone()
     syn.update_pages(q[0], 0, d, 0, data.view(d, pb), new.view(d, pb))
@@ -145,6 +153,29 @@ def main() -> None:
             print(f"k={kk:5d} {name:24s} {1e6 * t:10.1f} us/chunk  group {1e3 * t * len(chunks):8.2f} ms  "
                   f"{row['vs_copy']:5.2f}x copy", flush=True)
     out["folds"] = rows
+    if args.sweep:
+        sc = gf16_syndrome.scale_masks(d, dev)
+        kk, sweep = 64, []
+        want = None
+        for block, warps in ((64, 2), (32, 1), (64, 1), (128, 4), (128, 2), (128, 1), (256, 4), (256, 8)):
+            def run(block: int = block, warps: int = warps) -> None:
+                for j0 in range(0, d, kk):
+                    gf16_syndrome.syndrome_update(sc, j0, kk, new.view(torch.int32)[j0 * pb // 4 :], pb // 4,
+                                                  data.view(torch.int32)[j0 * pb // 4 :], pb // 4,
+                                                  q[0].view(torch.int32), q[1].view(torch.int32), 0, pb // 4, h,
+                                                  pb // TILE_BYTES, block=block, num_warps=warps)
+            try:
+                run()
+                ok = want is None or torch.equal(q[1], want)
+                want = q[1].clone() if want is None else want
+                t = _timed(run, dev, reps) / d
+            except Exception as e:  # noqa: BLE001 - a shape that does not compile is reported
+                print(f"sweep {block}x{warps}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            sweep.append({"block": block, "num_warps": warps, "us_per_page": 1e6 * t, "ok": ok})
+            print(f"sweep block {block:4d} warps {warps}: {1e6 * t:8.2f} us/page (k={kk}){'' if ok else '  WRONG'}",
+                  flush=True)
+        out["sweep"] = sweep
     t_to = _timed(lambda: syn.syndromes_of(p_of, back), dev, reps)
     t_from = _timed(lambda: syn.parity_of(q[0], p_of), dev, reps)
     out["conversions_ms"] = {"syndromes_of": 1e3 * t_to, "parity_of": 1e3 * t_from}

@@ -32,15 +32,19 @@ half is the fastest grid axis, so both read the same deltas from L2).
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 64
-"""Columns (32-symbol words) per program: one per thread at 2 warps."""
-NUM_WARPS = 2
+TUNING = {"block": 64, "num_warps": 2}
+"""Columns (32-symbol words) per program and warps per program (one column per thread at
+64/2). ``LETO_SYNDROME_TUNING=BLOCKxWARPS`` overrides it (bench/syndrome_gpu.py --sweep)."""
+if os.environ.get("LETO_SYNDROME_TUNING"):
+    _b, _w = os.environ["LETO_SYNDROME_TUNING"].split("x")
+    TUNING = {"block": int(_b), "num_warps": int(_w)}
 MAX_PARITY = 16
 """Syndromes per launch: two halves of 8 accumulators."""
 _SCALE_WORDS = tl.constexpr(MAX_PARITY * 256)
@@ -173,14 +177,16 @@ def syndrome_update(
     q_stride: int,
     n_parity: int,
     n_tiles: int,
+    **launch: int,
 ) -> object:
     """``q_out[p] = q_in[p] ^ sum_(i<k) a^(p (first_page + i)) (old_i ^ new_i)``, ``p < n_parity``.
 
     Page ``i`` of the chunk starts at word ``i * new_stride`` of ``new`` (``old`` alike),
     syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
     tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
-    :func:`scale_masks` of the code's D. int32 views on one device; one launch. Returns
-    Triton's compiled-kernel handle (None under the interpreter).
+    :func:`scale_masks` of the code's D. int32 views on one device; one launch. ``launch``
+    may override ``block`` and ``num_warps``. Returns Triton's compiled-kernel handle (None
+    under the interpreter).
     """
     if not 0 < n_parity <= MAX_PARITY:
         raise ValueError(f"the syndrome kernel takes 1..{MAX_PARITY} syndromes, got {n_parity}")
@@ -192,7 +198,8 @@ def syndrome_update(
     if k == 0 or n_tiles == 0:
         return None
     n_cols = n_tiles * 32
-    grid = (triton.cdiv(n_parity, 8), triton.cdiv(n_cols, BLOCK))
+    block, warps = launch.get("block", TUNING["block"]), launch.get("num_warps", TUNING["num_warps"])
+    grid = (triton.cdiv(n_parity, 8), triton.cdiv(n_cols, block))
     return _syndrome_kernel[grid](new, old, new_stride, old_stride, k, scale, first_page,
                                   q_in, q_out, q_base, q_stride, n_parity, n_cols,
-                                  BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                  BLOCK=block, num_warps=warps)

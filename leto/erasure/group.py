@@ -13,6 +13,7 @@ allocated per call and freed.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ from leto.erasure.config import ErasureConfig
 from leto.erasure.rs import CauchyCode, DecodePlan, GRSCode
 
 logger = logging.getLogger(__name__)
+
+SYNDROME_KERNEL = os.environ.get("LETO_SYNDROME_KERNEL", "1") != "0"
+"""Fold syndrome-form chunks on CUDA with the Horner kernel (``triton_kernels.gf16_syndrome``);
+``LETO_SYNDROME_KERNEL=0`` uses the generic kernel on the syndrome matrix instead (same
+bytes; a benchmark switch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +287,8 @@ class ProtectionGroup:
             if parity_in is not None:
                 parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(parity_in.view(h1, pb)[:, byte_offset : byte_offset + n])
             return
-        if self._on_device() and parity.device == old.device == new.device and self.syndromes and h1 <= 16:
+        if (self._on_device() and parity.device == old.device == new.device and self.syndromes and h1 <= 16
+                and SYNDROME_KERNEL):
             from triton_kernels.gf16_syndrome import scale_masks, syndrome_update
 
             q = parity.view(torch.int32)
