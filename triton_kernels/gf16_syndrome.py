@@ -18,15 +18,21 @@ symbols for H = 16 (about 10 lane-ops per changed byte instead of 64), and the g
 product is paid once per chunk, for the scale ``a^(p j0)`` (masks from a per-``j0`` table
 on the device, built once per code shape).
 
+Four accumulators per program, not eight: with eight (``[16, BLOCK]`` each, 128 registers)
+the H200's ptxas spilled in the page loop (ncu: 1.57 M local-memory requests per launch,
+L1 72 % busy, DRAM 3 %) and the kernel ran at 57 us per 2 MiB page, 3.7x slower than the
+generic kernel. Quarters read each delta four times, from L2 (DRAM was 3 % busy).
+
 How the constant multiply compiles: :func:`_times_alpha` shifts the planes as
 ``sum(S & x)`` with the shift matrix ``S`` built from ``tl.arange`` comparisons (one term
 per row, so the sum is the XOR) and XORs the top plane into the feedback taps. The plane
 axis lies inside one thread, so ``S``'s entries are constants after unrolling and LLVM
 folds ``x & -1``, ``x & 0`` and ``y + 0`` away: three XORs remain (checked in the PTX,
 docs/ERASURE.md). Sums rather than XOR reductions because Triton's interpreter runs custom
-reductions element by element in Python (2-3 s per call) but sums in numpy. Each program holds 8 parity accumulators of ``[16, BLOCK]`` (one column
-of 32 symbols per thread, ~180 registers); H > 8 runs as two halves in one launch (the
-half is the fastest grid axis, so both read the same deltas from L2).
+reductions element by element in Python (2-3 s per call) but sums in numpy.
+Each program holds 4 parity accumulators of ``[16, BLOCK]`` (one column of 32 symbols per
+thread); H > 4 runs as up to four quarters in one launch (the quarter is the fastest grid
+axis, so they read the same deltas from L2).
 """
 
 from __future__ import annotations
@@ -39,14 +45,14 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 64, "num_warps": 2}
+TUNING = {"block": 32, "num_warps": 1}
 """Columns (32-symbol words) per program and warps per program (one column per thread at
-64/2). ``LETO_SYNDROME_TUNING=BLOCKxWARPS`` overrides it (bench/syndrome_gpu.py --sweep)."""
+32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS`` overrides it (bench/syndrome_gpu.py --sweep)."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     _b, _w = os.environ["LETO_SYNDROME_TUNING"].split("x")
     TUNING = {"block": int(_b), "num_warps": int(_w)}
 MAX_PARITY = 16
-"""Syndromes per launch: two halves of 8 accumulators."""
+"""Syndromes per launch: four quarters of 4 accumulators."""
 _SCALE_WORDS = tl.constexpr(MAX_PARITY * 256)
 """Masks per ``j0`` in the scale table (16 syndromes x 16 x 16 planes)."""
 
@@ -90,16 +96,13 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 
 
 @triton.jit
-def _half(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-          n_par, offs, ok, P0: tl.constexpr, BLOCK: tl.constexpr):
+def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
+             n_par, offs, ok, P0: tl.constexpr, BLOCK: tl.constexpr):
+    """Syndromes ``P0 .. P0 + 3`` of the program's columns: Horner over the k pages."""
     a0 = tl.zeros([16, BLOCK], dtype=tl.int32)
     a1 = tl.zeros([16, BLOCK], dtype=tl.int32)
     a2 = tl.zeros([16, BLOCK], dtype=tl.int32)
     a3 = tl.zeros([16, BLOCK], dtype=tl.int32)
-    a4 = tl.zeros([16, BLOCK], dtype=tl.int32)
-    a5 = tl.zeros([16, BLOCK], dtype=tl.int32)
-    a6 = tl.zeros([16, BLOCK], dtype=tl.int32)
-    a7 = tl.zeros([16, BLOCK], dtype=tl.int32)
     for r in range(k):
         page = tl.cast(k - 1 - r, tl.int64)  # Horner: the last page first
         d = tl.load(new_ptr + page * new_stride + offs, mask=ok, other=0)
@@ -108,35 +111,33 @@ def _half(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q
         a1 = _times_alpha_pow(a1, P0 + 1) ^ d
         a2 = _times_alpha_pow(a2, P0 + 2) ^ d
         a3 = _times_alpha_pow(a3, P0 + 3) ^ d
-        a4 = _times_alpha_pow(a4, P0 + 4) ^ d
-        a5 = _times_alpha_pow(a5, P0 + 5) ^ d
-        a6 = _times_alpha_pow(a6, P0 + 6) ^ d
-        a7 = _times_alpha_pow(a7, P0 + 7) ^ d
     _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
     _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
     _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
     _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
-    _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
-    _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
-    _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
-    _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
 def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
                      q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr):
-    half = tl.program_id(0)
+    quarter = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     # word offset of plane b of each column within a page range (2 KiB tiles of 16 x 32 words)
     offs = tl.arange(0, 16)[:, None] * 32 + ((cols // 32) * 512 + cols % 32)[None, :]
     ok = (tl.arange(0, 16)[:, None] >= 0) & (cols < n_cols)[None, :]
     scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
-    if half == 0:
-        _half(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-              n_par, offs, ok, 0, BLOCK)
+    if quarter == 0:
+        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                 n_par, offs, ok, 0, BLOCK)
+    elif quarter == 1:
+        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                 n_par, offs, ok, 4, BLOCK)
+    elif quarter == 2:
+        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                 n_par, offs, ok, 8, BLOCK)
     else:
-        _half(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-              n_par, offs, ok, 8, BLOCK)
+        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                 n_par, offs, ok, 12, BLOCK)
 
 
 @functools.lru_cache(maxsize=8)
@@ -199,7 +200,7 @@ def syndrome_update(
         return None
     n_cols = n_tiles * 32
     block, warps = launch.get("block", TUNING["block"]), launch.get("num_warps", TUNING["num_warps"])
-    grid = (triton.cdiv(n_parity, 8), triton.cdiv(n_cols, block))
+    grid = (triton.cdiv(n_parity, 4), triton.cdiv(n_cols, block))
     return _syndrome_kernel[grid](new, old, new_stride, old_stride, k, scale, first_page,
                                   q_in, q_out, q_base, q_stride, n_parity, n_cols,
                                   BLOCK=block, num_warps=warps)
