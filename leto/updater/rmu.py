@@ -23,7 +23,8 @@ anywhere leaves a state from which the step can be finished exactly:
 
 The working parity is held as tier-1 *syndromes* (``leto.erasure.rs.GRSCode``): a chunk's
 fold is then a Horner sum in fixed constants (the Triton kernel of
-``triton_kernels.gf16_syndrome``), and the conversions cost 16 pages per group per step.
+``triton_kernels.gf16_syndrome``, opt-in with ``LETO_SYNDROME_KERNEL=1`` until it beats the
+generic kernel on a GPU), and the conversions cost 16 pages per group per step.
 
 All three buffers (undo, Q[0], Q[1]) are pool regions ("rmu.undo", "rmu.parity"), so they
 survive the trainer. On a GPU they are the memory the paper borrows from activations (they
@@ -315,8 +316,9 @@ class ResumableUpdater:
         fold into the same range accumulates in the spare. ``self._stale`` holds the ranges
         where the spare still lags (those the previous chunk wrote, on the other buffer):
         the ones this chunk does not rewrite are copied before the commit. Consecutive
-        chunks mostly rewrite the same whole-page ranges, so the per-chunk resync of
-        earlier versions (a copy of every range, ~40 ms per step on an H200) disappears.
+        chunks mostly rewrite the same whole-page ranges, so with the syndrome kernel the
+        per-chunk resync of earlier versions (a copy of every range, ~40 ms per step on an
+        H200) disappears; the generic kernel copies the range inside ``update_pages``.
         """
         assert self.protected is not None
         cfg, pb = self.protected.cfg, self.protected.cfg.page_bytes

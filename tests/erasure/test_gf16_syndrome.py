@@ -50,10 +50,13 @@ def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, se
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_syndrome_group_update_pages_and_conversions(backend: str) -> None:
+def test_syndrome_group_update_pages_and_conversions(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A syndrome-form group (the updater's working parity) updated chunk by chunk holds
     the syndromes of the data; ``parity_of`` gives the GRS parity bytes, ``syndromes_of``
     inverts it; a lost data page is rebuilt from the syndromes; lost syndromes are refused."""
+    import leto.erasure.group as erasure_group
+
+    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # the Horner kernel through update_pages
     cfg = ErasureConfig(page_bytes=2 * TILE_BYTES, data_pages=8, tier1_parity=9, tier2_parity=0)
     pb = cfg.page_bytes
     g = torch.Generator().manual_seed(3)

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
+import leto.erasure.group as erasure_group
 from leto.erasure import ErasureConfig
 from leto.preinit import warmup
 from tests.updater.rig import KillAt, Killed, Rig, model
@@ -70,6 +71,7 @@ def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
            "gf16_syndrome": Recorder(gf16_syndrome._syndrome_kernel)}
     monkeypatch.setattr(gf16_mac, "_gf16_mac_kernel", rec["gf16_mac"])
     monkeypatch.setattr(gf16_syndrome, "_syndrome_kernel", rec["gf16_syndrome"])
+    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # opt-in on GPUs: warm it too
     monkeypatch.setattr(adamw_rmu, "_adamw_undo_kernel", rec["adamw_rmu"])
     return rec
 
