@@ -306,9 +306,10 @@ def main() -> None:
         train_plain(args)
         return
 
-    ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
+    ctx = leto.init()  # a shadow pre-initialises here; at L3 it waits for promotion in retain()
     parallel = lm.ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size)
-    dp = lm.init_parallel(ctx, seed=args.seed, parallel=parallel)  # Megatron's parallel_state on Leto's group
+    # Megatron's parallel_state on Leto's group; a shadow below level 3 waits for promotion here
+    dp = lm.init_parallel(ctx, seed=args.seed, parallel=parallel)
     if ctx.rank == 0 and not ctx.is_shadow:
         print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}, DP {dp}), "
               f"backend {dist.get_backend()} on {ctx.device}", flush=True)
@@ -335,12 +336,18 @@ def main() -> None:
             base_s.append(baseline.step(it)[0])
         for group in opt.param_groups:
             group["lr"] = lr_at(it, args)
-        loss = forward_loss(model, get_batch(it, dp_rank(), args, ctx.device), args.bf16)
-        if first:
-            first.mark("forward")
-        loss.backward()
-        if first:
-            first.mark("backward")
+        batch = get_batch(it, dp_rank(), args, ctx.device)
+
+        def compute(batch: tuple[torch.Tensor, ...] = batch, first: FirstIteration | None = first) -> torch.Tensor:
+            loss = forward_loss(model, batch, args.bf16)
+            if first:
+                first.mark("forward")
+            loss.backward()
+            if first:
+                first.mark("backward")
+            return loss
+
+        loss = state.compute(compute)  # an OOM here reclaims the shadows and re-runs it (leto.preinit)
         state.step(loss=loss)
         _sync(ctx.device)
         if first:

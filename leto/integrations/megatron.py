@@ -47,7 +47,7 @@ import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from leto.trainer.state import RetainedState
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MEGATRON_VERSION = "0.16.1"
 """The megatron-core release this integration is written and tested against."""
@@ -122,12 +124,16 @@ class ParallelConfig:
 def init_parallel(ctx: Context, *, seed: int, parallel: ParallelConfig | None = None) -> int:
     """Megatron's ``parallel_state`` on Leto's process group; returns the data-parallel size.
 
-    Call right after ``leto.init()``, before ``retain``. Megatron builds its model from
-    ``parallel_state``, so a shadow needs its process group before promotion: shadow level 3
-    (the default); its ``new_group`` calls live under its generation's store prefix, apart
-    from the actives' groups. Under model parallelism ``ctx.grad_sync`` becomes Megatron's
-    data-parallel group and clipping rule (``megatron_grad_sync``). The RNG tracker is seeded
-    for model construction (``reseed_tracker(seed, -1)``).
+    Call right after ``leto.init()``, before building the model. Megatron builds its model
+    from ``parallel_state``, so it needs the process group first. A shadow at level 3 (the
+    default) has it before promotion: ``initialize_model_parallel`` runs now, its
+    ``new_group`` calls under its generation's store prefix, apart from the actives' groups.
+    A shadow at level 1 or 2 (configured, or lowered by the pre-initialisation controller
+    after an OOM reclaim) has no group: it waits for promotion here
+    (``Context.wait_for_promotion``), so Megatron's groups, the model on ``meta`` and the
+    optimizer are built at promotion. Under model parallelism ``ctx.grad_sync`` becomes
+    Megatron's data-parallel group and clipping rule (``megatron_grad_sync``). The RNG
+    tracker is seeded for model construction (``reseed_tracker(seed, -1)``).
     """
     require_megatron()
     import torch.distributed as dist
@@ -136,8 +142,11 @@ def init_parallel(ctx: Context, *, seed: int, parallel: ParallelConfig | None = 
     parallel = parallel or ParallelConfig()
     dp = parallel.data_parallel_size(ctx.world_size)
     if not dist.is_initialized():
-        raise ConfigError("Megatron builds its model from its process groups, so a shadow needs its group "
-                          "before promotion: run with shadow_level 3 (--shadow-level 3, the default)")
+        if not ctx.is_shadow:
+            raise ConfigError("lm.init_parallel needs leto.init()'s process group: call leto.init() first")
+        logger.info("[rank %d] shadow at level %d: Megatron's groups and model are built at promotion",
+                    ctx.rank, ctx.env.shadow_level)
+        ctx.wait_for_promotion()  # builds the world group
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -348,11 +357,23 @@ class MegatronState:
     state: RetainedState
     seed: int
     max_grad_norm: float | None = None
+    _step: int = dataclasses.field(default=-1, init=False)
 
     def steps(self, total: int) -> Iterator[int]:
         for step in self.state.steps(total):
+            self._step = step
             reseed_tracker(self.seed, step)
             yield step
+
+    def compute(self, fn: Callable[[], T]) -> T:
+        """``RetainedState.compute`` (forward and backward; an OOM reclaims the shadows and
+        re-runs them), with the tracker reseeded for each attempt: a retried step draws the
+        same dropout masks."""
+        def attempt() -> T:
+            reseed_tracker(self.seed, self._step)
+            return fn()
+
+        return self.state.compute(attempt)
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         self.state.step(max_grad_norm=self.max_grad_norm, loss=loss)

@@ -260,6 +260,16 @@ class Context:
         optimizer.register_step_pre_hook(hb.beat)
         optimizer.register_step_post_hook(hb.beat)
 
+    def wait_for_promotion(self) -> None:
+        """Block a shadow until its generation is promoted; its process group exists afterwards.
+
+        ``retain()`` does this for every shadow. An integration whose model construction
+        needs the process group (Megatron's ``parallel_state``) calls it before building
+        when the shadow has no group yet (levels 1 and 2): everything after it then runs at
+        promotion. A no-op in an active or a promoted trainer."""
+        if self.is_shadow:
+            self._wait_for_promotion()
+
     def _wait_for_own_shadow(self, timeout_s: float = 300.0) -> None:
         """Until this rank's shadow waits for promotion (a fault that needs it ready); the
         heartbeat beats meanwhile: waiting on purpose is not a hang."""
