@@ -93,6 +93,39 @@ def test_parallel_config_takes_tensor_parallelism_only():
         ParallelConfig(pipeline_model_parallel_size=0)
 
 
+class GrouplessCtx:
+    """A trainer that has no process group yet (a shadow below level 3, or no leto.init())."""
+
+    def __init__(self, is_shadow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.is_shadow, self.world_size, self.rank = is_shadow, 1, 0
+        self.env = SimpleNamespace(shadow_level=1)
+        self.grad_sync = None
+        self.waited = 0
+        self._monkeypatch = monkeypatch
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def wait_for_promotion(self) -> None:  # Context's: promoted, the world group built
+        self.waited += 1
+        self.is_shadow = False
+        self._monkeypatch.undo()
+
+
+def test_low_level_shadow_builds_parallel_state_at_promotion(parallel, monkeypatch):
+    ctx = GrouplessCtx(is_shadow=True, monkeypatch=monkeypatch)
+    assert parallel.init_parallel(ctx, seed=7) == 1
+    assert ctx.waited == 1 and not ctx.is_shadow
+    assert ctx.grad_sync is not None and ctx.grad_sync.group is None
+
+
+def test_init_parallel_without_a_group_is_a_config_error(megatron, monkeypatch):
+    from leto.integrations import megatron as lm
+
+    ctx = GrouplessCtx(is_shadow=False, monkeypatch=monkeypatch)
+    with pytest.raises(ConfigError, match="call leto.init"):
+        lm.init_parallel(ctx, seed=7)
+    assert ctx.waited == 0
+
+
 def test_grad_sync_without_model_parallelism_is_the_default(parallel):
     lm = parallel
     sync = lm.megatron_grad_sync()
