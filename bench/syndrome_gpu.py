@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="also time launch shapes (block x warps) at k=64")
+    ap.add_argument("--diag", action="store_true",
+                    help="also time the kernel without its multiplications (loads alone) per launch shape")
+    ap.add_argument("--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)")
     ap.add_argument("--ncu", action="store_true", help="one k=64 syndrome fold and exit (run under ncu)")
     args = ap.parse_args()
     if args.tiny:
@@ -71,6 +74,8 @@ def main() -> None:
     dev = torch.device("cuda" if cuda else "cpu")
     pb, d, h = (2 << 20, 1024, 16) if not args.tiny else (TILE_BYTES, 16, 16)
     ks = (1, 8, 32, 64, 1024) if not args.tiny else (1, 4)
+    if args.ks:
+        ks = tuple(int(x) for x in args.ks.split(","))
     reps = args.reps if not args.tiny else 1
     cfg = ErasureConfig(page_bytes=pb, data_pages=d, tier1_parity=h, tier2_parity=0)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -153,28 +158,31 @@ def main() -> None:
             print(f"k={kk:5d} {name:24s} {1e6 * t:10.1f} us/chunk  group {1e3 * t * len(chunks):8.2f} ms  "
                   f"{row['vs_copy']:5.2f}x copy", flush=True)
     out["folds"] = rows
-    if args.sweep:
+    if args.sweep or args.diag:
         sc = gf16_syndrome.scale_masks(d, dev)
-        kk, sweep = 64, []
+        kk, sweep = min(64, d), []
         want = None
-        for block, warps in ((64, 2), (32, 1), (64, 1), (128, 4), (128, 2), (128, 1), (256, 4), (256, 8)):
-            def run(block: int = block, warps: int = warps) -> None:
+        shapes = ((32, 1), (64, 2), (128, 4), (64, 1), (128, 2)) if args.sweep else ((32, 1),)
+        variants = [(b, w, m) for b, w in shapes for m in ((True, False) if args.diag else (True,))]
+        for block, warps, math in variants:
+            def run(block: int = block, warps: int = warps, math: bool = math) -> None:
                 for j0 in range(0, d, kk):
                     gf16_syndrome.syndrome_update(sc, j0, kk, new.view(torch.int32)[j0 * pb // 4 :], pb // 4,
                                                   data.view(torch.int32)[j0 * pb // 4 :], pb // 4,
                                                   q[0].view(torch.int32), q[1].view(torch.int32), 0, pb // 4, h,
-                                                  pb // TILE_BYTES, block=block, num_warps=warps)
+                                                  pb // TILE_BYTES, block=block, num_warps=warps, math=math)
             try:
                 run()
-                ok = want is None or torch.equal(q[1], want)
-                want = q[1].clone() if want is None else want
-                t = _timed(run, dev, reps) / d
+                ok = not math or want is None or torch.equal(q[1], want)
+                if math and want is None:
+                    want = q[1].clone()
+                t = _timed(run, dev, min(reps, 3)) / d
             except Exception as e:  # noqa: BLE001 - a shape that does not compile is reported
                 print(f"sweep {block}x{warps}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
-            sweep.append({"block": block, "num_warps": warps, "us_per_page": 1e6 * t, "ok": ok})
-            print(f"sweep block {block:4d} warps {warps}: {1e6 * t:8.2f} us/page (k={kk}){'' if ok else '  WRONG'}",
-                  flush=True)
+            sweep.append({"block": block, "num_warps": warps, "math": math, "us_per_page": 1e6 * t, "ok": ok})
+            print(f"sweep block {block:4d} warps {warps} {'full' if math else 'loads only'}: {1e6 * t:8.2f} us/page "
+                  f"(k={kk}){'' if ok else '  WRONG'}", flush=True)
         out["sweep"] = sweep
     t_to = _timed(lambda: syn.syndromes_of(p_of, back), dev, reps)
     t_from = _timed(lambda: syn.parity_of(q[0], p_of), dev, reps)

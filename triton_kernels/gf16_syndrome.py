@@ -97,20 +97,31 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 
 @triton.jit
 def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-             n_par, offs, ok, P0: tl.constexpr, BLOCK: tl.constexpr):
+             n_par, offs, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr):
     """Syndromes ``P0 .. P0 + 3`` of the program's columns: Horner over the k pages."""
     a0 = tl.zeros([16, BLOCK], dtype=tl.int32)
     a1 = tl.zeros([16, BLOCK], dtype=tl.int32)
     a2 = tl.zeros([16, BLOCK], dtype=tl.int32)
     a3 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    # Horner from the last page; software-pipelined: page r+1's delta loads while page r folds
+    last = tl.cast(k - 1, tl.int64)
+    d = tl.load(new_ptr + last * new_stride + offs, mask=ok, other=0) ^ \
+        tl.load(old_ptr + last * old_stride + offs, mask=ok, other=0)
     for r in range(k):
-        page = tl.cast(k - 1 - r, tl.int64)  # Horner: the last page first
-        d = tl.load(new_ptr + page * new_stride + offs, mask=ok, other=0)
-        d = d ^ tl.load(old_ptr + page * old_stride + offs, mask=ok, other=0)
-        a0 = _times_alpha_pow(a0, P0 + 0) ^ d
-        a1 = _times_alpha_pow(a1, P0 + 1) ^ d
-        a2 = _times_alpha_pow(a2, P0 + 2) ^ d
-        a3 = _times_alpha_pow(a3, P0 + 3) ^ d
+        nxt = tl.cast(tl.maximum(k - 2 - r, 0), tl.int64)  # clamped: a redundant load at the end
+        dn = tl.load(new_ptr + nxt * new_stride + offs, mask=ok, other=0)
+        dn = dn ^ tl.load(old_ptr + nxt * old_stride + offs, mask=ok, other=0)
+        if MATH:
+            a0 = _times_alpha_pow(a0, P0 + 0) ^ d
+            a1 = _times_alpha_pow(a1, P0 + 1) ^ d
+            a2 = _times_alpha_pow(a2, P0 + 2) ^ d
+            a3 = _times_alpha_pow(a3, P0 + 3) ^ d
+        else:  # diagnostic (bench/syndrome_gpu.py --diag): the loads and one XOR, no multiply
+            a0 = a0 ^ d
+            a1 = a1 ^ d
+            a2 = a2 ^ d
+            a3 = a3 ^ d
+        d = dn
     _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
     _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
     _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
@@ -119,7 +130,8 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
 def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
-                     q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr):
+                     q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
+                     MATH: tl.constexpr = True):
     quarter = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     # word offset of plane b of each column within a page range (2 KiB tiles of 16 x 32 words)
@@ -128,16 +140,16 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, sca
     scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
     if quarter == 0:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 0, BLOCK)
+                 n_par, offs, ok, 0, BLOCK, MATH)
     elif quarter == 1:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 4, BLOCK)
+                 n_par, offs, ok, 4, BLOCK, MATH)
     elif quarter == 2:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 8, BLOCK)
+                 n_par, offs, ok, 8, BLOCK, MATH)
     else:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 12, BLOCK)
+                 n_par, offs, ok, 12, BLOCK, MATH)
 
 
 @functools.lru_cache(maxsize=8)
@@ -186,7 +198,8 @@ def syndrome_update(
     syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
     tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
     :func:`scale_masks` of the code's D. int32 views on one device; one launch. ``launch``
-    may override ``block`` and ``num_warps``. Returns Triton's compiled-kernel handle (None
+    may override ``block`` and ``num_warps``; ``math=False`` (diagnostic: wrong bytes) skips
+    the multiplications to time the loads alone. Returns Triton's compiled-kernel handle (None
     under the interpreter).
     """
     if not 0 < n_parity <= MAX_PARITY:
@@ -203,4 +216,4 @@ def syndrome_update(
     grid = (triton.cdiv(n_parity, 4), triton.cdiv(n_cols, block))
     return _syndrome_kernel[grid](new, old, new_stride, old_stride, k, scale, first_page,
                                   q_in, q_out, q_base, q_stride, n_parity, n_cols,
-                                  BLOCK=block, num_warps=warps)
+                                  BLOCK=block, MATH=launch.get("math", True), num_warps=warps)
