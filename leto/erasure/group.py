@@ -31,9 +31,9 @@ logger = logging.getLogger(__name__)
 SYNDROME_KERNEL = os.environ.get("LETO_SYNDROME_KERNEL", "0") == "1"
 """Fold syndrome-form chunks on CUDA with the Horner kernel (``triton_kernels.gf16_syndrome``)
 instead of the generic kernel on the syndrome matrix (same bytes). Off by default: on an
-H200 the Horner kernel measured slower than the generic one despite 6x fewer operations in
-its PTX (k=32 pages: 966 vs 521 us per chunk; BENCHMARKS.md, GPU session 3), for reasons
-not yet found. ``LETO_SYNDROME_KERNEL=1`` turns it on (bench/syndrome_gpu.py compares both)."""
+H200 the Horner kernel measured slower than the generic one (k=32 pages: 966 vs 521 us per
+chunk; BENCHMARKS.md, GPU session 3): the GPU image's Triton distributes its plane axis
+across threads, turning the constant multiplies into shuffles (docs/ERASURE.md). ``LETO_SYNDROME_KERNEL=1`` turns it on (bench/syndrome_gpu.py compares both)."""
 
 
 @dataclass(frozen=True, slots=True)
