@@ -18,19 +18,23 @@ symbols for H = 16 (about 10 lane-ops per changed byte instead of 64), and the g
 product is paid once per chunk, for the scale ``a^(p j0)`` (masks from a per-``j0`` table
 on the device, built once per code shape).
 
-Four accumulators per program, not eight: with eight (``[16, BLOCK]`` each, 128 registers)
+Four accumulators per program, not eight: with eight (16 planes each, 128 registers)
 the H200's ptxas spilled in the page loop (ncu: 1.57 M local-memory requests per launch,
 L1 72 % busy, DRAM 3 %) and the kernel ran at 57 us per 2 MiB page, 3.7x slower than the
 generic kernel. Quarters read each delta four times, from L2 (DRAM was 3 % busy).
 
-How the constant multiply compiles: :func:`_times_alpha` shifts the planes as
-``sum(S & x)`` with the shift matrix ``S`` built from ``tl.arange`` comparisons (one term
-per row, so the sum is the XOR) and XORs the top plane into the feedback taps. The plane
-axis lies inside one thread, so ``S``'s entries are constants after unrolling and LLVM
-folds ``x & -1``, ``x & 0`` and ``y + 0`` away: three XORs remain (checked in the PTX,
-docs/ERASURE.md). Sums rather than XOR reductions because Triton's interpreter runs custom
-reductions element by element in Python (2-3 s per call) but sums in numpy.
-Each program holds 4 parity accumulators of ``[16, BLOCK]`` (one column of 32 symbols per
+How the constant multiply compiles: the 16 planes are a tuple of 1-D ``[BLOCK]`` tensors
+and :func:`_times_alpha` renames them and XORs the top plane into the feedback taps, so it
+is three XORs by construction, whatever layout Triton picks. (A first form held the
+planes as one ``[16, BLOCK]`` tensor and relied on LLVM folding constant masks: PyPI's
+Triton kept the plane axis in one thread and folded it, but the GPU image's Triton spread
+the axis across threads and turned every multiply into shuffles and shared-memory layout
+conversions, 8x slower than the loads; docs/ERASURE.md.) Local AOT check with Triton 3.6
+for sm_90: the page loop is 98 (quarter 0) and 146 (quarter 1) XORs per page, no shuffles or barriers; ptxas
+spills in the scale epilogue (its 256 scalar mask loads per syndrome are hoisted), once per
+launch. Not yet measured on a GPU in this form.
+
+Each program holds 4 parity accumulators of 16 planes (one column of 32 symbols per
 thread); H > 4 runs as up to four quarters in one launch (the quarter is the fastest grid
 axis, so they read the same deltas from L2).
 """
@@ -58,22 +62,12 @@ _SCALE_WORDS = tl.constexpr(MAX_PARITY * 256)
 
 
 @triton.jit
-def _plane(x, b: tl.constexpr):
-    """Plane ``b`` of ``[16, BLOCK]`` planes as a ``[BLOCK]`` row (a one-term sum: folds
-    to a register read when compiled; a numpy sum in the interpreter)."""
-    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == b, x, 0), axis=0)
-
-
-@triton.jit
 def _times_alpha(x):
-    """``a * x`` on ``[16, BLOCK]`` bit planes: y[i] = x[i-1], x[15] feeds bits 0, 1, 3, 12."""
-    i = tl.arange(0, 16)[:, None]
-    k = tl.arange(0, 16)[None, :]
-    shift = tl.where(k == i - 1, -1, 0)  # one input per output row: the sum is the XOR
-    y = tl.sum(shift[:, :, None] & x[None, :, :], axis=1)
-    ii = tl.arange(0, 16)
-    taps = tl.where((ii == 0) | (ii == 1) | (ii == 3) | (ii == 12), -1, 0)
-    return y ^ (taps[:, None] & _plane(x, 15)[None, :])
+    """``a * x`` on 16 bit planes (a tuple of ``[BLOCK]`` words): y[i] = x[i-1], and x[15]
+    (the x^16 overflow, x^16 = x^12 + x^3 + x + 1) feeds bits 0, 1, 3 and 12."""
+    t = x[15]
+    return (t, x[0] ^ t, x[1], x[2] ^ t, x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11] ^ t, x[12],
+            x[13], x[14])
 
 
 @triton.jit
@@ -84,48 +78,71 @@ def _times_alpha_pow(x, E: tl.constexpr):
 
 
 @triton.jit
-def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok):
+def _xor(a, b):
+    return (a[0] ^ b[0], a[1] ^ b[1], a[2] ^ b[2], a[3] ^ b[3], a[4] ^ b[4], a[5] ^ b[5], a[6] ^ b[6], a[7] ^ b[7],
+            a[8] ^ b[8], a[9] ^ b[9], a[10] ^ b[10], a[11] ^ b[11], a[12] ^ b[12], a[13] ^ b[13], a[14] ^ b[14],
+            a[15] ^ b[15])
+
+
+@triton.jit
+def _load_planes(ptr, off, ok):
+    """The 16 planes of a range of 32-symbol columns (plane ``b`` is 32 words after ``b - 1``)."""
+    return (tl.load(ptr + off + 0 * 32, mask=ok, other=0), tl.load(ptr + off + 1 * 32, mask=ok, other=0),
+            tl.load(ptr + off + 2 * 32, mask=ok, other=0), tl.load(ptr + off + 3 * 32, mask=ok, other=0),
+            tl.load(ptr + off + 4 * 32, mask=ok, other=0), tl.load(ptr + off + 5 * 32, mask=ok, other=0),
+            tl.load(ptr + off + 6 * 32, mask=ok, other=0), tl.load(ptr + off + 7 * 32, mask=ok, other=0),
+            tl.load(ptr + off + 8 * 32, mask=ok, other=0), tl.load(ptr + off + 9 * 32, mask=ok, other=0),
+            tl.load(ptr + off + 10 * 32, mask=ok, other=0), tl.load(ptr + off + 11 * 32, mask=ok, other=0),
+            tl.load(ptr + off + 12 * 32, mask=ok, other=0), tl.load(ptr + off + 13 * 32, mask=ok, other=0),
+            tl.load(ptr + off + 14 * 32, mask=ok, other=0), tl.load(ptr + off + 15 * 32, mask=ok, other=0))
+
+
+@triton.jit
+def _delta(new_ptr, old_ptr, page, new_stride, old_stride, off, ok):
+    return _xor(_load_planes(new_ptr + page * new_stride, off, ok), _load_planes(old_ptr + page * old_stride, off, ok))
+
+
+@triton.jit
+def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok):
     """``q_out[p] = q_in[p] ^ c_p * acc`` with ``c_p``'s bit matrix from ``scale_ptr``."""
     if p < n_par:
-        where = q_base + p * q_stride + offs
-        y = tl.load(q_in + where, mask=ok, other=0)
-        for b in tl.static_range(16):
-            m = tl.load(scale_ptr + p * 256 + b * 16 + tl.arange(0, 16))  # out planes fed by plane b
-            y = y ^ (m[:, None] & _plane(acc, b)[None, :])
-        tl.store(q_out + where, y, mask=ok)
+        base = q_base + p * q_stride
+        for i in tl.static_range(16):
+            y = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
+            for b in tl.static_range(16):
+                y = y ^ (tl.load(scale_ptr + p * 256 + b * 16 + i) & acc[b])  # plane b -> plane i of c_p * x
+            tl.store(q_out + base + off + i * 32, y, mask=ok)
 
 
 @triton.jit
 def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-             n_par, offs, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr):
+             n_par, off, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr):
     """Syndromes ``P0 .. P0 + 3`` of the program's columns: Horner over the k pages."""
-    a0 = tl.zeros([16, BLOCK], dtype=tl.int32)
-    a1 = tl.zeros([16, BLOCK], dtype=tl.int32)
-    a2 = tl.zeros([16, BLOCK], dtype=tl.int32)
-    a3 = tl.zeros([16, BLOCK], dtype=tl.int32)
+    z = tl.zeros([BLOCK], dtype=tl.int32)
+    a0 = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+    a1 = a0
+    a2 = a0
+    a3 = a0
     # Horner from the last page; software-pipelined: page r+1's delta loads while page r folds
-    last = tl.cast(k - 1, tl.int64)
-    d = tl.load(new_ptr + last * new_stride + offs, mask=ok, other=0) ^ \
-        tl.load(old_ptr + last * old_stride + offs, mask=ok, other=0)
+    d = _delta(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok)
     for r in range(k):
         nxt = tl.cast(tl.maximum(k - 2 - r, 0), tl.int64)  # clamped: a redundant load at the end
-        dn = tl.load(new_ptr + nxt * new_stride + offs, mask=ok, other=0)
-        dn = dn ^ tl.load(old_ptr + nxt * old_stride + offs, mask=ok, other=0)
+        dn = _delta(new_ptr, old_ptr, nxt, new_stride, old_stride, off, ok)
         if MATH:
-            a0 = _times_alpha_pow(a0, P0 + 0) ^ d
-            a1 = _times_alpha_pow(a1, P0 + 1) ^ d
-            a2 = _times_alpha_pow(a2, P0 + 2) ^ d
-            a3 = _times_alpha_pow(a3, P0 + 3) ^ d
+            a0 = _xor(_times_alpha_pow(a0, P0 + 0), d)
+            a1 = _xor(_times_alpha_pow(a1, P0 + 1), d)
+            a2 = _xor(_times_alpha_pow(a2, P0 + 2), d)
+            a3 = _xor(_times_alpha_pow(a3, P0 + 3), d)
         else:  # diagnostic (bench/syndrome_gpu.py --diag): the loads and one XOR, no multiply
-            a0 = a0 ^ d
-            a1 = a1 ^ d
-            a2 = a2 ^ d
-            a3 = a3 ^ d
+            a0 = _xor(a0, d)
+            a1 = _xor(a1, d)
+            a2 = _xor(a2, d)
+            a3 = _xor(a3, d)
         d = dn
-    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
-    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
-    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
-    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, offs, ok)
+    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
@@ -134,22 +151,22 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, sca
                      MATH: tl.constexpr = True):
     quarter = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    # word offset of plane b of each column within a page range (2 KiB tiles of 16 x 32 words)
-    offs = tl.arange(0, 16)[:, None] * 32 + ((cols // 32) * 512 + cols % 32)[None, :]
-    ok = (tl.arange(0, 16)[:, None] >= 0) & (cols < n_cols)[None, :]
+    ok = cols < n_cols
+    # word offset of plane 0 of each column within a page range (2 KiB tiles of 16 x 32 words)
+    off = (cols // 32) * 512 + cols % 32
     scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
     if quarter == 0:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 0, BLOCK, MATH)
+                 n_par, off, ok, 0, BLOCK, MATH)
     elif quarter == 1:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 4, BLOCK, MATH)
+                 n_par, off, ok, 4, BLOCK, MATH)
     elif quarter == 2:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 8, BLOCK, MATH)
+                 n_par, off, ok, 8, BLOCK, MATH)
     else:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, offs, ok, 12, BLOCK, MATH)
+                 n_par, off, ok, 12, BLOCK, MATH)
 
 
 @functools.lru_cache(maxsize=8)
