@@ -20,7 +20,7 @@ Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
 UpdatePoint = Literal["boundary", "optimizer", "parity", "flush"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
-FaultKind = Literal["kill", "fatal", "hang", "device", "oom"]
+FaultKind = Literal["kill", "fatal", "hang", "device", "oom", "kill_shadow", "shadow_crash"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
@@ -61,7 +61,11 @@ class FaultSpec:
     failure turns fatal after promotion and the job takes the checkpoint path; oom: a real
     ``torch.OutOfMemoryError`` at the forward/backward point, raised only while the node's
     shadows hold device memory (L2, L3: as if their footprint made it fail): the
-    pre-initialisation controller reclaims them and the trainer retries the step."""
+    pre-initialisation controller reclaims them and the trainer retries the step;
+    kill_shadow: at (step, phase) the active waits until its rank's shadow is ready,
+    SIGKILLs that shadow and waits until the agent has retracted its readiness (the agent
+    relaunches it); shadow_crash: every shadow of the rank SIGKILLs itself during its
+    pre-initialisation, at every launch, never claimed (``step`` and ``phase`` unused)."""
     oom_bytes: int = 0
     """kind oom, CPU runs with ``leto.preinit.emulated_device_bytes``: the step's emulated
     activation demand beyond the trainer's usual memory (it decides the relaunch level)."""
@@ -92,6 +96,8 @@ class FaultSpec:
             raise ConfigError(f"fault kind {self.kind!r} is not one of {', '.join(FAULT_KINDS)}")
         if self.kind == "oom" and (self.phase not in ("forward", "backward") or self.erases):
             raise ConfigError("fault kind oom needs phase forward or backward (the compute phase) and erases no pages")
+        if self.kind in ("kill_shadow", "shadow_crash") and (self.erases or self.point is not None):
+            raise ConfigError(f"fault kind {self.kind} erases no pages and takes no update point")
         if self.oom_bytes < 0 or (self.oom_bytes and self.kind != "oom"):
             raise ConfigError(f"fault oom_bytes needs kind: oom and must be >= 0, got {self.oom_bytes}")
 

@@ -27,6 +27,8 @@ class Kind(str, Enum):
     SHADOWS_SPAWNED = "shadows_spawned"
     SHADOW_RECLAIMED = "shadow_reclaimed"
     SHADOW_LEVEL = "shadow_level"
+    SHADOW_DIED = "shadow_died"
+    SHADOWS_GIVEN_UP = "shadows_given_up"
     FAILURE_DETECTED = "failure_detected"
     EPOCH = "epoch"
     ACTIVES_STOPPED = "actives_stopped"

@@ -102,6 +102,20 @@ class GenerationLogsSpecs(DefaultLogsSpecs):
         return super().reify(tagged)
 
 
+SHADOW_DEATHS_LIMIT = 3
+"""Shadow generations that may die in a row before any became ready; then the agent stops
+relaunching them and the next failure takes the group-restart path."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProcessExit:
+    """How a watched process ended: by ``signal``, or with ``exitcode`` (both None: it was
+    reaped elsewhere, e.g. by torch's PContext, and its status is gone)."""
+
+    signal: int | None = None
+    exitcode: int | None = None
+
+
 class LetoAgent(FailurePolicy, LocalElasticAgent):
     """A LocalElasticAgent whose worker group survives trainer failures in place."""
 
@@ -131,6 +145,10 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._restart_reason = ""
         self._preinit: PreinitController | None = None
         self._launches: dict[int, int] = {}
+        self._shadow_deaths = 0
+        """Shadow generations that died in a row before every shadow became ready."""
+        self._no_shadows_reason = ""
+        """Why this node has no shadows although the job uses them (the group-restart reason)."""
         self.forkserver: ForkServer | None = None
         """Set by launch: group restarts start their workers from it (warm restarts)."""
         self.recoveries = 0
@@ -215,7 +233,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             self._board = HeartbeatBoard(worker_group.spec.local_world_size)
         self._hangs = HangWatch(self._board, self._leto.hang_timeout_s, self._leto.first_step_timeout_s)
         self._preinit = PreinitController(self._leto.preinit, self._leto.shadow_level, self._board)
-        self._launches = {}
+        self._launches, self._shadow_deaths, self._no_shadows_reason = {}, 0, ""
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
         self._events.emit(
             Kind.WORKERS_STARTED, restart=self._restart_count(), pids=pcontext.pids(),
@@ -233,6 +251,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
                 return self._follow(worker_group, record, None)
             self._watch_hangs(worker_group)
         self._detect_killed_active()
+        self._watch_shadows(worker_group)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and self._uses_leto and self._epochs is not None:
             return self._decide(worker_group, result)
@@ -305,6 +324,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         level = choice.level
         launch = self._launches.get(gen, -1) + 1
         self._launches[gen] = launch
+        self._no_shadows_reason = ""
         self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
         self._shadows = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
         self._preinit.spawned(level)
@@ -326,20 +346,11 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             return
         pids = list(self._pcontext.pids().values())
         for pid in pids:
-            fd = self._pidfds.get(pid)
-            if fd is None:
-                try:
-                    fd = self._pidfds[pid] = os.pidfd_open(pid)
-                except ProcessLookupError:
-                    continue
-                except OSError:  # no pidfds (e.g. gVisor): the base class's poll still sees it
-                    return
             try:
-                info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:  # already reaped by the base class: its business
-                continue
-            killed = info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-            if killed or (info is None and dying_signal(pid) is not None):
+                end = self._exit_of(pid)
+            except OSError:  # no pidfds (e.g. gVisor): the base class's poll still sees it
+                return
+            if end is not None and end.signal is not None:
                 self._detected_t, self._root_pid = time.time(), pid
                 for other in pids:
                     if other != pid:
@@ -348,6 +359,99 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
                         except ProcessLookupError:
                             pass
                 return
+
+    def _exit_of(self, pid: int) -> ProcessExit | None:
+        """How ``pid`` (a child) ended, without reaping it; None while it lives. A signal is
+        seen already while the kernel tears the process down (``dying_signal``). Raises
+        OSError when pidfds are unavailable."""
+        fd = self._pidfds.get(pid)
+        if fd is None:
+            try:
+                fd = self._pidfds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return ProcessExit()
+        try:
+            info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # already reaped (by torch's PContext)
+            return ProcessExit()
+        if info is None:
+            signo = dying_signal(pid)
+            return None if signo is None else ProcessExit(signal=signo)
+        if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            return ProcessExit(signal=info.si_status)
+        return ProcessExit(exitcode=info.si_status)
+
+    def _drop_pidfds(self, pids: Iterator[int] | list[int]) -> None:
+        for pid in pids:
+            fd = self._pidfds.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
+
+    def _dead_shadow(self) -> tuple[int, ProcessExit] | None:
+        """The first local shadow (local rank, how it ended) that is gone, else None."""
+        if self._shadows is None:
+            return None
+        for local_rank, pid in self._shadows.pids().items():
+            try:
+                end = self._exit_of(pid)
+            except OSError:  # no pidfds: torch's poll (it reaps) is all there is
+                result = self._shadows.wait(0)
+                if result is None:
+                    return None
+                failure = min(result.failures.values(), key=lambda f: f.timestamp, default=None)
+                return (failure.local_rank if failure else local_rank), ProcessExit(
+                    exitcode=failure.exitcode if failure else 0
+                )
+            if end is not None:
+                return local_rank, end
+        return None
+
+    def _watch_shadows(self, worker_group: WorkerGroup) -> None:
+        """A shadow that died before promotion (crash, OOM kill, SIGKILL): retract its
+        generation's readiness and relaunch it at the same level, unless shadows keep dying
+        (``SHADOW_DEATHS_LIMIT`` in a row before becoming ready): then none, and the next
+        failure restarts the group. The whole local generation goes: at L3 its shadows share
+        a process group that a dead member breaks."""
+        ctrl = self._preinit
+        if self._shadows is None or ctrl is None or ctrl.state is not ShadowState.LIVE or self._detected_t is not None:
+            return
+        dead = self._dead_shadow()
+        if dead is None:
+            if self._shadow_deaths and ctrl.ready():
+                self._shadow_deaths = 0  # a replacement made it: in-place recovery is back
+            return
+        assert self._store is not None
+        local_rank, end = dead
+        gen, level, pids = self._generation + 1, int(ctrl.level), self._shadows.pids()
+        self._store.delete_key(f"shadows/{gen}/{worker_group.group_rank}")  # not ready for a HOF
+        self._shadows.close(death_sig=signal.SIGKILL, timeout=5)  # returns once reaped
+        self._shadows = None
+        self._drop_pidfds(list(pids.values()))
+        ctrl.closed()  # clears the ready words on the board
+        self._shadow_deaths += 1
+        rank = worker_group.workers[local_rank].global_rank
+        self._events.emit(
+            Kind.SHADOW_DIED, gen=gen, rank=rank, level=level, pid=pids[local_rank], signal=end.signal,
+            exitcode=end.exitcode, deaths=self._shadow_deaths,
+        )
+        logger.warning(
+            "rank %d's shadow (gen %d, level %d, pid %d) died before promotion (%s)", rank, gen, level,
+            pids[local_rank], f"signal {end.signal}" if end.signal is not None else f"exit code {end.exitcode}",
+        )
+        why = ""
+        if worker_group.group_world_size > 1:
+            # As after a reclaim: the shadows of every node share one process group.
+            why = "multi-node job: a node's shadows cannot be relaunched alone"
+        elif self._shadow_deaths >= SHADOW_DEATHS_LIMIT:
+            why = f"shadows died {self._shadow_deaths} times in a row before becoming ready"
+        if why:
+            self._no_shadows_reason = f"rank {rank}'s shadow died; not relaunched ({why})"
+            ctrl.gave_up()
+            self._events.emit(Kind.SHADOWS_GIVEN_UP, gen=gen, rank=rank, level=level, deaths=self._shadow_deaths,
+                              reason=why)
+            logger.error("%s: the next failure restarts the group", self._no_shadows_reason)
+            return
+        self._spawn_shadows(worker_group, LevelChoice(level=ShadowLevel(level), reason="shadow_died"))
 
     def _close_pidfds(self) -> None:
         for fd in self._pidfds.values():
@@ -418,6 +522,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
 
     def _close_shadows(self, death_sig: signal.Signals = signal.SIGKILL) -> None:
         if self._shadows is not None:
+            self._drop_pidfds(list(self._shadows.pids().values()))
             self._shadows.close(death_sig=death_sig, timeout=5)
             self._shadows = None
         if self._preinit is not None:
@@ -448,6 +553,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         level = 0
         if self._shadows is not None and self._preinit.state is ShadowState.LIVE:
             level, t0, pids = int(self._preinit.level), time.time(), self._shadows.pids()
+            self._drop_pidfds(list(pids.values()))
             self._shadows.close(death_sig=signal.SIGKILL, timeout=5)  # returns once reaped
             self._shadows = None
             self._preinit.reclaimed()

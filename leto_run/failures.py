@@ -65,7 +65,7 @@ class FailurePolicy(_Base):
 
     def _local_shadows_ok(self) -> bool:
         return (
-            self._shadows is not None and self._shadows.wait(0) is None
+            self._shadows is not None and self._dead_shadow() is None
             and self._sm is not None and self._sm.alive()
         )
 
@@ -102,7 +102,8 @@ class FailurePolicy(_Base):
             and self._all_shadows_ready(worker_group)
         )
         reason = {
-            FailureClass.HOF: "trainer killed" if in_place else "trainer killed, no shadows ready on every node",
+            FailureClass.HOF: "trainer killed" if in_place else "trainer killed, no shadows ready on every node"
+            + (f" ({self._no_shadows_reason})" if self._no_shadows_reason else ""),
             FailureClass.FF: "fatal failure: hardware or retained state unusable",
             FailureClass.ERROR: "trainer exited with an error"
             + (" (no other node reported a failure: is another node's agent gone?)"

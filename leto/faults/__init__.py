@@ -65,6 +65,8 @@ class FaultInjector:
         """Called with a ``kind: oom`` fault's ``oom_bytes`` before it raises."""
         self.wait_for_shadow: Callable[[], None] = lambda: None
         """Returns once this rank's shadow is ready (faults with ``shadow_ready_steps_before``)."""
+        self.kill_shadow: Callable[[], None] = lambda: None
+        """Kills this rank's ready shadow, returns once the agent retracted it (``kind: kill_shadow``)."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -107,6 +109,10 @@ class FaultInjector:
                 continue
             if fault.kind == "oom" and not self.shadow_present():
                 continue  # emulates the shadows' footprint: without it the allocation would fit
+            if fault.kind == "shadow_crash":
+                continue  # fired by the shadows themselves (shadow_launched)
+            if fault.kind == "kill_shadow":
+                self.wait_for_shadow()  # a ready shadow is the one to kill (before the claim)
             if self._claim(i):
                 self.injected += 1
                 if on_fire is not None and fault.kind != "oom":  # the emulated aftermath first:
@@ -117,11 +123,26 @@ class FaultInjector:
                 )
                 if fault.kind == "oom":
                     self._raise_oom(fault)
+                if fault.kind == "kill_shadow":
+                    self.kill_shadow()
+                    continue
                 if fault.kind == "fatal":
                     self.report_fatal()
                 elif fault.kind == "device":
                     self.break_device()
                 os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+
+    def shadow_launched(self) -> None:
+        """Called by a shadow during its pre-initialisation: a ``kind: shadow_crash`` fault of
+        this rank kills it, at every launch (a shadow that cannot start; never claimed)."""
+        for i, fault in self._mine:
+            if fault.kind == "shadow_crash":
+                self.injected += 1
+                self.events.emit(
+                    Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase="preinit", fault=i, point=None,
+                    chunk=None, fault_kind=fault.kind,
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def _raise_oom(self, fault: FaultSpec) -> None:
         import torch

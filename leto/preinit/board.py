@@ -24,4 +24,9 @@ MEM_SEQ = 11
 SHADOW_READY = 12
 """shadow → trainers: its level once it is pre-initialised and waits (it holds its memory
 now); cleared by the agent when it spawns, reclaims or closes shadows."""
+SHADOW_PID = 13
+"""shadow → trainers: its pid, written with ``SHADOW_READY`` (test hooks kill it by this)."""
+SHADOWS_GIVEN_UP = 14
+"""agent → trainers: 1 once the agent stopped relaunching this node's shadows (they kept dying
+before becoming ready): none will be ready; cleared when shadows are spawned."""
 MEM_WORDS = (MEM_DEVICE, MEM_TOTAL, MEM_FREE, MEM_RESERVED, MEM_PEAK)

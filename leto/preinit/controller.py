@@ -32,8 +32,9 @@ class ShadowState(str, enum.Enum):
 
         NONE ──spawned──▶ LIVE ──reclaimed (an active's OOM)──▶ RECLAIMED
           ▲                │                                        │
-          └──closed────────┘ (promoted, group restart, job end)     │ spawned again, once
-          └──closed─────────────────────────────────────────────────┘ every active reported
+          └──closed────────┘ (promoted, group restart, job end,     │ spawned again, once
+          │                   died before promotion)                │ every active reported
+          └──closed─────────────────────────────────────────────────┘
     """
 
     NONE = "none"
@@ -62,6 +63,7 @@ class PreinitController:
         self._slots = range(hb_board.nslots)
         self._seq_at_reclaim: list[int] = []
         self._footprint = footprints(config.l2_bytes, config.l3_bytes)
+        self._give_up(False)
 
     def _to(self, state: ShadowState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -74,10 +76,23 @@ class PreinitController:
             self._board.set_word(slot, board.SHADOW_LEVEL, level)
 
     # -- transitions (the agent calls these as it spawns and stops shadows) ------------------
+    def _give_up(self, given_up: bool) -> None:
+        for slot in self._slots:
+            self._board.set_word(slot, board.SHADOWS_GIVEN_UP, int(given_up))
+
     def spawned(self, level: ShadowLevel) -> None:
         self._to(ShadowState.LIVE)
         self.level = level
+        self._give_up(False)
         self._publish_level(int(level))
+
+    def ready(self) -> bool:
+        """Every local shadow of the live generation has announced that it waits for promotion."""
+        return self.state is ShadowState.LIVE and all(self._board.word(s, board.SHADOW_READY) > 0 for s in self._slots)
+
+    def gave_up(self) -> None:
+        """The agent stopped relaunching shadows that keep dying: tell the trainers none is coming."""
+        self._give_up(True)
 
     def closed(self) -> None:
         """The shadows are gone for a reason other than a reclaim (or became the actives)."""

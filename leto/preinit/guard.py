@@ -24,6 +24,7 @@ Why the hook is a retry of the compute phase, and not one inside PyTorch's alloc
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from leto.events import EventLog, Kind
@@ -55,9 +56,18 @@ class OomGuard:
         """This rank's shadow is pre-initialised (it holds its device memory now)."""
         return self.shadow_level() > 0 and self._hb is not None and self._hb.word(board.SHADOW_READY) > 0
 
+    def shadow_pid(self) -> int:
+        """Pid of this rank's ready shadow (0: none announced since the agent spawned one)."""
+        return 0 if self._hb is None or not self.shadow_ready() else self._hb.word(board.SHADOW_PID)
+
+    def shadows_given_up(self) -> bool:
+        """The agent stopped relaunching this node's shadows (they kept dying): none will be ready."""
+        return self._hb is not None and self._hb.word(board.SHADOWS_GIVEN_UP) > 0
+
     def announce_ready(self, level: int) -> None:
         """Called by a shadow once it waits for promotion."""
         if self._hb is not None:
+            self._hb.set_word(board.SHADOW_PID, os.getpid())
             self._hb.set_word(board.SHADOW_READY, level)
 
     def shadows_hold_memory(self) -> bool:

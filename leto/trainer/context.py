@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -142,6 +143,7 @@ class Context:
         self.injector.shadow_present = self.preinit.shadows_hold_memory
         self.injector.on_oom = self.preinit.demand
         self.injector.wait_for_shadow = self._wait_for_own_shadow
+        self.injector.kill_shadow = self._kill_own_shadow
         self.checkpointer: Checkpointer | None = None
         self.promoted_at: float | None = None
         self._started = time.time()
@@ -275,8 +277,27 @@ class Context:
         heartbeat beats meanwhile: waiting on purpose is not a hang."""
         deadline = time.monotonic() + timeout_s
         while not self.preinit.shadow_ready():
+            if self.preinit.shadows_given_up():
+                logger.warning("[rank %d] the agent stopped relaunching shadows: none will be ready", self.rank)
+                return
             if time.monotonic() > deadline:
                 raise ProtocolError(f"rank {self.rank}: no shadow became ready within {timeout_s:.0f} s")
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
+            time.sleep(0.02)
+
+    def _kill_own_shadow(self, timeout_s: float = 300.0) -> None:
+        """SIGKILL this rank's ready shadow (``kind: kill_shadow``); return once the agent has
+        retracted its readiness, so the next step cannot trust the dead one."""
+        self._wait_for_own_shadow(timeout_s)
+        pid = self.preinit.shadow_pid()
+        if not pid:
+            raise ProtocolError(f"rank {self.rank}: no ready shadow to kill")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while self.preinit.shadow_pid() == pid:
+            if time.monotonic() > deadline:
+                raise ProtocolError(f"rank {self.rank}: the agent did not notice its shadow's death in {timeout_s:.0f} s")
             if self.heartbeat is not None:
                 self.heartbeat.beat()
             time.sleep(0.02)
@@ -368,6 +389,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         return ctx
     if env.role != ROLE_SHADOW:
         raise ProtocolError(f"unknown LETO_ROLE {env.role!r}")
+    ctx.injector.shadow_launched()  # a test hook: a shadow that dies in its pre-initialisation
     # L1 warms PyTorch on the CPU only: no CUDA context, no device memory (leto.preinit).
     warm_up(ctx.device if env.holds_device else torch.device("cpu"))
     if env.shadow_level >= 3:

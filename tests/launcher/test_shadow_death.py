@@ -1,0 +1,83 @@
+"""Shadows that die before promotion: the agent sees it, retracts them and relaunches them,
+or, when they keep dying, lets the next failure restart the group. Real leto-run jobs,
+2 CPU ranks, real SIGKILLs; digests equal the fault-free run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from leto.config import FaultSpec
+from leto_run.agent import SHADOW_DEATHS_LIMIT
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
+
+STEPS = 16
+SIGKILL = 9
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], set[str]]:
+    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS)
+
+
+def _kinds(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.mark.timeout(240)
+def test_killed_shadow_is_replaced_and_the_next_kill_recovers_in_place(tmp_path, reference) -> None:
+    faults = [
+        FaultSpec(rank=1, step=4, kind="kill_shadow"),  # returns once the agent retracted it
+        FaultSpec(rank=1, step=9, phase="backward", shadow_ready_steps_before=2),  # waits for the replacement
+    ]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(reference, events)
+    assert [e["fault_kind"] for e in _kinds(events, "fault_injected")] == ["kill_shadow", "kill"]
+    (died,) = _kinds(events, "shadow_died")
+    assert (died["rank"], died["gen"], died["signal"], died["exitcode"]) == (1, 1, SIGKILL, None), died
+    assert died["level"] == 3 and died["deaths"] == 1
+    launches = [(e["gen"], e["launch"]) for e in _kinds(events, "shadows_spawned")]
+    assert launches[:2] == [(1, 0), (1, 1)], launches  # the replacement, same generation, same level
+    assert _kinds(events, "shadows_spawned")[1]["level"] == 3
+    assert not _kinds(events, "shadows_given_up")
+    (epoch,) = _kinds(events, "epoch")
+    assert (epoch["action"], epoch["failure"]) == ("in_place", "hof")
+    promoted = _kinds(events, "promoted")
+    assert {e["rank"] for e in promoted} == {0, 1} and {e["gen"] for e in promoted} == {1}
+    # The promoted shadows are the replacement's: they announced ready after the death.
+    ready = [e for e in _kinds(events, "shadow_ready") if e["gen"] == 1 and e["t"] > died["t"]]
+    assert {e["rank"] for e in ready} == {0, 1}, ready
+    assert not _kinds(events, "group_restart")
+    (done,) = _kinds(events, "job_finished")
+    assert (done["restarts"], done["recoveries"]) == (0, 1)
+
+
+@pytest.mark.timeout(300)
+def test_shadows_that_keep_dying_are_given_up_and_a_kill_restarts_the_group(tmp_path, reference) -> None:
+    faults = [
+        FaultSpec(rank=1, step=0, kind="shadow_crash"),  # every launch of rank 1's shadow dies
+        # waits until the agent gave up relaunching (no shadow will be ready), then dies
+        FaultSpec(rank=1, step=9, phase="backward", shadow_ready_steps_before=2),
+    ]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
+                            extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                   "--checkpoint-every", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(reference, events)
+    (restart,) = _kinds(events, "group_restart")
+    before = [e for e in events if e["t"] < restart["t"]]
+    died = _kinds(before, "shadow_died")
+    assert [e["deaths"] for e in died] == list(range(1, SHADOW_DEATHS_LIMIT + 1)), died
+    assert all(e["rank"] == 1 and e["gen"] == 1 for e in died), died
+    assert [e["launch"] for e in _kinds(before, "shadows_spawned")] == list(range(SHADOW_DEATHS_LIMIT))
+    (given_up,) = _kinds(before, "shadows_given_up")
+    assert given_up["deaths"] == SHADOW_DEATHS_LIMIT and given_up["rank"] == 1
+    (epoch,) = _kinds(events, "epoch")
+    assert (epoch["action"], epoch["failure"]) == ("restart", "hof")
+    assert f"died {SHADOW_DEATHS_LIMIT} times in a row" in restart["reason"], restart
+    assert f"died {SHADOW_DEATHS_LIMIT} times in a row" in proc.stderr  # one log line names it
+    assert not _kinds(events, "shadows_promoted") and not _kinds(events, "promoted")
+    loaded = _kinds(events, "checkpoint_loaded")
+    assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (4, 8)
+    (done,) = _kinds(events, "job_finished")
+    assert (done["restarts"], done["recoveries"]) == (1, 0)
