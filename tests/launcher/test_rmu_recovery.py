@@ -66,10 +66,13 @@ def test_kills_inside_the_update_with_lost_pages_recover_exactly(tmp_path, refer
     assert {"restore+finish", "flush"} <= actions, actions
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill_point_sweep_every_chunk_boundary_and_mid_chunk_both_ranks(tmp_path, reference) -> None:
     """Every chunk boundary and mid-chunk point, on each rank (one kill per step: a new
-    shadow generation must be spawned between kills), each with lost pages."""
+    shadow generation must be spawned between kills), each with lost pages. A soak (~90 s on
+    2 cores): CI runs its in-process twin, tests/updater/test_rmu.py::
+    test_every_kill_point_with_lost_pages_finishes_exactly; ``--run-slow`` runs this one."""
     faults = []
     step = 4
     for rank in (0, 1):
