@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -42,10 +43,12 @@ def trainers():
 def _agent(procs: list[subprocess.Popen]) -> SimpleNamespace:
     """The agent's state that ``_detect_killed_active`` reads and writes."""
     pids = {rank: p.pid for rank, p in enumerate(procs)}
-    return SimpleNamespace(
+    agent = SimpleNamespace(
         _uses_leto=True, _pcontext=SimpleNamespace(pids=lambda: dict(pids)), _detected_t=None, _root_pid=None,
         _pidfds={},
     )
+    agent._exit_of = types.MethodType(LetoAgent._exit_of, agent)  # the agent's own pidfd check
+    return agent
 
 
 def test_a_dying_trainer_is_the_root_and_its_peers_are_killed_on_the_same_pass(trainers, monkeypatch) -> None:
