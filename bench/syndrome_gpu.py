@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,24 +32,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def _timed(fn, dev: torch.device, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -66,6 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from bench.erasure_gpu import timeit
     from leto.erasure import ErasureConfig, ProtectionGroup
     from leto.erasure.bitslice import TILE_BYTES, mac_pages, plane_masks
     from triton_kernels import gf16_syndrome
@@ -132,7 +114,7 @@ def main() -> None:
         raise SystemExit("syndrome_gpu: a check failed; the timings would be meaningless")
 
     dst = torch.empty_like(data)
-    t_copy = _timed(lambda: dst.copy_(data), dev, reps)
+    t_copy = timeit(lambda: dst.copy_(data), dev, reps, warmup=1)
     copy_rate = 2 * d * pb / t_copy
     out["copy"] = {"ms": 1e3 * t_copy, "traffic_GBps": copy_rate / 1e9}
     print(f"copy {d * pb / 2**30:.2f} GiB: {1e3 * t_copy:.3f} ms ({copy_rate / 1e9:.0f} GB/s read+write)", flush=True)
@@ -151,7 +133,7 @@ def main() -> None:
         moved = 2 * kk * pb + 2 * h * pb
         for name, group, oop in (("generic", parity_form, False), ("syndrome", syn, False),
                                  ("syndrome, out of place", syn, True)):
-            t = _timed(lambda g=group, o=oop: fold(g, o), dev, reps) / len(chunks)
+            t = timeit(lambda g=group, o=oop: fold(g, o), dev, reps, warmup=1) / len(chunks)
             row = {"k": kk, "kernel": name, "us_per_chunk": 1e6 * t, "group_ms": 1e3 * t * len(chunks),
                    "vs_copy": moved / t / copy_rate}
             rows.append(row)
@@ -176,7 +158,7 @@ def main() -> None:
                 ok = not math or want is None or torch.equal(q[1], want)
                 if math and want is None:
                     want = q[1].clone()
-                t = _timed(run, dev, min(reps, 3)) / d
+                t = timeit(run, dev, min(reps, 3), warmup=1) / d
             except Exception as e:  # noqa: BLE001 - a shape that does not compile is reported
                 print(f"sweep {block}x{warps}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
@@ -184,8 +166,8 @@ def main() -> None:
             print(f"sweep block {block:4d} warps {warps} {'full' if math else 'loads only'}: {1e6 * t:8.2f} us/page "
                   f"(k={kk}){'' if ok else '  WRONG'}", flush=True)
         out["sweep"] = sweep
-    t_to = _timed(lambda: syn.syndromes_of(p_of, back), dev, reps)
-    t_from = _timed(lambda: syn.parity_of(q[0], p_of), dev, reps)
+    t_to = timeit(lambda: syn.syndromes_of(p_of, back), dev, reps, warmup=1)
+    t_from = timeit(lambda: syn.parity_of(q[0], p_of), dev, reps, warmup=1)
     out["conversions_ms"] = {"syndromes_of": 1e3 * t_to, "parity_of": 1e3 * t_from}
     print(f"conversions per group: syndromes_of {1e3 * t_to:.3f} ms, parity_of {1e3 * t_from:.3f} ms", flush=True)
     if cuda:
