@@ -174,7 +174,10 @@ def main() -> None:
         ck = gf16_syndrome._syndrome_kernel
         try:
             compiled = next(iter(ck.device_caches[torch.cuda.current_device()][0].values()))
-            out["syndrome_kernel"] = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills}
+            ptx = compiled.asm.get("ptx", "")
+            out["syndrome_kernel"] = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
+                                      **{f"ptx_{op}": ptx.count(op) for op in ("xor.b32", "shfl", "bar.sync",
+                                                                               "ld.local", "st.local", "ld.global")}}
             print("syndrome kernel:", out["syndrome_kernel"], flush=True)
         except Exception as e:  # noqa: BLE001 - the registers are a note, not a result
             print(f"syndrome kernel registers unavailable: {e}", flush=True)

@@ -274,6 +274,8 @@ def main() -> None:
     p.add_argument("--profile", default="",
                    help="comma-separated modes: after timing, one update of each under torch.profiler "
                         "(kernel table, host vs device time, chrome trace beside the json)")
+    p.add_argument("--modes", default="",
+                   help="comma-separated modes to time (default: all; reference is always timed, it is the baseline)")
     p.add_argument("--json", type=Path, default=None,
                    help="default: $OUT/update_overhead[_gpu].json, else bench/results/")
     args = p.parse_args()
@@ -301,6 +303,12 @@ def main() -> None:
     modes = ["reference", "snapshot", "rmu"] + (["rmu-fused"] if "fused" in b.updaters else [])
     if cuda:
         modes.append("rmu-fused-dedicated")
+    if args.modes:
+        wanted = {m.strip() for m in args.modes.split(",") if m.strip()} | {"reference"}
+        unknown = wanted - set(modes)
+        if unknown:
+            sys.exit(f"update_overhead: unknown or unavailable --modes {sorted(unknown)} (have {modes})")
+        modes = [m for m in modes if m in wanted]
     check = b.check()
     setup_s = time.perf_counter() - t0
     timer = Timer(cuda)
@@ -353,7 +361,7 @@ def main() -> None:
     print(f"rmu buffers: undo {undo_n / 2**20:.1f} MiB + working parity {par_n / 2**20:.1f} MiB; json {args.json}")
     for m in filter(None, args.profile.split(",")):
         _profile(b, m, args.json.with_name(f"{args.json.stem}_{m}_trace.json"))
-    best = "rmu-fused" if "rmu-fused" in rows else "rmu"
+    best = next((m for m in ("rmu-fused", "rmu") if m in rows), modes[-1])
     print(f"RMU overhead ratio ({best} total / reference total): {rows[best]['total_ms'] / rows['reference']['total_ms']:.4f}")
 
 
