@@ -141,7 +141,7 @@ def main() -> None:
                   f"{row['vs_copy']:5.2f}x copy", flush=True)
     out["folds"] = rows
     if args.sweep or args.diag:
-        sc = gf16_syndrome.scale_masks(d, dev)
+        sc = gf16_syndrome.scale_table(d, dev)
         kk, sweep = min(64, d), []
         want = None
         shapes = ((32, 1), (64, 2), (128, 4), (64, 1), (128, 2)) if args.sweep else ((32, 1),)

@@ -15,8 +15,8 @@ the multiplier of the Horner step is the *compile-time* constant ``a^p``, and in
 bit-sliced layout multiplying by ``a`` is a rotation of the 16 planes plus three XORs
 (``x^16 = x^12 + x^3 + x + 1``). So a page costs ``sum_p (3p + 16)`` = 616 XORs per 32
 symbols for H = 16 (about 10 lane-ops per changed byte instead of 64), and the generic
-product is paid once per chunk, for the scale ``a^(p j0)`` (masks from a per-``j0`` table
-on the device, built once per code shape).
+product is paid once per chunk, for the scale ``a^(p j0)``: shift and add over the 16 bits
+of that runtime constant (one scalar per syndrome from a ``[D, 16]`` table), a rolled loop.
 
 Four accumulators per program, not eight: with eight (16 planes each, 128 registers)
 the H200's ptxas spilled in the page loop (ncu: 1.57 M local-memory requests per launch,
@@ -30,9 +30,10 @@ planes as one ``[16, BLOCK]`` tensor and relied on LLVM folding constant masks: 
 Triton kept the plane axis in one thread and folded it, but the GPU image's Triton spread
 the axis across threads and turned every multiply into shuffles and shared-memory layout
 conversions, 8x slower than the loads; docs/ERASURE.md.) Local AOT check with Triton 3.6
-for sm_90: the page loop is 98 (quarter 0) and 146 (quarter 1) XORs per page, no shuffles or barriers; ptxas
-spills in the scale epilogue (its 256 scalar mask loads per syndrome are hoisted), once per
-launch. Not yet measured on a GPU in this form.
+for sm_90: the page loops are 98 / 146 / 194 / 243 XORs per page (quarters 0-3), no shuffles
+or barriers. Compile time: the first form of the scale (256 mask loads per syndrome,
+unrolled: 60 k lines of PTX) took 3 min to compile here and ran the GPU bench past its
+limit before it printed anything; the rolled shift-and-add takes 25 s (10 k lines).
 
 Each program holds 4 parity accumulators of 16 planes (one column of 32 symbols per
 thread); H > 4 runs as up to four quarters in one launch (the quarter is the fastest grid
@@ -57,8 +58,8 @@ if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING = {"block": int(_b), "num_warps": int(_w)}
 MAX_PARITY = 16
 """Syndromes per launch: four quarters of 4 accumulators."""
-_SCALE_WORDS = tl.constexpr(MAX_PARITY * 256)
-"""Masks per ``j0`` in the scale table (16 syndromes x 16 x 16 planes)."""
+_SCALE_WORDS = tl.constexpr(MAX_PARITY)
+"""Constants per ``j0`` in the scale table (``a^(p j0)`` for 16 syndromes)."""
 
 
 @triton.jit
@@ -103,15 +104,30 @@ def _delta(new_ptr, old_ptr, page, new_stride, old_stride, off, ok):
 
 
 @triton.jit
+def _and(a, m):
+    return (a[0] & m, a[1] & m, a[2] & m, a[3] & m, a[4] & m, a[5] & m, a[6] & m, a[7] & m, a[8] & m, a[9] & m,
+            a[10] & m, a[11] & m, a[12] & m, a[13] & m, a[14] & m, a[15] & m)
+
+
+@triton.jit
 def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok):
-    """``q_out[p] = q_in[p] ^ c_p * acc`` with ``c_p``'s bit matrix from ``scale_ptr``."""
+    """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
+
+    Shift and add over the 16 bits of ``c_p`` (``c * x = sum_b c_b a^b x``): a rolled loop of
+    one multiply by ``a`` (3 XORs) and 16 masked XORs per bit, so the epilogue is a few
+    dozen instructions per syndrome instead of 256 unrolled mask loads (that form took
+    Triton + ptxas minutes to compile)."""
     if p < n_par:
+        c = tl.load(scale_ptr + p)
+        x = acc
+        y = _and(acc, 0)
+        for b in tl.range(0, 16, loop_unroll_factor=1):
+            y = _xor(y, _and(x, -((c >> b) & 1)))
+            x = _times_alpha(x)
         base = q_base + p * q_stride
         for i in tl.static_range(16):
-            y = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
-            for b in tl.static_range(16):
-                y = y ^ (tl.load(scale_ptr + p * 256 + b * 16 + i) & acc[b])  # plane b -> plane i of c_p * x
-            tl.store(q_out + base + off + i * 32, y, mask=ok)
+            q = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
+            tl.store(q_out + base + off + i * 32, q ^ y[i], mask=ok)
 
 
 @triton.jit
@@ -170,27 +186,24 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, sca
 
 
 @functools.lru_cache(maxsize=8)
-def _scale_masks_np(data_pages: int) -> np.ndarray:
-    """``[D, 16 p, 16 in-plane, 16 out-plane]`` 0/-1 masks of ``a^(p j0)`` for every ``j0``."""
+def _scale_np(data_pages: int) -> np.ndarray:
+    """``[D, 16]`` int32: ``a^(p j0)`` for every first page ``j0`` and syndrome ``p``."""
     from leto.erasure import gf16
-    from leto.erasure.bitslice import plane_masks_tensor
 
     j0 = np.arange(data_pages, dtype=np.int64)[:, None]
     p = np.arange(MAX_PARITY, dtype=np.int64)[None, :]
-    c = gf16.EXP_NP[(j0 * p) % (gf16.ORDER - 1)]  # a^(p j0), [D, 16]
-    m = plane_masks_tensor(torch.from_numpy(c.reshape(1, -1)))  # [D*16, 16, 16]
-    return m.reshape(data_pages, MAX_PARITY, 16, 16).numpy()
+    return gf16.EXP_NP[(j0 * p) % (gf16.ORDER - 1)].astype(np.int32)
 
 
-_DEVICE_MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_DEVICE_SCALES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def scale_masks(data_pages: int, device: torch.device) -> torch.Tensor:
-    """The scale table of :func:`_scale_masks_np` on ``device`` (built once per shape)."""
+def scale_table(data_pages: int, device: torch.device) -> torch.Tensor:
+    """The scale table of :func:`_scale_np` on ``device`` (built once per shape)."""
     key = (data_pages, torch.device(device))
-    if key not in _DEVICE_MASKS:
-        _DEVICE_MASKS[key] = torch.from_numpy(_scale_masks_np(data_pages)).to(device).contiguous()
-    return _DEVICE_MASKS[key]
+    if key not in _DEVICE_SCALES:
+        _DEVICE_SCALES[key] = torch.from_numpy(_scale_np(data_pages)).to(device).contiguous()
+    return _DEVICE_SCALES[key]
 
 
 def syndrome_update(
@@ -214,7 +227,7 @@ def syndrome_update(
     Page ``i`` of the chunk starts at word ``i * new_stride`` of ``new`` (``old`` alike),
     syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
     tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
-    :func:`scale_masks` of the code's D. int32 views on one device; one launch. ``launch``
+    :func:`scale_table` of the code's D. int32 views on one device; one launch. ``launch``
     may override ``block`` and ``num_warps``; ``math=False`` (diagnostic: wrong bytes) skips
     the multiplications to time the loads alone. Returns Triton's compiled-kernel handle (None
     under the interpreter).

@@ -291,10 +291,10 @@ class ProtectionGroup:
             return
         if (self._on_device() and parity.device == old.device == new.device and self.syndromes and h1 <= 16
                 and SYNDROME_KERNEL):
-            from triton_kernels.gf16_syndrome import scale_masks, syndrome_update
+            from triton_kernels.gf16_syndrome import scale_table, syndrome_update
 
             q = parity.view(torch.int32)
-            syndrome_update(scale_masks(self.config.data_pages, parity.device), first_page, k,
+            syndrome_update(scale_table(self.config.data_pages, parity.device), first_page, k,
                             n2.view(torch.int32), n2.stride(0) // 4, o2.view(torch.int32), o2.stride(0) // 4,
                             q if parity_in is None else parity_in.view(torch.int32), q,
                             byte_offset // 4, pb // 4, h1, n // TILE_BYTES)

@@ -23,7 +23,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @given(st.integers(1, 40), st.sampled_from([1, 3, 8, 9, 16]), st.integers(1, 3), st.integers(1, 2),
        st.integers(0, 2**32 - 1), st.booleans())
 def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, seed: int, in_place: bool) -> None:
-    from triton_kernels.gf16_syndrome import scale_masks, syndrome_update
+    from triton_kernels.gf16_syndrome import scale_table, syndrome_update
 
     g = torch.Generator().manual_seed(seed)
     k = min(k, d)
@@ -43,7 +43,7 @@ def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, se
               srcs_xor=[old[i * (n + pad) : i * (n + pad) + n] for i in range(k)])
     q_dev = q_in.to(DEV)
     q_out = q_dev if in_place else q_dev.clone()
-    syndrome_update(scale_masks(d, DEV), j0, k, new.to(DEV).view(torch.int32), (n + pad) // 4,
+    syndrome_update(scale_table(d, DEV), j0, k, new.to(DEV).view(torch.int32), (n + pad) // 4,
                     old.to(DEV).view(torch.int32), (n + pad) // 4, q_dev.view(torch.int32), q_out.view(torch.int32),
                     pad // 4, (n + pad) // 4, h, tiles)
     assert torch.equal(q_out.cpu(), ref)
