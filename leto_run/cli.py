@@ -299,7 +299,7 @@ class _RawArgsCommand(click.Command):
     cls=_RawArgsCommand,
     name="leto-run",
     add_help_option=False,
-    context_settings=dict(ignore_unknown_options=True, allow_extra_args=True, help_option_names=[]),
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
 )
 @click.pass_context
 def _leto_run(ctx: click.Context) -> None:

@@ -28,12 +28,16 @@ from leto.erasure.rs import CauchyCode, DecodePlan, GRSCode
 
 logger = logging.getLogger(__name__)
 
-SYNDROME_KERNEL = os.environ.get("LETO_SYNDROME_KERNEL", "0") == "1"
+SYNDROME_KERNEL = os.environ.get("LETO_SYNDROME_KERNEL", "1") == "1"
 """Fold syndrome-form chunks on CUDA with the Horner kernel (``triton_kernels.gf16_syndrome``)
-instead of the generic kernel on the syndrome matrix (same bytes). Off by default: on an
-H200 the Horner kernel measured slower than the generic one (k=32 pages: 966 vs 521 us per
-chunk; BENCHMARKS.md, GPU session 3): the GPU image's Triton distributes its plane axis
-across threads, turning the constant multiplies into shuffles (docs/ERASURE.md). ``LETO_SYNDROME_KERNEL=1`` turns it on (bench/syndrome_gpu.py compares both)."""
+instead of the generic kernel on the syndrome matrix (same bytes). On an H200 (BENCHMARKS.md,
+GPU session 4) it folds a 2 GiB group in 2.38 ms against 17.7 ms (k = 1024 pages per call),
+157 vs 500 us per 32-page chunk, and takes the fused RMU's overhead from +60 % to +11 %
+(256 MiB chunks). ``LETO_SYNDROME_KERNEL=0`` selects the generic kernel (bench/syndrome_gpu.py
+compares both)."""
+SYNDROME_MIN_PAGES = 4
+"""Shorter runs go to the generic kernel: the Horner kernel's fixed cost (the scale by
+``a^(p j0)``, about 18 pages' worth of folding) loses below ~4 pages (k = 1: 72 vs 37 us)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,7 +294,7 @@ class ProtectionGroup:
                 parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(parity_in.view(h1, pb)[:, byte_offset : byte_offset + n])
             return
         if (self._on_device() and parity.device == old.device == new.device and self.syndromes and h1 <= 16
-                and SYNDROME_KERNEL):
+                and SYNDROME_KERNEL and k >= SYNDROME_MIN_PAGES):
             from triton_kernels.gf16_syndrome import scale_table, syndrome_update
 
             q = parity.view(torch.int32)

@@ -56,7 +56,8 @@ def test_syndrome_group_update_pages_and_conversions(backend: str, monkeypatch: 
     inverts it; a lost data page is rebuilt from the syndromes; lost syndromes are refused."""
     import leto.erasure.group as erasure_group
 
-    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # the Horner kernel through update_pages
+    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # the Horner kernel through update_pages,
+    monkeypatch.setattr(erasure_group, "SYNDROME_MIN_PAGES", 1)  # for the short runs below too
     cfg = ErasureConfig(page_bytes=2 * TILE_BYTES, data_pages=8, tier1_parity=9, tier2_parity=0)
     pb = cfg.page_bytes
     g = torch.Generator().manual_seed(3)

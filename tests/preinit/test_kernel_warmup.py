@@ -71,7 +71,8 @@ def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
            "gf16_syndrome": Recorder(gf16_syndrome._syndrome_kernel)}
     monkeypatch.setattr(gf16_mac, "_gf16_mac_kernel", rec["gf16_mac"])
     monkeypatch.setattr(gf16_syndrome, "_syndrome_kernel", rec["gf16_syndrome"])
-    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # opt-in on GPUs: warm it too
+    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # the GPU default, whatever the environment;
+    monkeypatch.setattr(erasure_group, "SYNDROME_MIN_PAGES", 2)  # runs of 1 page (generic) and more (Horner)
     monkeypatch.setattr(adamw_rmu, "_adamw_undo_kernel", rec["adamw_rmu"])
     return rec
 
