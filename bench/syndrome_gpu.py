@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run in Triton's interpreter")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time launch shapes (block x warps) at k=64")
+    ap.add_argument("--sweep", action="store_true", help="also time launch shapes (block x warps x accumulators) at k=64")
     ap.add_argument("--diag", action="store_true",
                     help="also time the kernel without its multiplications (loads alone) per launch shape")
     ap.add_argument("--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)")
@@ -144,15 +144,16 @@ def main() -> None:
         sc = gf16_syndrome.scale_table(d, dev)
         kk, sweep = min(64, d), []
         want = None
-        shapes = ((32, 1), (64, 2), (128, 4), (64, 1), (128, 2)) if args.sweep else ((32, 1),)
-        variants = [(b, w, m) for b, w in shapes for m in ((True, False) if args.diag else (True,))]
-        for block, warps, math in variants:
-            def run(block: int = block, warps: int = warps, math: bool = math) -> None:
+        shapes = ((32, 1, 4), (32, 1, 8), (64, 2, 4), (64, 2, 8), (64, 1, 4)) if args.sweep else ((32, 1, 4),)
+        variants = [(b, w, a, m) for b, w, a in shapes for m in ((True, False) if args.diag else (True,))]
+        for block, warps, acc, math in variants:
+            def run(block: int = block, warps: int = warps, acc: int = acc, math: bool = math) -> None:
                 for j0 in range(0, d, kk):
                     gf16_syndrome.syndrome_update(sc, j0, kk, new.view(torch.int32)[j0 * pb // 4 :], pb // 4,
                                                   data.view(torch.int32)[j0 * pb // 4 :], pb // 4,
                                                   q[0].view(torch.int32), q[1].view(torch.int32), 0, pb // 4, h,
-                                                  pb // TILE_BYTES, block=block, num_warps=warps, math=math)
+                                                  pb // TILE_BYTES, block=block, num_warps=warps, acc=acc,
+                                                  math=math)
             try:
                 run()
                 ok = not math or want is None or torch.equal(q[1], want)
@@ -160,10 +161,11 @@ def main() -> None:
                     want = q[1].clone()
                 t = timeit(run, dev, min(reps, 3), warmup=1) / d
             except Exception as e:  # noqa: BLE001 - a shape that does not compile is reported
-                print(f"sweep {block}x{warps}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                print(f"sweep {block}x{warps}x{acc}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
-            sweep.append({"block": block, "num_warps": warps, "math": math, "us_per_page": 1e6 * t, "ok": ok})
-            print(f"sweep block {block:4d} warps {warps} {'full' if math else 'loads only'}: {1e6 * t:8.2f} us/page "
+            sweep.append({"block": block, "num_warps": warps, "acc": acc, "math": math, "us_per_page": 1e6 * t,
+                          "ok": ok})
+            print(f"sweep block {block:4d} warps {warps} acc {acc} {'full' if math else 'loads only'}: {1e6 * t:8.2f} us/page "
                   f"(k={kk}){'' if ok else '  WRONG'}", flush=True)
         out["sweep"] = sweep
     t_to = timeit(lambda: syn.syndromes_of(p_of, back), dev, reps, warmup=1)

@@ -129,13 +129,14 @@ class Bench:
     def compute(self, step: int) -> None:
         a = self.args
         g = torch.Generator().manual_seed(step)
-        data = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(self.device)
         self.grads.zero_()
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
-        with amp:
-            loss = self.model(data[:, :-1], data[:, 1:])
-        loss.backward()
-        del loss
+        for _ in range(a.micro_batches):  # gradient accumulation: one optimizer step per global batch
+            data = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(self.device)
+            with amp:
+                loss = self.model(data[:, :-1], data[:, 1:]) / a.micro_batches
+            loss.backward()
+            del loss
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
 
     def update(self, mode: str) -> None:
@@ -264,6 +265,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="forward+backward passes of --batch sequences per optimizer step (gradient accumulation)")
     p.add_argument("--chunk-bytes", type=int, default=None)
     p.add_argument("--page-bytes", type=int, default=None)
     p.add_argument("--data-pages", type=int, default=None)
@@ -286,6 +289,8 @@ def main() -> None:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.micro_batches < 1:
+        sys.exit(f"update_overhead: --micro-batches must be >= 1, got {args.micro_batches}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("update_overhead: --device cuda but no CUDA device is visible")
@@ -336,7 +341,7 @@ def main() -> None:
     print(f"device {device}{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}; model {n_params / 1e6:.1f} M params, "
           f"state {lay.state_bytes / 2**30:.2f} GiB; chunk {args.chunk_bytes >> 10} KiB; erasure "
           f"{args.page_bytes >> 10} KiB pages, D={args.data_pages}, H1={args.tier1_parity}, H2={args.tier2_parity}; "
-          f"{args.iters} iterations after {args.warmup} warm-up; setup {setup_s:.1f} s")
+          f"{args.micro_batches} x {args.batch} sequences per step; {args.iters} iterations after {args.warmup} warm-up; setup {setup_s:.1f} s")
     print(f"check: {check}")
     print(f"{'mode':<21}{'compute ms':>11}{'update ms':>11}{'total ms':>10}{'vs ref':>9}{'peak GiB':>10}{'reserved GiB':>13}")
     rows: dict[str, dict[str, float | None]] = {}

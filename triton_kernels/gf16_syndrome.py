@@ -54,12 +54,12 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 32, "num_warps": 1}
+TUNING = {"block": 32, "num_warps": 1, "acc": 4}
 """Columns (32-symbol words) per program and warps per program (one column per thread at
 32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS`` overrides it (bench/syndrome_gpu.py --sweep)."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
-    _b, _w = os.environ["LETO_SYNDROME_TUNING"].split("x")
-    TUNING = {"block": int(_b), "num_warps": int(_w)}
+    _t = [int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x")]
+    TUNING = {"block": _t[0], "num_warps": _t[1], "acc": _t[2] if len(_t) > 2 else 4}
 MAX_PARITY = 16
 """Syndromes per launch: four quarters of 4 accumulators."""
 _SCALE_WORDS = tl.constexpr(MAX_PARITY)
@@ -139,13 +139,18 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 
 @triton.jit
 def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-             n_par, off, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr):
-    """Syndromes ``P0 .. P0 + 3`` of the program's columns: Horner over the k pages."""
+             n_par, off, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr):
+    """Syndromes ``P0 .. P0 + ACC - 1`` (ACC = 4 or 8) of the program's columns: Horner over
+    the k pages."""
     z = tl.zeros([BLOCK], dtype=tl.int32)
     a0 = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
     a1 = a0
     a2 = a0
     a3 = a0
+    a4 = a0
+    a5 = a0
+    a6 = a0
+    a7 = a0
     # Horner from the last page; software-pipelined: page r+1's delta loads while page r folds
     d = _delta(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok)
     for r in range(k):
@@ -156,40 +161,56 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
             a1 = _xor(_times_alpha_pow(a1, P0 + 1), d)
             a2 = _xor(_times_alpha_pow(a2, P0 + 2), d)
             a3 = _xor(_times_alpha_pow(a3, P0 + 3), d)
+            if ACC == 8:
+                a4 = _xor(_times_alpha_pow(a4, P0 + 4), d)
+                a5 = _xor(_times_alpha_pow(a5, P0 + 5), d)
+                a6 = _xor(_times_alpha_pow(a6, P0 + 6), d)
+                a7 = _xor(_times_alpha_pow(a7, P0 + 7), d)
         else:  # diagnostic (bench/syndrome_gpu.py --diag): the loads and one XOR, no multiply
             a0 = _xor(a0, d)
             a1 = _xor(a1, d)
             a2 = _xor(a2, d)
             a3 = _xor(a3, d)
+            if ACC == 8:
+                a4 = _xor(a4, d)
+                a5 = _xor(a5, d)
+                a6 = _xor(a6, d)
+                a7 = _xor(a7, d)
         d = dn
     _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
     _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
     _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
     _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+    if ACC == 8:
+        _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+        _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+        _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+        _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
 def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
                      q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
-                     MATH: tl.constexpr = True):
-    quarter = tl.program_id(0)
+                     MATH: tl.constexpr = True, ACC: tl.constexpr = 4):
+    part = tl.program_id(0)  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     # word offset of plane 0 of each column within a page range (2 KiB tiles of 16 x 32 words)
     off = (cols // 32) * 512 + cols % 32
     scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
-    if quarter == 0:
+    if part == 0:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 0, BLOCK, MATH)
-    elif quarter == 1:
+                 n_par, off, ok, 0, BLOCK, MATH, ACC)
+    elif part == 1:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 4, BLOCK, MATH)
-    elif quarter == 2:
-        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 8, BLOCK, MATH)
-    else:
-        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 12, BLOCK, MATH)
+                 n_par, off, ok, ACC, BLOCK, MATH, ACC)
+    elif ACC == 4:
+        if part == 2:
+            _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                     n_par, off, ok, 8, BLOCK, MATH, ACC)
+        else:
+            _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                     n_par, off, ok, 12, BLOCK, MATH, ACC)
 
 
 @functools.lru_cache(maxsize=8)
@@ -250,7 +271,10 @@ def syndrome_update(
         return None
     n_cols = n_tiles * 32
     block, warps = launch.get("block", TUNING["block"]), launch.get("num_warps", TUNING["num_warps"])
-    grid = (triton.cdiv(n_parity, 4), triton.cdiv(n_cols, block))
+    acc = launch.get("acc", TUNING["acc"])
+    if acc not in (4, 8):
+        raise ValueError(f"the syndrome kernel holds 4 or 8 accumulators per program, got {acc}")
+    grid = (triton.cdiv(n_parity, acc), triton.cdiv(n_cols, block))
     return _syndrome_kernel[grid](new, old, new_stride, old_stride, k, scale, first_page,
                                   q_in, q_out, q_base, q_stride, n_parity, n_cols,
-                                  BLOCK=block, MATH=launch.get("math", True), num_warps=warps)
+                                  BLOCK=block, MATH=launch.get("math", True), ACC=acc, num_warps=warps)

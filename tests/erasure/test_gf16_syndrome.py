@@ -19,10 +19,12 @@ pytest.importorskip("triton")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(st.integers(1, 40), st.sampled_from([1, 3, 8, 9, 16]), st.integers(1, 3), st.integers(1, 2),
-       st.integers(0, 2**32 - 1), st.booleans())
-def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, seed: int, in_place: bool) -> None:
+       st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from([4, 8]))
+def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, seed: int, in_place: bool,
+                                          acc: int) -> None:
+    """Any D, H, run and range, in place or not, 4 or 8 syndromes per program."""
     from triton_kernels.gf16_syndrome import scale_table, syndrome_update
 
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +47,7 @@ def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, se
     q_out = q_dev if in_place else q_dev.clone()
     syndrome_update(scale_table(d, DEV), j0, k, new.to(DEV).view(torch.int32), (n + pad) // 4,
                     old.to(DEV).view(torch.int32), (n + pad) // 4, q_dev.view(torch.int32), q_out.view(torch.int32),
-                    pad // 4, (n + pad) // 4, h, tiles)
+                    pad // 4, (n + pad) // 4, h, tiles, acc=acc)
     assert torch.equal(q_out.cpu(), ref)
 
 
