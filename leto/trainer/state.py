@@ -285,6 +285,9 @@ class RetainedState:
             if not self._committed_this_step:
                 raise ProtocolError(f"step {step} ended without RetainedState.step() being called")
             step += 1
+        if self.updater is not None and self.device.type == "cuda":  # the last flush's host copies land
+            self.updater.join()
+            torch.cuda.current_stream(self.device).synchronize()
         self.ctx.finished()  # no more heartbeats: the hang watch leaves this trainer alone
 
     def _begin(self, step: int) -> None:
@@ -350,6 +353,8 @@ class RetainedState:
             self.ctx.grad_sync.clip_(self.params, max_grad_norm)
         self._rng_next.copy_(rng_blob(self.device))
         self._encode("grads")  # final gradients stay recoverable until the update commits
+        if self.updater is not None:  # the last flush's IDLE store lands before these marker writes
+            self.updater.join()
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         self.memory.fence()
         self.marker.advance(Phase.GRADS_READY)

@@ -169,7 +169,12 @@ class ResumableUpdater:
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, step: int) -> None:
-        """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1)."""
+        """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1).
+
+        On CUDA the step's last host copies and its IDLE store are left running on the copy
+        stream (they overlap the next step's compute); :meth:`join` orders the current
+        stream after them and must run before the next marker write."""
+        self.join()
         self._load_parity()
         self.marker.advance(Phase.PARITY_LOADED, sel=0)
         self._chunks_from(step, 0)
@@ -357,12 +362,32 @@ class ResumableUpdater:
         h1, pb = self.protected.cfg.tier1_parity, self.protected.cfg.page_bytes  # type: ignore[union-attr]
         dst.tier1.view(h1, pb)[:, lo:hi].copy_(src.tier1.view(h1, pb)[:, lo:hi])
 
+    def join(self) -> None:
+        """Make the current stream wait for the copy stream: the last flush's host copies
+        and its IDLE marker store (a device-side wait; the host does not block)."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.state.device).wait_stream(self._copy_stream)
+
     def _load_parity(self) -> None:
+        """Q[0] <- syndromes of host tier 1 (staged in Q[1]), then Q[1] <- Q[0].
+
+        On CUDA each group's host transfer runs on the copy stream and its conversion on the
+        current stream waits for that group alone, so transfer g + 1 overlaps conversion g."""
         if not self._working:
             return
         assert self.protected is not None
-        for host, a, b in zip(self.protected.groups, self._working[0], self._working[1], strict=True):
-            b.tier1.copy_(host.tier1, non_blocking=True)  # staged in Q[1]: one host transfer
+        side = self._side_stream() if self.state.is_cuda else None
+        arrived = []
+        if side is not None:  # borrowed buffers may have been activations until now
+            side.wait_stream(torch.cuda.current_stream(self.state.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for host, b in zip(self.protected.groups, self._working[1], strict=True):
+                b.tier1.copy_(host.tier1, non_blocking=True)  # staged in Q[1]: one host transfer
+                if side is not None:
+                    arrived.append(side.record_event())
+        for i, (a, b) in enumerate(zip(self._working[0], self._working[1], strict=True)):
+            if side is not None:
+                torch.cuda.current_stream(self.state.device).wait_event(arrived[i])
             a.syndromes_of(b.tier1, a.tier1)
             b.tier1.copy_(a.tier1)
         self._stale = {}
@@ -377,9 +402,11 @@ class ResumableUpdater:
             else:
                 for host in self.protected.groups:
                     host.encode_all()
-        self.marker.advance(Phase.IDLE, step + 1)
-        if self.state.is_cuda:  # host parity is read by the host only after this
-            torch.cuda.current_stream(self.state.device).synchronize()
+        if self._copy_stream is not None and self.protected is not None and self.incremental_parity:
+            with torch.cuda.stream(self._copy_stream):  # lands after the host copies (see join)
+                self.marker.advance(Phase.IDLE, step + 1)
+        else:
+            self.marker.advance(Phase.IDLE, step + 1)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
 
     def _install_parity(self) -> None:
@@ -399,8 +426,12 @@ class ResumableUpdater:
         load overwrites it (``prepare`` resyncs it only before FLUSHING).
 
         On CUDA the tier-1 copies run on a side stream while the tier-2 kernels run on the
-        current one; each group's tier-2 copy waits for its kernel (an event). On CPU the
-        same calls run in program order.
+        current one; each group's tier-2 copy waits for its kernel (an event). The side
+        stream is not joined: the copies, and the IDLE store queued after them by
+        :meth:`_flush`, overlap the next step's compute until :meth:`join` (before the next
+        marker write). The buffers they read are recorded on the side stream, so borrowed
+        ones are not handed to the next step's activations while a copy still reads them.
+        On CPU the same calls run in program order.
         """
         assert self.protected is not None
         cfg = self.protected.cfg
@@ -423,22 +454,20 @@ class ResumableUpdater:
                     self.injector.point("update", at="flush",
                                         on_fire=lambda h=host, a=half: _scribble(h.tier1, [(a, h.tier1.numel() - a)], seed=11))
                 host.tier1[half:].copy_(src[half:], non_blocking=True)
-        staged = []
         for host, s in zip(self.protected.groups, spare, strict=True):
+            if side is not None:
+                s.tier1.record_stream(side)
             if not h2_bytes:
-                break
+                continue
             t2 = torch.empty(h2_bytes, dtype=torch.uint8, device=s.tier1.device)
             host.encode_tier2_of(s.tier1, t2)
-            staged.append(t2)  # kept alive until the side stream is joined below
             if side is not None:
                 done = torch.cuda.Event()
                 done.record(main)
                 side.wait_event(done)
+                t2.record_stream(side)  # freed only after the side stream's copy of it
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 host.tier2.copy_(t2, non_blocking=True)
-        if side is not None:
-            main.wait_stream(side)  # the IDLE marker store comes after every copy
-        del staged
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._copy_stream is None:
