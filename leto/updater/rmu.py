@@ -290,10 +290,11 @@ class ResumableUpdater:
 
     def _apply(self, chunk: Chunk, hypers: list[AdamWHyper]) -> None:
         """AdamW on the chunk's pieces, one foreach call per parameter group."""
-        for p in chunk.pieces:
-            if p.owns_step:
-                self._step[p.param].add_(1.0)
-                self._host_step[p.param] += 1.0  # the same float32 increment
+        owners = [p.param for p in chunk.pieces if p.owns_step]
+        if owners:  # one launch for the chunk's step counters, not one per parameter
+            torch._foreach_add_([self._step[i] for i in owners], 1.0)
+            for i in owners:
+                self._host_step[i] += 1.0  # the same float32 increment
         if self.fused is not None:
             self.fused.apply(chunk.index, self.marker.step, hypers, self._group_of, self._host_step)
             if chunk.installs_rng:
