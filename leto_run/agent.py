@@ -102,10 +102,6 @@ class GenerationLogsSpecs(DefaultLogsSpecs):
         return super().reify(tagged)
 
 
-SHADOW_DEATHS_LIMIT = 3
-"""Shadow generations that may die in a row before any became ready; then the agent stops
-relaunching them and the next failure takes the group-restart path."""
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProcessExit:
@@ -409,7 +405,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
     def _watch_shadows(self, worker_group: WorkerGroup) -> None:
         """A shadow that died before promotion (crash, OOM kill, SIGKILL): retract its
         generation's readiness and relaunch it at the same level, unless shadows keep dying
-        (``SHADOW_DEATHS_LIMIT`` in a row before becoming ready): then none, and the next
+        (``preinit.shadow_deaths_limit`` in a row before becoming ready): then none, and the next
         failure restarts the group. The whole local generation goes: at L3 its shadows share
         a process group that a dead member breaks."""
         ctrl = self._preinit
@@ -442,7 +438,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         if worker_group.group_world_size > 1:
             # As after a reclaim: the shadows of every node share one process group.
             why = "multi-node job: a node's shadows cannot be relaunched alone"
-        elif self._shadow_deaths >= SHADOW_DEATHS_LIMIT:
+        elif self._shadow_deaths >= self._leto.preinit.shadow_deaths_limit:
             why = f"shadows died {self._shadow_deaths} times in a row before becoming ready"
         if why:
             self._no_shadows_reason = f"rank {rank}'s shadow died; not relaunched ({why})"

@@ -31,6 +31,9 @@ class PreinitConfig:
     warm_kernels: bool = True
     """A level-3 shadow compiles and loads the Triton kernels its recovery and first update
     launch (``leto.preinit.warmup``) before it waits; off: they compile at first use."""
+    shadow_deaths_limit: int = 3
+    """Shadow generations that may die in a row before any became ready; then the agent
+    stops relaunching them and the next failure takes the group-restart path."""
     emulated_device_bytes: int = 0
     """CPU runs only (tests, demos): each rank has an emulated device of this many bytes,
     of which its trainer uses ``emulated_trainer_bytes``; an ``oom`` fault's ``oom_bytes``
@@ -45,6 +48,8 @@ class PreinitConfig:
                 raise ConfigError(f"preinit.{name} must be >= 0, got {getattr(self, name)}")
         if self.l3_bytes < self.l2_bytes:
             raise ConfigError(f"preinit.l3_bytes ({self.l3_bytes}) must be >= l2_bytes ({self.l2_bytes})")
+        if self.shadow_deaths_limit < 1:
+            raise ConfigError(f"preinit.shadow_deaths_limit must be >= 1, got {self.shadow_deaths_limit}")
         if self.reclaim_timeout_s <= 0 or self.free_wait_s < 0:
             raise ConfigError("preinit.reclaim_timeout_s must be > 0 and free_wait_s >= 0")
         if self.emulated_trainer_bytes > self.emulated_device_bytes:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from leto_run.agent import SHADOW_DEATHS_LIMIT
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 16
@@ -52,6 +51,9 @@ def test_killed_shadow_is_replaced_and_the_next_kill_recovers_in_place(tmp_path,
     assert (done["restarts"], done["recoveries"]) == (0, 1)
 
 
+LIMIT = 2  # preinit.shadow_deaths_limit (default 3): the setting reaches the agent
+
+
 @pytest.mark.timeout(300)
 def test_shadows_that_keep_dying_are_given_up_and_a_kill_restarts_the_group(tmp_path, reference) -> None:
     faults = [
@@ -59,7 +61,7 @@ def test_shadows_that_keep_dying_are_given_up_and_a_kill_restarts_the_group(tmp_
         # waits until the agent gave up relaunching (no shadow will be ready), then dies
         FaultSpec(rank=1, step=9, phase="backward", shadow_ready_steps_before=2),
     ]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto={"preinit": {"shadow_deaths_limit": LIMIT}},
                             extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
                                    "--checkpoint-every", "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -67,15 +69,15 @@ def test_shadows_that_keep_dying_are_given_up_and_a_kill_restarts_the_group(tmp_
     (restart,) = _kinds(events, "group_restart")
     before = [e for e in events if e["t"] < restart["t"]]
     died = _kinds(before, "shadow_died")
-    assert [e["deaths"] for e in died] == list(range(1, SHADOW_DEATHS_LIMIT + 1)), died
+    assert [e["deaths"] for e in died] == list(range(1, LIMIT + 1)), died
     assert all(e["rank"] == 1 and e["gen"] == 1 for e in died), died
-    assert [e["launch"] for e in _kinds(before, "shadows_spawned")] == list(range(SHADOW_DEATHS_LIMIT))
+    assert [e["launch"] for e in _kinds(before, "shadows_spawned")] == list(range(LIMIT))
     (given_up,) = _kinds(before, "shadows_given_up")
-    assert given_up["deaths"] == SHADOW_DEATHS_LIMIT and given_up["rank"] == 1
+    assert given_up["deaths"] == LIMIT and given_up["rank"] == 1
     (epoch,) = _kinds(events, "epoch")
     assert (epoch["action"], epoch["failure"]) == ("restart", "hof")
-    assert f"died {SHADOW_DEATHS_LIMIT} times in a row" in restart["reason"], restart
-    assert f"died {SHADOW_DEATHS_LIMIT} times in a row" in proc.stderr  # one log line names it
+    assert f"died {LIMIT} times in a row" in restart["reason"], restart
+    assert f"died {LIMIT} times in a row" in proc.stderr  # one log line names it
     assert not _kinds(events, "shadows_promoted") and not _kinds(events, "promoted")
     loaded = _kinds(events, "checkpoint_loaded")
     assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (4, 8)
