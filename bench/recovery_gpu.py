@@ -123,6 +123,25 @@ def profile_from(result_path: Path) -> Path:
         raise SystemExit(f"recovery_gpu: --profile-from {result_path}: {type(e).__name__}: {e}") from None
 
 
+def iteration_only(args: argparse.Namespace) -> None:
+    """Steady-state iteration of leto-run (its default protection, ``--consistency``) and of
+    plain torchrun on the same model, one after the other; the first 5 steps left out."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        leto = [e["iter_s"] for e in run_leto(tmp, args.steps, [], args.nproc, args.consistency)
+                if e["kind"] == "step_done" and e["step"] >= 5]
+        plain = [e["iter_s"] for e in run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain",
+                                                     args.nproc)
+                 if e["kind"] == "step_done" and e["step"] >= 5]
+    result = {"date": time.strftime("%Y-%m-%d"), "nproc": args.nproc, "consistency": args.consistency,
+              "leto_iteration_s": statistics.median(leto), "torchrun_iteration_s": statistics.median(plain)}
+    result["overhead"] = result["leto_iteration_s"] / result["torchrun_iteration_s"] - 1
+    print(f"leto-run ({args.consistency}) iteration {result['leto_iteration_s'] * 1e3:.1f} ms, torchrun "
+          f"{result['torchrun_iteration_s'] * 1e3:.1f} ms: {100 * result['overhead']:+.1f} %")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", default=str(REPO / "bench/results/recovery_gpu.json"))
@@ -134,6 +153,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)")
     p.add_argument("--consistency", choices=("rmu", "snapshot"), default="rmu",
                    help="leto's update consistency (rmu: the product default)")
+    p.add_argument("--iteration-only", action="store_true",
+                   help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call")
     p.add_argument("--profile-from", type=Path, metavar="RESULT_JSON",
                    help="write RESULT_JSON's simulator profile (<stem>_profile.json beside it) and exit")
     args = p.parse_args()
@@ -142,6 +163,9 @@ def main() -> None:
         return
     if args.small:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
+    if args.iteration_only:
+        iteration_only(args)
+        return
     t_start = time.time()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

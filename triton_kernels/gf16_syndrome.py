@@ -103,8 +103,11 @@ def _load_planes(ptr, off, ok):
 
 
 @triton.jit
-def _delta(new_ptr, old_ptr, page, new_stride, old_stride, off, ok):
-    return _xor(_load_planes(new_ptr + page * new_stride, off, ok), _load_planes(old_ptr + page * old_stride, off, ok))
+def _delta(new_ptr, old_ptr, page, new_stride, old_stride, off, ok, HAS_OLD: tl.constexpr):
+    if HAS_OLD:
+        return _xor(_load_planes(new_ptr + page * new_stride, off, ok),
+                    _load_planes(old_ptr + page * old_stride, off, ok))
+    return _load_planes(new_ptr + page * new_stride, off, ok)  # an encode: the pages themselves
 
 
 @triton.jit
@@ -114,7 +117,8 @@ def _and(a, m):
 
 
 @triton.jit
-def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok):
+def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok,
+                 HAS_QIN: tl.constexpr):
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
     Shift and add over the 16 bits of ``c_p`` (``c * x = sum_b c_b a^b x``): a rolled loop of
@@ -133,13 +137,17 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
                 x = _times_alpha(x)
         base = q_base + p * q_stride
         for i in tl.static_range(16):
-            q = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
-            tl.store(q_out + base + off + i * 32, q ^ y[i], mask=ok)
+            if HAS_QIN:
+                q = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
+                tl.store(q_out + base + off + i * 32, q ^ y[i], mask=ok)
+            else:
+                tl.store(q_out + base + off + i * 32, y[i], mask=ok)
 
 
 @triton.jit
 def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-             n_par, off, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr):
+             n_par, off, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
+             HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr):
     """Syndromes ``P0 .. P0 + ACC - 1`` (ACC = 4 or 8) of the program's columns: Horner over
     the k pages."""
     z = tl.zeros([BLOCK], dtype=tl.int32)
@@ -152,10 +160,10 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
     a6 = a0
     a7 = a0
     # Horner from the last page; software-pipelined: page r+1's delta loads while page r folds
-    d = _delta(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok)
+    d = _delta(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
     for r in range(k):
         nxt = tl.cast(tl.maximum(k - 2 - r, 0), tl.int64)  # clamped: a redundant load at the end
-        dn = _delta(new_ptr, old_ptr, nxt, new_stride, old_stride, off, ok)
+        dn = _delta(new_ptr, old_ptr, nxt, new_stride, old_stride, off, ok, HAS_OLD)
         if MATH:
             a0 = _xor(_times_alpha_pow(a0, P0 + 0), d)
             a1 = _xor(_times_alpha_pow(a1, P0 + 1), d)
@@ -177,21 +185,22 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
                 a6 = _xor(a6, d)
                 a7 = _xor(a7, d)
         d = dn
-    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
-    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
-    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
-    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
     if ACC == 8:
-        _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
-        _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
-        _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
-        _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok)
+        _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
 def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
                      q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
-                     MATH: tl.constexpr = True, ACC: tl.constexpr = 4):
+                     MATH: tl.constexpr = True, ACC: tl.constexpr = 4, HAS_OLD: tl.constexpr = True,
+                     HAS_QIN: tl.constexpr = True):
     part = tl.program_id(0)  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -200,17 +209,17 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, sca
     scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
     if part == 0:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 0, BLOCK, MATH, ACC)
+                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
     elif part == 1:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, ACC, BLOCK, MATH, ACC)
+                 n_par, off, ok, ACC, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
     elif ACC == 4:
         if part == 2:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 8, BLOCK, MATH, ACC)
+                     n_par, off, ok, 8, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
         else:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 12, BLOCK, MATH, ACC)
+                     n_par, off, ok, 12, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
 
 
 @functools.lru_cache(maxsize=8)
@@ -240,9 +249,9 @@ def syndrome_update(
     k: int,
     new: torch.Tensor,
     new_stride: int,
-    old: torch.Tensor,
+    old: torch.Tensor | None,
     old_stride: int,
-    q_in: torch.Tensor,
+    q_in: torch.Tensor | None,
     q_out: torch.Tensor,
     q_base: int,
     q_stride: int,
@@ -257,15 +266,16 @@ def syndrome_update(
     tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
     :func:`scale_table` of the code's D. int32 views on one device; one launch. ``launch``
     may override ``block`` and ``num_warps``; ``math=False`` (diagnostic: wrong bytes) skips
-    the multiplications to time the loads alone. Returns Triton's compiled-kernel handle (None
-    under the interpreter).
+    the multiplications to time the loads alone. ``old=None`` folds the pages themselves
+    (an encode: the syndromes of the data), ``q_in=None`` writes ``q_out`` without reading
+    it. Returns Triton's compiled-kernel handle (None under the interpreter).
     """
     if not 0 < n_parity <= MAX_PARITY:
         raise ValueError(f"the syndrome kernel takes 1..{MAX_PARITY} syndromes, got {n_parity}")
     if not 0 <= first_page < scale.shape[0] - max(k - 1, 0):
         raise IndexError(f"pages [{first_page}, +{k}) outside the scale table of {scale.shape[0]}")
     for t in (new, old, q_in, q_out):
-        if t.dtype != torch.int32:
+        if t is not None and t.dtype != torch.int32:
             raise TypeError(f"page buffers must be int32 views, got {t.dtype}")
     if k == 0 or n_tiles == 0:
         return None
@@ -275,6 +285,7 @@ def syndrome_update(
     if acc not in (4, 8):
         raise ValueError(f"the syndrome kernel holds 4 or 8 accumulators per program, got {acc}")
     grid = (triton.cdiv(n_parity, acc), triton.cdiv(n_cols, block))
-    return _syndrome_kernel[grid](new, old, new_stride, old_stride, k, scale, first_page,
-                                  q_in, q_out, q_base, q_stride, n_parity, n_cols,
-                                  BLOCK=block, MATH=launch.get("math", True), ACC=acc, num_warps=warps)
+    return _syndrome_kernel[grid](new, new if old is None else old, new_stride, old_stride, k, scale, first_page,
+                                  q_out if q_in is None else q_in, q_out, q_base, q_stride, n_parity, n_cols,
+                                  BLOCK=block, MATH=launch.get("math", True), ACC=acc,
+                                  HAS_OLD=old is not None, HAS_QIN=q_in is not None, num_warps=warps)

