@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_gpt import GPT, batch, lr_at
+from train_gpt import GPT, batch, deterministic_cuda, lr_at
 
 from leto.events import EventLog, Kind
 
@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="GPU: examples/train_gpt.py's deterministic kernels and math attention")
     args = p.parse_args()
     torch.set_num_threads(1)
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -50,6 +52,8 @@ def main() -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        if args.deterministic:
+            deterministic_cuda()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = "nccl" if device.type == "cuda" and local <= torch.cuda.device_count() else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world,
