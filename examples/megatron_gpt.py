@@ -11,6 +11,13 @@ shards the model over N ranks (the TP ranks of a data-parallel replica read the 
 batch); gradients are averaged over the data-parallel group only. With no CUDA the documented
 ``torch.cuda`` shims (examples/megatron_cpu_shims.py) are installed first.
 
+Data parallelism (``--ddp-impl``): ``megatron`` (the default) wraps the model in Megatron-Core's
+``DistributedDataParallel``, whose contiguous gradient buffers are retained regions
+("ddp.grads.float32", protected and read by the resumable updater) and whose bucketed
+all-reduce (``finish_grad_sync``; with ``--overlap-grad-reduce`` launched from backward hooks,
+buckets of ``--ddp-bucket-size`` elements) synchronises them; ``leto`` keeps Leto's own flat
+"grads" region and one flat all-reduce. Both recover bit-exactly.
+
 ``--bf16`` is Megatron's bf16 mixed precision as Leto retains it: parameters, gradients and
 Adam state stay fp32 (Megatron's fp32 main params are here the model's own, retained), the
 compute runs in bf16 (autocast). On a GPU the kernels are deterministic
@@ -50,6 +57,14 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP degree (no sequence parallelism); data parallelism is the rest of the world")
+    p.add_argument("--ddp-impl", choices=["megatron", "leto"], default="megatron",
+                   help="data-parallel gradients: megatron = Megatron-Core's DistributedDataParallel with its "
+                        "grad buffers in retained regions (default); leto = Leto's flat grads region and all-reduce")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="--ddp-impl megatron: launch each bucket's all-reduce from backward hooks")
+    p.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="--ddp-impl megatron with --overlap-grad-reduce: elements per bucket "
+                        "(default Megatron's, max(4e7, 1e6 * DP))")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
@@ -106,6 +121,16 @@ def optimizer_config(args: argparse.Namespace):  # -> OptimizerConfig
     return OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                            clip_grad=args.clip_grad)
+
+
+def ddp_config(args: argparse.Namespace):  # -> DistributedDataParallelConfig | None
+    """Megatron's DDP settings for ``--ddp-impl megatron`` (no distributed optimizer); None for leto."""
+    if args.ddp_impl != "megatron":
+        return None
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce,
+                                         bucket_size=args.ddp_bucket_size)
 
 
 def lr_at(it: int, args: argparse.Namespace) -> float:
@@ -300,6 +325,9 @@ def train_plain(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.ddp_impl != "megatron" and (args.overlap_grad_reduce or args.ddp_bucket_size is not None):
+        raise SystemExit(f"megatron_gpt: --overlap-grad-reduce and --ddp-bucket-size need --ddp-impl megatron "
+                         f"(got --ddp-impl {args.ddp_impl})")
     lm.require_megatron()
     setup_torch()
     if args.no_leto:
@@ -312,7 +340,8 @@ def main() -> None:
     dp = lm.init_parallel(ctx, seed=args.seed, parallel=parallel)
     if ctx.rank == 0 and not ctx.is_shadow:
         print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}, DP {dp}), "
-              f"backend {dist.get_backend()} on {ctx.device}", flush=True)
+              f"backend {dist.get_backend()} on {ctx.device}, DDP {args.ddp_impl}"
+              f"{' (overlap)' if args.overlap_grad_reduce else ''}", flush=True)
     torch.manual_seed(args.seed)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
@@ -321,7 +350,9 @@ def main() -> None:
                           max_sequence_length=args.max_position_embeddings or args.seq_length,
                           micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                           loss_fn=lambda m: forward_loss(m, get_batch(0, dp_rank(), args, ctx.device), args.bf16))
-    state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad)
+    state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad,
+                               ddp_config=ddp_config(args))
+    net = state.model  # Megatron's DDP wrapper (--ddp-impl megatron), or the model
     baseline = Baseline(ctx, args, isolated=True) if args.compare_baseline else None
     base_s: list[float] = []
     loop_s: list[float] = []  # whole loop iteration: Leto's step bookkeeping included
@@ -339,7 +370,7 @@ def main() -> None:
         batch = get_batch(it, dp_rank(), args, ctx.device)
 
         def compute(batch: tuple[torch.Tensor, ...] = batch, first: FirstIteration | None = first) -> torch.Tensor:
-            loss = forward_loss(model, batch, args.bf16)
+            loss = forward_loss(net, batch, args.bf16)
             if first:
                 first.mark("forward")
             loss.backward()

@@ -35,8 +35,12 @@ which is what Megatron itself runs when neither Apex nor Transformer Engine is p
   from ``(seed, step, name, tp/ep ranks)``: a re-run step draws the same masks, and there is
   nothing extra to retain. (Dropout streams differ from stock Megatron's, not in law.)
 
-Not built (see docs/MEGATRON.md for what each needs): Megatron's own
-``DistributedDataParallel`` (``param_and_grad_buffer``), its ``DistributedOptimizer``
+* **Megatron's DDP** (``retain_megatron(..., ddp_config=...)``): its contiguous gradient
+  buffers are retained regions and its bucketed all-reduce replaces Leto's
+  (``leto.integrations.megatron_ddp``); without ``ddp_config``, Leto's flat "grads"
+  region and all-reduce.
+
+Not built (see docs/MEGATRON.md for what each needs): Megatron's ``DistributedOptimizer``
 (sharded fp32 main params and Adam state), sequence parallelism, and
 pipeline/context/expert parallelism (``ParallelConfig`` refuses them).
 """
@@ -56,6 +60,7 @@ from leto.trainer.grad_sync import GradSync
 from leto.trainer.layout import Layout
 
 if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -339,15 +344,30 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch
 
 
 def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW, *, seed: int,
-                    max_grad_norm: float | None = None) -> MegatronState:
-    """``ctx.retain`` for a Megatron model: attributes kept, tracker RNG keyed by step."""
+                    max_grad_norm: float | None = None,
+                    ddp_config: DistributedDataParallelConfig | None = None) -> MegatronState:
+    """``ctx.retain`` for a Megatron model: attributes kept, tracker RNG keyed by step.
+
+    With ``ddp_config`` the model is wrapped in Megatron's ``DistributedDataParallel``
+    whose gradient buffers are retained regions (``leto.integrations.megatron_ddp``);
+    run the forward through ``MegatronState.model`` (the wrapper). Without it, gradients
+    are Leto's "grads" region, synchronised by Leto's flat all-reduce."""
+    from leto.integrations import megatron_ddp
+
     attrs = {id(p): dict(vars(p)) for p in model.parameters()}
     params = list(model.parameters())
-    state = ctx.retain(model, optimizer)
+    grads = None
+    if ddp_config is not None:
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = megatron_ddp.grad_placement(model, opt_params, ddp_config)
+    state = ctx.retain(model, optimizer, grads=grads)
     for p in params:
         for key, value in attrs[id(p)].items():
             setattr(p, key, value)
-    return MegatronState(state, seed=seed, max_grad_norm=max_grad_norm)
+    wrapped: torch.nn.Module = model
+    if ddp_config is not None:
+        wrapped = megatron_ddp.build_ddp(ctx, state, model, ddp_config)
+    return MegatronState(state, seed=seed, max_grad_norm=max_grad_norm, model=wrapped)
 
 
 @dataclasses.dataclass(slots=True)
@@ -357,6 +377,8 @@ class MegatronState:
     state: RetainedState
     seed: int
     max_grad_norm: float | None = None
+    model: torch.nn.Module | None = None
+    """What the forward runs: Megatron's ``DistributedDataParallel`` wrapper, or the model."""
     _step: int = dataclasses.field(default=-1, init=False)
 
     def steps(self, total: int) -> Iterator[int]:

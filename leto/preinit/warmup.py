@@ -102,7 +102,7 @@ class WarmupTarget:
         group_pages: tuple[int, ...] = ()
         run_pages = 1
         if erasure is not None:
-            sizes = {s.num_pages for n in (layout.state_bytes, layout.grad_bytes)
+            sizes = {s.num_pages for n in (layout.state_bytes, *(b for _, b in layout.grad_regions))
                      for s in plan_groups(padded_bytes(n, erasure), erasure)}
             group_pages = tuple(sorted(sizes))
             spans = [n for c in chunks for _, n in c.spans]

@@ -45,6 +45,7 @@ from leto.trainer.grad_sync import GradSync
 if TYPE_CHECKING:
     from leto.checkpoint import Checkpointer
     from leto.config import CheckpointConfig
+    from leto.trainer.layout import GradPlacement
     from leto.trainer.state import RetainedState
 
 logger = logging.getLogger(__name__)
@@ -198,18 +199,20 @@ class Context:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         checkpoint: CheckpointConfig | None = None,
+        grads: GradPlacement | None = None,
     ) -> RetainedState:
         """Back parameters, gradients and optimizer state by retained pool memory.
 
         In a shadow this is where it waits, fully pre-initialised, until promotion.
         ``checkpoint`` (default: the job's ``leto.checkpoint``) keeps an asynchronous
         torch.distributed.checkpoint for fatal failures; a fresh start (no retained state,
-        e.g. after a group restart) loads the newest one.
+        e.g. after a group restart) loads the newest one. ``grads``: gradients placed in an
+        integration's own buffers (``RetainedState``).
         """
         from leto.trainer.state import RetainedState
 
         wait = self._wait_for_promotion if self.is_shadow else None
-        state = RetainedState(self, model, optimizer, wait_for_promotion=wait)
+        state = RetainedState(self, model, optimizer, wait_for_promotion=wait, grads=grads)
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()
         if config is not None:

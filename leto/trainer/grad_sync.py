@@ -7,6 +7,11 @@ the all-reduce then spans its data-parallel group only, and clipping takes the g
 over the model-parallel shards (each parameter counted once). Both run in the compute phase,
 before ``GRADS_READY``, so the update — the RMU's chunks included — applies gradients that
 are already reduced and clipped, and a finishing rank reads them from retained memory.
+
+An integration whose own buffers hold the gradients (Megatron's ``DistributedDataParallel``,
+its buffers placed in retained regions by ``Layout``'s ``GradPlacement``) also sets
+``reduce`` (its bucketed all-reduce, e.g. ``finish_grad_sync``) and ``zero`` (its
+``zero_grad_buffer``), which replace Leto's flat all-reduce and the zeroing of "grads".
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ class GradSync:
     """Group of the gradient mean all-reduce: the data-parallel group. None: the whole world."""
     clip: ClipFn | None = None
     """Global-norm clipping. None: ``torch.nn.utils.clip_grad_norm_`` (every parameter local)."""
+    reduce: Callable[[], None] | None = None
+    """The integration's gradient reduction over its buffers (replaces the mean all-reduce)."""
+    zero: Callable[[], None] | None = None
+    """Zeroes the integration's gradient buffers at the start of a step (replaces Leto's zeroing)."""
+    collectives_in_backward: bool = False
+    """Backward launches collectives (bucketed all-reduces overlapping it): a rank cannot
+    re-run its backward alone, so an out-of-memory error there is not retried."""
 
     def size(self) -> int:
         """Ranks that average their gradients (1: nothing to reduce)."""

@@ -3,6 +3,11 @@
 Everything a resumed trainer needs to continue bit-identically lives in one flat
 "state" region (so one snapshot copy and one digest cover it), gradients in a second
 "grads" region. Offsets are aligned so each slice can be viewed as its own dtype.
+
+An integration with its own contiguous gradient buffers (Megatron's
+``DistributedDataParallel``) passes a ``GradPlacement`` instead: the gradients then live
+where its buffers put them, one retained region per buffer, and each parameter's gradient
+is its ``main_grad`` view there.
 """
 
 from __future__ import annotations
@@ -34,24 +39,52 @@ class Slot:
 
 
 @dataclass(frozen=True, slots=True)
+class GradPlacement:
+    """Gradients placed by an integration's own buffers instead of Leto's "grads" region."""
+
+    regions: tuple[tuple[str, int], ...]
+    """(region name, bytes) of every gradient buffer, in the order the integration allocates them."""
+    slots: tuple[tuple[int, int], ...]
+    """Per parameter (the optimizer's order): (index into ``regions``, byte offset)."""
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.regions]
+        if len(set(names)) != len(names) or "grads" in names or "state" in names:
+            raise ConfigError(f"gradient regions need unique names other than 'grads' and 'state': {names}")
+
+
+@dataclass(frozen=True, slots=True)
 class Layout:
     """Slots of every retained tensor; ``digest`` identifies the layout for reattach checks."""
 
     params: tuple[Slot, ...]
     buffers: tuple[Slot, ...]
     grads: tuple[Slot, ...]
+    """Each parameter's gradient, at an offset of its region ``grad_region``."""
     optim: tuple[dict[str, Slot], ...]
     rng: Slot
     state_bytes: int
-    grad_bytes: int
+    grad_regions: tuple[tuple[str, int], ...]
+    """(name, bytes) of the gradient regions: ("grads", n) unless an integration placed them."""
+    grad_region: tuple[str, ...]
+    """Per parameter: the name of the region its gradient lives in."""
+    main_grad: bool
+    """Gradients are the integration's ``param.main_grad`` buffers (filled by its backward
+    hooks), not ``param.grad``; ``.grad`` points at them only for clipping and the update."""
     digest: int
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of every gradient region together."""
+        return sum(n for _, n in self.grad_regions)
 
     @classmethod
     def plan(
         cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-        rng_bytes: int | None = None,
+        rng_bytes: int | None = None, grads: GradPlacement | None = None,
     ) -> Layout:
-        """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state)."""
+        """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state);
+        ``grads``: gradient placement of an integration's buffers (default: Leto's "grads")."""
         state_keys = optimizer_state_keys(optimizer)
         cursor = 0
         param_slots, optim_slots = [], []
@@ -72,12 +105,18 @@ class Layout:
         rng = Slot(cursor, (rng_bytes or torch.get_rng_state().numel(),), torch.uint8)
         state_bytes = _align(cursor + rng.nbytes)
         cursor, grad_slots = 0, []
-        for p in params:
-            grad_slots.append(Slot(cursor, tuple(p.shape), p.dtype))
-            cursor = _align(cursor + grad_slots[-1].nbytes)
+        if grads is None:
+            for p in params:
+                grad_slots.append(Slot(cursor, tuple(p.shape), p.dtype))
+                cursor = _align(cursor + grad_slots[-1].nbytes)
+            grad_regions, grad_region = (("grads", max(cursor, ALIGN)),), ("grads",) * len(params)
+        else:
+            grad_regions, grad_region = grads.regions, _place_grads(params, grads, grad_slots)
         description = repr(
             (type(optimizer).__name__, state_keys, [(s.shape, str(s.dtype)) for s in param_slots + buffer_slots])
         )
+        if grads is not None:  # a job must reattach with the gradient placement it started with
+            description += repr((grad_regions, [s.offset for s in grad_slots]))
         digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little")
         return cls(
             params=tuple(param_slots),
@@ -86,9 +125,26 @@ class Layout:
             optim=tuple(optim_slots),
             rng=rng,
             state_bytes=state_bytes,
-            grad_bytes=max(cursor, ALIGN),
+            grad_regions=tuple(grad_regions),
+            grad_region=tuple(grad_region),
+            main_grad=grads is not None,
             digest=digest - (1 << 64) if digest >= 1 << 63 else digest,
         )
+
+
+def _place_grads(params: list[torch.nn.Parameter], grads: GradPlacement, out: list[Slot]) -> tuple[str, ...]:
+    """Fill ``out`` with each parameter's slot in its region; returns the region names."""
+    if len(grads.slots) != len(params):
+        raise ConfigError(f"the gradient placement has {len(grads.slots)} slots for {len(params)} parameters")
+    names = []
+    for p, (index, offset) in zip(params, grads.slots, strict=True):
+        name, nbytes = grads.regions[index]
+        slot = Slot(offset, tuple(p.shape), p.dtype)
+        if offset < 0 or offset + slot.nbytes > nbytes or offset % _itemsize(p.dtype):
+            raise ConfigError(f"gradient slot at byte {offset} ({slot.nbytes} bytes) does not fit region {name}")
+        out.append(slot)
+        names.append(name)
+    return tuple(names)
 
 
 def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:

@@ -41,7 +41,7 @@ from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.warmup import warm_shadow
-from leto.trainer.layout import Layout
+from leto.trainer.layout import GradPlacement, Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
 from leto.trainer.protection import ProtectedRegion
@@ -64,11 +64,15 @@ class RetainedState:
 
     def __init__(
         self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        wait_for_promotion: Callable[[], None] | None = None,
+        wait_for_promotion: Callable[[], None] | None = None, grads: GradPlacement | None = None,
     ) -> None:
         """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
         they exist: mapping reads nothing) and waits, so promotion costs no mapping work.
-        An L1 shadow waits before anything that could touch its device."""
+        An L1 shadow waits before anything that could touch its device.
+
+        ``grads``: an integration's gradient buffers (Megatron's DDP) as retained regions;
+        the integration then fills them (``param.main_grad``) and ``ctx.grad_sync`` reduces
+        and zeroes them (``GradSync.reduce``, ``GradSync.zero``)."""
         if wait_for_promotion is not None and not ctx.env.holds_device:
             wait_for_promotion()
             wait_for_promotion = None
@@ -80,7 +84,8 @@ class RetainedState:
             raise ProtocolError("a parameter appears twice in the optimizer's groups")
         self.buffers = [b for b in model.buffers()]
         self.device = ctx.device if self.params[0].is_meta else self.params[0].device
-        self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel())
+        self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel(),
+                                  grads=grads)
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
         mapped_ahead = wait_for_promotion is None or ctx.state_retained()
@@ -124,16 +129,19 @@ class RetainedState:
     def _map_regions(self) -> None:
         """Allocate or reattach every region of this rank (and its parity regions)."""
         pool, rank, erasure = self.ctx.pool, self.ctx.rank, self.ctx.env.erasure
-        state_nbytes, grad_nbytes = self.layout.state_bytes, self.layout.grad_bytes
+        state_nbytes = self.layout.state_bytes
+        grad_nbytes = dict(self.layout.grad_regions)
         if erasure is not None:  # protected regions are whole pages
-            state_nbytes, grad_nbytes = padded_bytes(state_nbytes, erasure), padded_bytes(grad_nbytes, erasure)
+            state_nbytes = padded_bytes(state_nbytes, erasure)
+            grad_nbytes = {name: padded_bytes(n, erasure) for name, n in grad_nbytes.items()}
         self.memory = mem = RegionMemory(pool, rank, self.device)
         chunk = None  # unprotected regions: one chunk (nothing could rebuild a lost one)
         if erasure is not None:  # one chunk per erasure page, unless the fd budget says coarser
-            chunk = plan_chunk_bytes(state_nbytes + grad_nbytes, erasure.page_bytes, mem.granularity, mem.chunk_budget())
+            chunk = plan_chunk_bytes(state_nbytes + sum(grad_nbytes.values()), erasure.page_bytes, mem.granularity,
+                                     mem.chunk_budget())
         views = {
             "state": mem.device_region("state", state_nbytes, chunk)[0],
-            "grads": mem.device_region("grads", grad_nbytes, chunk)[0],
+            **{name: mem.device_region(name, n, chunk)[0] for name, n in grad_nbytes.items()},
             "marker": mem.host_region("marker", MARKER_BYTES)[0],
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
             "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
@@ -148,7 +156,9 @@ class RetainedState:
                 views["rmu.parity"] = mem.device_region("rmu.parity", parity_nbytes)[0]
         else:
             views["snapshot"] = mem.host_region("snapshot", state_nbytes)[0]
-        self.state_bytes, self.grad_bytes = views["state"], views["grads"]
+        self.state_bytes = views["state"]
+        self.grad_regions = {name: views[name] for name in grad_nbytes}
+        """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
         self.snapshot_bytes = views.get("snapshot")
         marker_words = mem.mapped_on_device(views["marker"])
         self.marker = Marker(views["marker"], None if marker_words is None else marker_words.view(torch.int64))
@@ -158,13 +168,13 @@ class RetainedState:
             if erasure is None
             else {
                 name: ProtectedRegion(pool, rank, name, views[name], erasure, functools.partial(mem.lost_pages, name))
-                for name in ("state", "grads")
+                for name in ("state", *grad_nbytes)
             }
         )
         self.updater: ResumableUpdater | None = None
         if self.rmu:
             self.updater = ResumableUpdater(
-                layout=self.layout, state=self.state_bytes, grads=self.grad_bytes, rng_next=self._rng_next,
+                layout=self.layout, state=self.state_bytes, grads=self.grad_regions, rng_next=self._rng_next,
                 optimizer=self.optimizer, marker=self.marker, undo=views["rmu.undo"], parity=views.get("rmu.parity"),
                 protected=self.protected.get("state"), injector=self.ctx.injector,
                 chunk_bytes=self.ctx.env.rmu_chunk_bytes,
@@ -174,17 +184,16 @@ class RetainedState:
     def _bind(self) -> None:
         """Make params, grads and optimizer state views of retained memory (zero copy)."""
         fresh = not self.reattached
-        for p, pslot, gslot, oslots in zip(
-            self.params, self.layout.params, self.layout.grads, self.layout.optim, strict=True
+        for p, pslot, grad, oslots in zip(
+            self.params, self.layout.params, self._grad_views(), self.layout.optim, strict=True
         ):
             data = pslot.view(self.state_bytes)
             if fresh:
                 data.copy_(p.detach())
             torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
-            grad = gslot.view(self.grad_bytes)
             if fresh:
                 grad.zero_()
-            p.grad = grad
+            p.grad = None if self.layout.main_grad else grad  # main_grad: the integration binds it
             state = {key: slot.view(self.state_bytes) for key, slot in oslots.items()}
             if fresh:
                 for t in state.values():
@@ -196,9 +205,18 @@ class RetainedState:
                 data.copy_(b)
             torch.utils.swap_tensors(b, data)
 
+    def _grad_views(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as a view of its retained region."""
+        return [slot.view(self.grad_regions[name])
+                for slot, name in zip(self.layout.grads, self.layout.grad_region, strict=True)]
+
     def _encode(self, name: str) -> None:
         if name in self.protected:
             self.protected[name].encode()
+
+    def _encode_grads(self) -> None:
+        for name in self.grad_regions:
+            self._encode(name)
 
     def _rebuild_lost_pages(self) -> None:
         """Localise failed pages of every protected region and rebuild what is needed.
@@ -218,7 +236,7 @@ class RetainedState:
             self.updater.prepare()  # undo a torn chunk, resync the scratch parity
         if not self.protected:
             return
-        needed = {"state": phase != Phase.UPDATING, "grads": phase != Phase.IDLE}
+        needed = {"state": phase != Phase.UPDATING, **{name: phase != Phase.IDLE for name in self.grad_regions}}
         report: dict[str, dict[str, int]] = {}
         seconds = localize_s = 0.0
         for name, region in self.protected.items():
@@ -297,9 +315,24 @@ class RetainedState:
         self._step_started = time.perf_counter()
         self.ctx.injector.step = step
         set_rng_blob(self._rng, self.device)
-        self.grad_bytes.zero_()
+        self._zero_grads()
+
+    def _zero_grads(self) -> None:
+        """Zero this step's gradients: Leto's regions, or the integration's buffers
+        (``GradSync.zero``); ``.grad`` back to its retained view (undoing a
+        ``zero_grad(set_to_none=True)``), or to None where the integration's hooks fill
+        ``main_grad`` (a ``.grad`` there would be added to it twice)."""
+        if self.ctx.grad_sync.zero is not None:
+            self.ctx.grad_sync.zero()
+        else:
+            for region in self.grad_regions.values():
+                region.zero_()
+        if self.layout.main_grad:
+            for p in self.params:
+                p.grad = None
+            return
         for p, grad in self._unbound_grads():
-            p.grad = grad  # undo a zero_grad(set_to_none=True)
+            p.grad = grad
 
     def compute(self, fn: Callable[[], T]) -> T:
         """Run this step's compute phase (forward and backward) through ``fn``.
@@ -321,9 +354,9 @@ class RetainedState:
                     raise
                 # A model-parallel forward runs collectives (a narrowed grad_sync group says
                 # so): the other ranks would not retry with this one, so no retry.
-                if self.ctx.grad_sync.group is not None:
+                if self.ctx.grad_sync.group is not None or self.ctx.grad_sync.collectives_in_backward:
                     e.add_note(f"rank {self.ctx.rank} step {step}: not retried after reclaiming the shadows: "
-                               "a model-parallel forward runs collectives the other ranks would not repeat")
+                               "this forward/backward runs collectives the other ranks would not repeat")
                     raise
                 message = str(e).splitlines()[0] if str(e) else "out of memory"
             # Out of the except block: the traceback, and with it the failed attempt's
@@ -339,9 +372,7 @@ class RetainedState:
     def _restart_compute(self) -> None:
         """Back to the start of this step's compute phase (its RNG, zero gradients)."""
         set_rng_blob(self._rng, self.device)
-        self.grad_bytes.zero_()
-        for p, grad in self._unbound_grads():
-            p.grad = grad
+        self._zero_grads()
 
     def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
@@ -349,10 +380,13 @@ class RetainedState:
         self._check_grads_bound()
         self.ctx.injector.point("sync")
         self._allreduce_grads()
+        if self.layout.main_grad:  # clipping and the update read .grad
+            for p, grad in zip(self.params, self._grad_views(), strict=True):
+                p.grad = grad
         if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
             self.ctx.grad_sync.clip_(self.params, max_grad_norm)
         self._rng_next.copy_(rng_blob(self.device))
-        self._encode("grads")  # final gradients stay recoverable until the update commits
+        self._encode_grads()  # final gradients stay recoverable until the update commits
         if self.updater is not None:  # the last flush's IDLE store lands before these marker writes
             self.updater.join()
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
@@ -400,13 +434,25 @@ class RetainedState:
         self._committed()
 
     def _unbound_grads(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Parameters whose ``.grad`` is not its retained view, with that view."""
-        for p, gslot in zip(self.params, self.layout.grads, strict=True):
-            grad = gslot.view(self.grad_bytes)
-            if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
+        """Parameters whose gradient (``.grad``, or ``main_grad`` when the integration's
+        buffers hold them) is not its retained view, with that view."""
+        for p, grad in zip(self.params, self._grad_views(), strict=True):
+            bound = getattr(p, "main_grad", None) if self.layout.main_grad else p.grad
+            if bound is None or bound.data_ptr() != grad.data_ptr() or bound.shape != grad.shape:
                 yield p, grad
 
+    def check_main_grads(self) -> None:
+        """Every ``param.main_grad`` is its retained view (the integration built its buffers
+        from the retained regions, as planned); raises ``ProtocolError`` otherwise."""
+        unbound = [tuple(p.shape) for p, _ in self._unbound_grads()]
+        if unbound:
+            raise ProtocolError(f"{len(unbound)} main_grad buffers are not the retained gradient views planned "
+                                f"(first shape {unbound[0]}): the integration's buffer layout differs from leto's plan")
+
     def _check_grads_bound(self) -> None:
+        if self.layout.main_grad:
+            self.check_main_grads()
+            return
         if next(self._unbound_grads(), None) is not None:
             raise ProtocolError(
                 "a gradient no longer lives in retained memory (was optimizer.zero_grad() "
@@ -415,14 +461,21 @@ class RetainedState:
 
     def _allreduce_grads(self) -> None:
         """Mean over ``ctx.grad_sync``'s group (the world unless an integration set its
-        data-parallel group): one flat all-reduce when every gradient has one dtype."""
+        data-parallel group): one flat all-reduce when every gradient has one dtype; or the
+        integration's own reduction of its buffers (``GradSync.reduce``)."""
         sync = self.ctx.grad_sync
+        if sync.reduce is not None:
+            sync.reduce()
+            return
+        if self.layout.main_grad:
+            raise ProtocolError("gradients live in an integration's buffers but ctx.grad_sync has no reduce")
         if self.ctx.world_size == 1 or sync.size() == 1:
             return
         dtypes = {s.dtype for s in self.layout.grads}
         if len(dtypes) == 1:
             (dtype,) = dtypes
-            sync.all_reduce_mean_(self.grad_bytes[: self.layout.grad_bytes].view(dtype))
+            (nbytes,) = (n for _, n in self.layout.grad_regions)
+            sync.all_reduce_mean_(self.grad_regions["grads"][:nbytes].view(dtype))
         else:
             for p in self.params:
                 sync.all_reduce_mean_(p.grad)

@@ -41,12 +41,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Mapping
 
 import torch
 
 from leto.erasure import ErasureConfig, ProtectionGroup, split_range
 from leto.erasure.bitslice import TILE_BYTES
-from leto.errors import ProtocolError, UnrecoverableStateError
+from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.faults import FaultInjector
 from leto.trainer.layout import Layout
 from leto.trainer.marker import Marker, Phase
@@ -74,6 +75,15 @@ def buffer_bytes(layout: Layout, state_nbytes: int, chunk_bytes: int, erasure: E
     return undo, 2 * groups * erasure.tier1_parity * erasure.page_bytes
 
 
+def _only_region(regions: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fused kernel addresses every gradient in one flat region."""
+    if len(regions) != 1:
+        raise ConfigError(f"leto.rmu_fused needs one gradient region, the layout has {sorted(regions)}; "
+                          "set rmu_fused: false")
+    (region,) = regions.values()
+    return region
+
+
 class ResumableUpdater:
     """Applies Adam/AdamW to the retained state chunk by chunk, crash-consistently."""
 
@@ -82,7 +92,7 @@ class ResumableUpdater:
         *,
         layout: Layout,
         state: torch.Tensor,
-        grads: torch.Tensor,
+        grads: torch.Tensor | Mapping[str, torch.Tensor],
         rng_next: torch.Tensor,
         optimizer: torch.optim.Optimizer,
         marker: Marker,
@@ -94,7 +104,9 @@ class ResumableUpdater:
         incremental_parity: bool = True,
         fused: bool = False,
     ) -> None:
-        """``state``/``grads``/``undo``/``parity`` are flat uint8 views of retained regions.
+        """``state``/``grads``/``undo``/``parity`` are flat uint8 views of retained regions;
+        ``grads`` maps the layout's gradient region names to theirs (a tensor: the one
+        "grads" region).
 
         ``incremental_parity=False`` is the paper's "RMP alone" (§8.4): chunks are still
         applied in place, but the parity is only re-encoded from the data after the last
@@ -118,10 +130,11 @@ class ResumableUpdater:
         self._m = [o["exp_avg"].view(state).view(-1) for o in layout.optim]
         self._v = [o["exp_avg_sq"].view(state).view(-1) for o in layout.optim]
         self._step = [o["step"].view(state) for o in layout.optim]
-        self._grad = [s.view(grads).view(-1) for s in layout.grads]
+        regions = {"grads": grads} if isinstance(grads, torch.Tensor) else dict(grads)
+        self._grad = [s.view(regions[name]).view(-1) for s, name in zip(layout.grads, layout.grad_region, strict=True)]
         self._rng = layout.rng.view(state)
         self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
-        self.fused = FusedChunks(layout, self.chunks, state, grads, undo) if fused else None
+        self.fused = FusedChunks(layout, self.chunks, state, _only_region(regions), undo) if fused else None
         self._working: list[list[ProtectionGroup]] = []
         self._stale: dict[int, list[tuple[int, int]]] = {}
         """Parity byte ranges per group where Q[1-sel] lags Q[sel] (see ``_fold_parity``)."""

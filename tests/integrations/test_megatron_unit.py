@@ -50,7 +50,7 @@ class FakeCtx:
     def init_device(self, device):
         return torch.device("meta" if self.resuming else device)
 
-    def retain(self, model, optimizer):  # as RetainedState._bind: swap every param for a fresh one
+    def retain(self, model, optimizer, grads=None):  # as RetainedState._bind: swap every param for a fresh one
         for p in model.parameters():
             torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros_like(p), requires_grad=p.requires_grad))
         return SimpleNamespace(steps=lambda n: iter(range(n)), step=lambda **kw: None)
