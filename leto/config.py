@@ -20,6 +20,8 @@ Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
 UpdatePoint = Literal["boundary", "optimizer", "parity", "flush"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
+DEVICE_REGIONS = ("state", "grads", "rmu.undo", "rmu.parity")
+"""Device regions a fault may erase pages of (besides a Megatron DDP buffer, ``ddp.grads.<dtype>``)."""
 FaultKind = Literal["kill", "fatal", "hang", "device", "oom", "kill_shadow", "shadow_crash"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
@@ -40,10 +42,11 @@ class FaultSpec:
     """... and this many of its tier-1 parity pages (host memory) per group."""
     erase_group: int | None = None
     """Only in this protection group (default: in every group)."""
-    erase_device_region: Literal["state", "rmu.undo", "rmu.parity"] = "state"
-    """Where the device pages are lost: the model state (protected by parity), or the
-    updater's unprotected undo copy or working parity (a loss there in the middle of an
-    update leaves nothing consistent to resume from: the job takes the checkpoint path)."""
+    erase_device_region: str = "state"
+    """Where the device pages are lost: the model state or the gradients ("grads", or a
+    Megatron DDP buffer "ddp.grads.<dtype>"; protected by parity), or the updater's
+    unprotected undo copy or working parity (a loss there in the middle of an update leaves
+    nothing consistent to resume from: the job takes the checkpoint path)."""
     point: UpdatePoint | None = None
     """With ``phase: update`` under ``consistency: rmu``, where inside the update:
     boundary (a chunk boundary, before its undo copy), optimizer (mid-chunk: after the
@@ -80,8 +83,9 @@ class FaultSpec:
             raise ConfigError(f"fault rank and step must be >= 0, got rank={self.rank} step={self.step}")
         if self.phase not in PHASES:
             raise ConfigError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}")
-        if self.erase_device_region not in ("state", "rmu.undo", "rmu.parity"):
-            raise ConfigError(f"fault erase_device_region {self.erase_device_region!r} is not one of state, rmu.undo, rmu.parity")
+        if self.erase_device_region not in DEVICE_REGIONS and not self.erase_device_region.startswith("ddp.grads."):
+            raise ConfigError(f"fault erase_device_region {self.erase_device_region!r} is not one of "
+                              f"{', '.join(DEVICE_REGIONS)} or ddp.grads.<dtype>")
         if min(self.erase_device_pages, self.erase_host_pages) < 0:
             raise ConfigError("fault erase_device_pages / erase_host_pages must be >= 0")
         if self.point is not None and (self.phase != "update" or self.point not in UPDATE_POINTS):

@@ -1,0 +1,206 @@
+"""Megatron's DistributedDataParallel over Leto's retained gradient regions (CPU, gloo).
+
+In one process (a world of one): Leto's plan of Megatron's gradient buffers equals the
+buffers Megatron builds (also from a ``meta`` model, bucketing included); the DDP
+constructor's ``grad_data`` *are* the retained regions (not reallocated, not zeroed); a step
+fills them through DDP's hooks; with ``overlap_grad_reduce`` the backward kill point (the
+middle leaf module, where ``RetainedState`` puts it) is reached after some bucket
+all-reduces were launched and before others, so a kill there lands mid bucket all-reduce.
+
+Under leto-run (2 ranks): at DP=2 the Megatron DDP path (overlap, small buckets) and Leto's
+flat all-reduce give the same retained state bit for bit at every step (Megatron scales by
+1/2 before the sum, Leto divides after: equal in binary floating point), which fails if DDP's
+buffers were not the retained gradients or not reduced. Recovery from kills on this path:
+test_megatron_recovery.py (DP=2) and test_megatron_tp.py (TP=2, TP=2 x DP=2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from leto.errors import ConfigError
+from leto.trainer.grad_sync import GradSync
+from leto.trainer.layout import GradPlacement, Layout
+from tests.launcher.harness import REPO, digests, run_leto
+
+SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7"]
+BUCKET = 2000  # elements: the test model (~35 k parameters) spreads over many buckets
+
+
+@pytest.fixture(scope="module")
+def lm(megatron):
+    """A world of one (gloo) with Megatron's parallel_state on it."""
+    from megatron.core import parallel_state
+
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group("gloo", store=dist.FileStore(f.name, 1), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        from leto.integrations import megatron as lm
+
+        lm.reseed_tracker(7, -1)
+        yield lm
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _gpt(lm, device: str = "cpu"):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    ctx = SimpleNamespace(device=torch.device("cpu"), init_device=lambda d: torch.device(device))
+    return lm.build_gpt(ctx, config, vocab_size=64, max_sequence_length=16)
+
+
+def _ddp_config(**kw):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(**kw)
+
+
+def _params(opt) -> list[torch.nn.Parameter]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _retained(lm, model, opt, placement: GradPlacement, fill: float):
+    """The gradient side of a ``RetainedState`` over plain tensors (no pool): the regions
+    ``placement`` plans, filled with ``fill``, and ``check_main_grads``."""
+    from leto.trainer.state import RetainedState
+
+    state = object.__new__(RetainedState)
+    state.params = _params(opt)
+    state.layout = Layout.plan(state.params, [], opt, grads=placement)
+    state.grad_regions = {name: torch.full((n // 4,), fill).view(torch.uint8) for name, n in placement.regions}
+    return state
+
+
+def _batch():
+    from leto.integrations.megatron import causal_mask
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 64, (2, 16), generator=g)
+    return tokens, torch.arange(16).expand(2, -1), causal_mask(16, torch.device("cpu")), tokens
+
+
+def test_placement_equals_megatrons_buffers(lm):
+    from megatron.core.distributed import DistributedDataParallel
+
+    from leto.integrations import megatron_ddp
+
+    model = _gpt(lm)
+    opt = lm.adamw(model, _opt())
+    config = _ddp_config(overlap_grad_reduce=True, bucket_size=BUCKET)
+    placement = megatron_ddp.grad_placement(model, _params(opt), config)
+    meta = _gpt(lm, "meta")
+    assert megatron_ddp.grad_placement(meta, _params(lm.adamw(meta, _opt())), config) == placement
+    ddp = DistributedDataParallel(config=model.config, ddp_config=config, module=model)
+    assert len(ddp.buffers) == 1 and sum(len(g.buckets) for g in ddp.bucket_groups) > 4
+    buffer = ddp.buffers[0]
+    assert placement.regions == (("ddp.grads.float32", buffer.numel * 4),)
+    for p, (region, offset) in zip(_params(opt), placement.slots, strict=True):
+        assert region == 0 and p.main_grad.data_ptr() - buffer.grad_data.data_ptr() == offset
+
+
+def _opt():
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=1e-3)
+
+
+def test_ddp_builds_on_the_retained_regions_and_fills_them(lm):
+    from leto.integrations import megatron_ddp
+
+    model = _gpt(lm)
+    opt = lm.adamw(model, _opt())
+    config = _ddp_config(overlap_grad_reduce=True, bucket_size=BUCKET)
+    state = _retained(lm, model, opt, megatron_ddp.grad_placement(model, _params(opt), config), fill=7.0)
+    ctx = SimpleNamespace(rank=0, grad_sync=GradSync())
+    ddp = megatron_ddp.build_ddp(ctx, state, model, config)
+    (region,) = state.grad_regions.values()
+    grads = region.view(torch.float32)
+    assert ddp.buffers[0].grad_data.data_ptr() == region.data_ptr()
+    assert bool((grads == 7.0).all()), "the DDP constructor zeroed (or replaced) a retained region"
+    assert ctx.grad_sync.reduce == ddp.finish_grad_sync and ctx.grad_sync.collectives_in_backward
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    launched_at_kill_point: list[tuple[int, int]] = []
+
+    def count(grad: torch.Tensor) -> None:  # the backward kill point of RetainedState
+        groups = ddp.bucket_groups
+        launched_at_kill_point.append((sum(g.grad_reduce_handle is not None for g in groups), len(groups)))
+
+    def arm(module: torch.nn.Module, args: object, out: object) -> None:  # as RetainedState._arm_backward_point
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        next(t for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None).register_hook(count)
+
+    leaves[len(leaves) // 2].register_forward_hook(arm)
+    for _ in range(2):  # the first batch records the buckets' readiness; the second overlaps
+        ctx.grad_sync.zero()
+        assert bool((grads == 0).all())
+        ddp(*_batch()[:3], labels=_batch()[3]).mean().backward()
+        assert all(p.grad is None for p in _params(opt)), "DDP's hooks move .grad into main_grad"
+        ctx.grad_sync.reduce()
+    state.check_main_grads()
+    assert bool((grads != 0).any())
+    first, second = launched_at_kill_point
+    print(f"kill point: {first} then {second} (bucket all-reduces launched, bucket groups)")
+    assert first[0] == 0, "the first batch launches nothing from hooks"
+    assert 0 < second[0] < second[1], f"kill point after {second[0]} of {second[1]} bucket all-reduces"
+
+
+def test_a_different_buffer_layout_fails_loudly(lm):
+    from leto.errors import ProtocolError
+    from leto.integrations import megatron_ddp
+
+    model = _gpt(lm)
+    opt = lm.adamw(model, _opt())
+    config = _ddp_config()
+    placement = megatron_ddp.grad_placement(model, _params(opt), config)
+    (name, nbytes), = placement.regions
+    shifted = dataclasses.replace(placement, regions=((name, nbytes + 64),),
+                                  slots=tuple((r, off + 64) for r, off in placement.slots))
+    state = _retained(lm, model, opt, shifted, fill=0.0)
+    with pytest.raises(ProtocolError, match="planned gradient buffers|not the retained gradient views"):
+        megatron_ddp.build_ddp(SimpleNamespace(rank=0, grad_sync=GradSync()), state, model, config)
+
+
+def test_unsupported_configs_are_refused(lm):
+    from leto.integrations import megatron_ddp
+
+    model = _gpt(lm)
+    params = _params(lm.adamw(model, _opt()))
+    with pytest.raises(ConfigError, match="DistributedOptimizer"):
+        megatron_ddp.grad_placement(model, params, _ddp_config(use_distributed_optimizer=True))
+    with pytest.raises(ConfigError, match="unique names"):
+        GradPlacement(regions=(("grads", 64),), slots=())
+    with pytest.raises(ConfigError, match="does not fit"):
+        Layout.plan(params[:1], [], torch.optim.AdamW(params[:1]), grads=GradPlacement(
+            regions=(("ddp.grads.float32", 4),), slots=((0, 0),)))
+
+
+@pytest.mark.timeout(300)
+def test_ddp_equals_leto_allreduce_at_dp2(tmp_path):
+    """Fault-free, 2 ranks: Megatron's DDP (overlapped buckets) == Leto's flat all-reduce, bit for bit."""
+    runs = {}
+    for impl, extra in (("megatron", ["--overlap-grad-reduce", "--ddp-bucket-size", str(BUCKET)]), ("leto", [])):
+        proc, events = run_leto(tmp_path, steps=8, leto={"consistency": "rmu"}, script=SCRIPT,
+                                steps_flag="--train-iters", model_args=MODEL,
+                                script_args=["--ddp-impl", impl, *extra], timeout_s=200)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert f"DDP {impl}" in proc.stdout
+        runs[impl] = events
+    ddp, flat = digests(runs["megatron"]), digests(runs["leto"])
+    assert set(ddp) == {(r, s) for r in range(2) for s in range(1, 9)}
+    assert ddp == flat, "Megatron's DDP and Leto's all-reduce disagree"
+    losses = {impl: sorted((e["rank"], e["step"], e["loss"]) for e in ev if e["kind"] == "step_done")
+              for impl, ev in runs.items()}
+    assert losses["megatron"] == losses["leto"]
