@@ -7,6 +7,14 @@ initialisation path, the real ``CudaRNGStatesTracker`` (attention dropout under
 in forward, in backward and mid-chunk inside the optimizer update; every (rank, step)
 digest of the retained state must equal the fault-free run's.
 
+Data parallelism is Megatron-Core's ``DistributedDataParallel`` (the example's default,
+``--ddp-impl megatron``): its contiguous gradient buffer is a retained CUDA VMM region
+("ddp.grads.float32") and its bucketed all-reduce (``finish_grad_sync``) runs on NCCL, on
+gloo where two ranks share the GPU. The DP=2 case on two GPUs overlaps the bucket
+all-reduces with backward (``--overlap-grad-reduce``, small buckets): its backward kill
+lands with NCCL bucket all-reduces in flight. The "-leto-ddp" case keeps Leto's flat
+"grads" region and all-reduce (``--ddp-impl leto``).
+
 * world size 1, NCCL, bf16 compute (autocast) over fp32 params and Adam state;
 * two ranks sharing the GPU, gloo (NCCL refuses two ranks on one device), fp32 (on a
   machine with two GPUs leto-run gives each rank its own and picks NCCL: DP=2). Every
@@ -17,7 +25,9 @@ digest of the retained state must equal the fault-free run's.
 * world size 1, NCCL, bf16, with two-tier parity on 2 MiB pages (one CUDA VMM chunk
   each): the backward and the update kills also lose 16 device pages of the model state
   (found by the page-map query, rebuilt from host parity, or from the RMU's working
-  parity mid-update) and a host tier-1 parity page per group;
+  parity mid-update) and a host tier-1 parity page per group; a fourth kill mid-update
+  loses 8 pages of DDP's gradient buffer, which finishing the update needs (rebuilt from
+  its parity);
 * tensor parallelism, TP=2 on two GPUs (one rank each), NCCL, bf16: each rank retains its
   shard, Megatron's TP all-reduces run on NCCL groups that the L3 shadows build before
   promotion, gradients are averaged over the data-parallel group (of one) and clipped by
@@ -55,6 +65,9 @@ PARITY = {"consistency": "rmu", "rmu_chunk_bytes": 1 << 20,
           "erasure": {"page_bytes": 2 << 20, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}}
 
 
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # TINY (~0.2 M parameters): ~10 buckets
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Case:
     nproc: int
@@ -67,6 +80,10 @@ class Case:
     """--tensor-model-parallel-size."""
     gpus: int = 1
     """GPUs the case needs (one rank per GPU for NCCL)."""
+    ddp: list[str] = dataclasses.field(default_factory=list)
+    """Data-parallel flags: [] is Megatron's DDP (the example's default)."""
+    lost_grad_pages: int = 0
+    """Pages of Megatron DDP's gradient buffer lost at a fourth kill, mid-update."""
 
     def backend(self) -> str:
         """What leto-run's ``backend="auto"`` picks: NCCL when every rank has a GPU of its own."""
@@ -76,26 +93,36 @@ class Case:
 CASES = {
     "nccl-1rank-bf16": Case(1, TINY, RMU, bf16=True),
     "gloo-2ranks-fp32": Case(2, TINY, RMU, bf16=False),
-    "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16),
+    "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16, lost_grad_pages=8),
     "nccl-tp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, tp=2, gpus=2),
-    "nccl-dp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2),
+    "nccl-dp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=OVERLAP),
+    "nccl-dp2-2gpus-bf16-leto-ddp": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=["--ddp-impl", "leto"]),
 }
 
 
 def _faults(case: Case) -> list[FaultSpec]:
     lost, host = case.lost_device_pages, int(case.lost_device_pages > 0)
-    return [
+    faults = [
         FaultSpec(rank=0, step=3, phase="forward"),
         FaultSpec(rank=case.nproc - 1, step=7, phase="backward", erase_device_pages=lost, erase_host_pages=host),
         FaultSpec(rank=0, step=11, phase="update", point="optimizer", chunk=1, erase_device_pages=lost,
                   erase_host_pages=host),
     ]
+    if case.lost_grad_pages:
+        faults.append(FaultSpec(rank=0, step=14, phase="update", point="optimizer", chunk=0,
+                                erase_device_pages=case.lost_grad_pages, erase_device_region=GRAD_REGION))
+    return faults
+
+
+GRAD_REGION = "ddp.grads.float32"
+"""Megatron DDP's gradient buffer of fp32 params (``leto.integrations.megatron_ddp.region_name``)."""
 
 
 def _run(tmp_path, case: Case, faults: list[FaultSpec]):
     proc, events = run_leto(tmp_path, steps=STEPS, nproc=case.nproc, faults=faults, leto=case.leto, script=SCRIPT,
                             steps_flag="--train-iters", model_args=case.model,
-                            script_args=["--bf16"] * case.bf16 + ["--tensor-model-parallel-size", str(case.tp)],
+                            script_args=["--bf16"] * case.bf16 + ["--tensor-model-parallel-size", str(case.tp),
+                                                                  *case.ddp],
                             timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, events
@@ -112,6 +139,8 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     output = ref_proc.stdout + ref_proc.stderr
     assert f"backend {case.backend()}" in output, "the run did not use the expected backend"
     assert f"(TP {case.tp}, DP {case.nproc // case.tp})" in output, "the run did not use the expected TP size"
+    impl = "leto" if "leto" in case.ddp else "megatron (overlap)" if OVERLAP == case.ddp else "megatron"
+    assert f"DDP {impl}" in output, "the run did not use the expected data-parallel implementation"
     reference = digests(ref_events)
     assert set(reference) == {(r, s) for r in range(case.nproc) for s in range(1, STEPS + 1)}
     assert all(len(d) == 1 for d in reference.values())
@@ -124,7 +153,12 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert len(resumed) == case.nproc * len(faults)
     # forward/backward kills re-run their step; a kill inside the update finishes it
-    assert sorted({e["step"] for e in resumed}) == [3, 7, 12]
+    assert sorted({e["step"] for e in resumed}) == [3, 7, 12] + [15] * bool(case.lost_grad_pages)
+    if case.lost_grad_pages:  # recovery 4 found the erased gradient pages and rebuilt them (needed mid-update)
+        erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == GRAD_REGION]
+        rebuilt = [e["lost"][GRAD_REGION] for e in events if e["kind"] == "pages_rebuilt" and e["gen"] == 4]
+        assert len(erased) == 1 and erased[0]["pages"], erased
+        assert [x["data"] for x in rebuilt] == [len(erased[0]["pages"])], rebuilt
     if case.lost_device_pages:  # recoveries 2 and 3 found every erased device page and rebuilt it
         erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
         rebuilt = {(e["rank"], e["gen"]): e["lost"]["state"] for e in events if e["kind"] == "pages_rebuilt"}

@@ -1,7 +1,9 @@
 """Shadows warm Megatron's first iteration (``lm.warm_up_shadow``): real leto-run jobs, CPU.
 
 examples/megatron_gpt.py with Megatron's ``jit_fuser`` fusions on (bias-GeLU and
-bias-dropout-add, compiled by ``torch.compile`` per process), 2 ranks, gloo, shadows at L3.
+bias-dropout-add, compiled by ``torch.compile`` per process), 2 ranks, gloo, shadows at L3,
+gradients in Leto's "grads" region with its flat all-reduce (``--ddp-impl leto``: the
+Megatron recovery test with that path).
 Each kill waits for a ready shadow the step before (``shadow_ready_steps_before=1``), so
 every promoted trainer comes from a shadow that ran the warm-up. Checked: each such shadow reports the warm-up (``model_warmed``,
 ran, fusion graphs compiled there); each promoted trainer's first iteration compiles nothing;
@@ -24,7 +26,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 20
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7", "--fusions"]
+         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7", "--fusions",
+         "--ddp-impl", "leto"]  # the other Megatron jobs run Megatron's DDP; this one keeps Leto's all-reduce
 LETO = {"consistency": "rmu", "rmu_chunk_bytes": 65536}
 FAULTS = [
     FaultSpec(rank=1, step=6, phase="backward", shadow_ready_steps_before=1),
