@@ -1,10 +1,11 @@
 """Megatron-Core on Leto: a ``GPTModel`` whose whole training state lives in retained memory.
 
-Design (built): **Megatron's model, Leto's data parallelism.** Megatron-Core supplies the
-model (``TransformerConfig``, ``GPTModel`` and its layer specs, its process-group setup);
-Leto's ``RetainedState`` owns the flat layout — parameters, gradients, AdamW state and RNG
-as zero-copy views of pool regions, protected by the two-tier parity and updated through
-the resumable updater (RMU) — and synchronises gradients with its one flat all-reduce.
+Design (built): **Megatron's model and DDP, Leto's retained state.** Megatron-Core supplies
+the model (``TransformerConfig``, ``GPTModel`` and its layer specs, its process-group setup)
+and, optionally, its ``DistributedDataParallel``; Leto's ``RetainedState`` owns the layout —
+parameters, gradients (Leto's "grads" region, or DDP's buffers as retained regions), AdamW
+state and RNG as zero-copy views of pool regions, protected by the two-tier parity and
+updated through the resumable updater (RMU).
 Megatron's optimizer settings (``OptimizerConfig``: lr, betas, eps, weight decay, clipping)
 map onto a torch ``AdamW`` with Megatron's parameter groups (no decay on biases and norms),
 which is what Megatron itself runs when neither Apex nor Transformer Engine is present.

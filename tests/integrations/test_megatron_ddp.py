@@ -17,12 +17,10 @@ test_megatron_recovery.py (DP=2) and test_megatron_tp.py (TP=2, TP=2 x DP=2).
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from leto.errors import ConfigError
 from leto.trainer.grad_sync import GradSync
@@ -36,19 +34,9 @@ BUCKET = 2000  # elements: the test model (~35 k parameters) spreads over many b
 
 
 @pytest.fixture(scope="module")
-def lm(megatron):
-    """A world of one (gloo) with Megatron's parallel_state on it."""
-    from megatron.core import parallel_state
-
-    with tempfile.NamedTemporaryFile() as f:
-        dist.init_process_group("gloo", store=dist.FileStore(f.name, 1), rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        from leto.integrations import megatron as lm
-
-        lm.reseed_tracker(7, -1)
-        yield lm
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+def lm(parallel):
+    """The integration on a world of one (conftest's ``parallel``)."""
+    return parallel
 
 
 def _gpt(lm, device: str = "cpu"):

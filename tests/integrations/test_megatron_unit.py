@@ -13,7 +13,6 @@ What cannot run on CPU, and so is not tested here (it is the GPU step of issue 6
 
 from __future__ import annotations
 
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -21,22 +20,6 @@ import torch
 import torch.distributed as dist
 
 from leto.errors import ConfigError
-
-
-@pytest.fixture(scope="module")
-def parallel(megatron):
-    """A world of one (gloo) with Megatron's parallel_state on it."""
-    from megatron.core import parallel_state
-
-    with tempfile.NamedTemporaryFile() as f:
-        dist.init_process_group("gloo", store=dist.FileStore(f.name, 1), rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        from leto.integrations import megatron as lm
-
-        lm.reseed_tracker(7, -1)
-        yield lm
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 class FakeCtx:
