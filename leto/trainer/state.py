@@ -355,8 +355,10 @@ class RetainedState:
                 # A model-parallel forward runs collectives (a narrowed grad_sync group says
                 # so): the other ranks would not retry with this one, so no retry.
                 if self.ctx.grad_sync.group is not None or self.ctx.grad_sync.collectives_in_backward:
+                    what = ("a model-parallel forward runs collectives" if self.ctx.grad_sync.group is not None
+                            else "an overlapped backward runs bucket all-reduces")
                     e.add_note(f"rank {self.ctx.rank} step {step}: not retried after reclaiming the shadows: "
-                               "this forward/backward runs collectives the other ranks would not repeat")
+                               f"{what} the other ranks would not repeat")
                     raise
                 message = str(e).splitlines()[0] if str(e) else "out of memory"
             # Out of the except block: the traceback, and with it the failed attempt's
