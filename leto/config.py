@@ -163,9 +163,13 @@ class LetoConfig:
     """How an interrupted optimizer update is made consistent. rmu: chunk-level transactions
     (undo buffer + incremental parity, paper §5.2); snapshot: a full pre-update host copy
     (the §5.1 strawman, kept as the baseline)."""
-    rmu_chunk_bytes: int = 1 << 22
-    """rmu: bytes of parameters per chunk transaction (the undo buffer holds ~4x this:
-    parameters, exp_avg, exp_avg_sq, rounded out to 2 KiB tiles)."""
+    rmu_chunk_bytes: int | None = None
+    """rmu: bytes of parameters per chunk transaction (the undo buffer holds ~3x this:
+    parameters, exp_avg, exp_avg_sq, rounded out to 2 KiB tiles). None: 256 MiB on a GPU,
+    4 MiB on CPU (``default_rmu_chunk_bytes``). Small chunks on a GPU make the update
+    launch-bound: a 1.1 B GPT ran 180 ms per step with 4 MiB chunks (~1000 per step)
+    against torchrun's 111 ms on the same kernels, and the parity fold needs runs of >= 4
+    pages per group for the Horner kernel (BENCHMARKS.md, GPU session 4)."""
     rmu_fused: bool | None = None
     """rmu: save and update each chunk with one fused Triton kernel (undo copy + AdamW in one
     pass, ``triton_kernels/adamw_rmu.py``) instead of a copy and torch's foreach ops. None:
@@ -206,7 +210,7 @@ class LetoConfig:
     """Start the workers of a group restart from a fork server that has imported torch."""
 
     def __post_init__(self) -> None:
-        if self.rmu_chunk_bytes < 4096:
+        if self.rmu_chunk_bytes is not None and self.rmu_chunk_bytes < 4096:
             raise ConfigError(f"leto.rmu_chunk_bytes must be >= 4096, got {self.rmu_chunk_bytes}")
         if not 0.001 <= self.poll_interval_s <= 0.05:
             raise ConfigError(f"leto.poll_interval_s must be in [0.001, 0.05] s, got {self.poll_interval_s}")
@@ -290,3 +294,10 @@ def read_yaml(path: Any, what: str = "file") -> Any:
         raise ConfigError(f"{loc}: malformed YAML: {detail}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: malformed YAML: {' '.join(str(e).split())}") from None
+
+
+def default_rmu_chunk_bytes(device_type: str) -> int:
+    """``leto.rmu_chunk_bytes`` when the job leaves it unset: 256 MiB of parameters per
+    chunk on a GPU (17 chunks for 1.1 B fp32 parameters, a 768 MiB undo region: 0.5 % of an
+    H200), 4 MiB on CPU (the demo and tests: several chunks even for tiny models)."""
+    return 256 << 20 if device_type == "cuda" else 4 << 20

@@ -15,6 +15,7 @@ group never meets the stale keys of the one it replaces.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
+from leto.config import default_rmu_chunk_bytes
 from leto.device_health import DeviceUnhealthyError, check_device
 from leto.erasure import ErasureConfig
 from leto.errors import LetoError, ProtocolError, UnrecoverableStateError
@@ -74,6 +76,7 @@ class TrainerEnv:
     """How many times this shadow generation was launched before (relaunches after a reclaim)."""
     consistency: str
     rmu_chunk_bytes: int
+    """0 until the context resolves it for its device (``leto.config.default_rmu_chunk_bytes``)."""
     rmu_fused: bool | None
     digest: bool
     erasure: ErasureConfig | None
@@ -103,7 +106,7 @@ class TrainerEnv:
                 shadow_level=int(env.get("LETO_SHADOW_LEVEL", "3")),
                 shadow_launch=int(env.get("LETO_SHADOW_LAUNCH", "0")),
                 consistency=env.get("LETO_CONSISTENCY", "rmu"),
-                rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", str(1 << 22))),
+                rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", "0")),
                 rmu_fused={"auto": None, "1": True, "0": False}[env.get("LETO_RMU_FUSED", "auto")],
                 digest=env.get("LETO_DIGEST", "0") == "1",
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
@@ -137,6 +140,8 @@ class Context:
         self.heartbeat = Heartbeat.from_env(env.local_rank)
         self.device = _local_device(env)
         """Where this rank computes: its own GPU (LOCAL_RANK modulo the GPUs) or the CPU."""
+        if not env.rmu_chunk_bytes:  # the job left it unset: the default for this device
+            self.env = env = dataclasses.replace(env, rmu_chunk_bytes=default_rmu_chunk_bytes(self.device.type))
         self.preinit = OomGuard(
             self.heartbeat, probe_for(self.device, env.local_rank, env.preinit), env.preinit, self.events, env.rank
         )

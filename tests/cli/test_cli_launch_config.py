@@ -271,3 +271,18 @@ def test_malformed_yaml_names_line_and_column(script: str, tmp_path: Path) -> No
     job = write_job(tmp_path, "launch:\n  nproc_per_node: 2\n  max_restarts: [1\n")
     with pytest.raises(ConfigError, match=rf"^{job}:\d+:\d+: malformed YAML"):
         build_launch(["--config", job, script])
+
+
+def test_rmu_chunk_default_depends_on_the_trainers_device(script: str, tmp_path: Path) -> None:
+    """Unset, ``rmu_chunk_bytes`` reaches the trainers as 0 and each resolves it for its
+    device (256 MiB on a GPU, where 4 MiB chunks made a 1.1 B update launch-bound; 4 MiB on
+    CPU); a value from the job file is passed through; a too-small one is refused."""
+    from leto.config import default_rmu_chunk_bytes
+
+    assert LetoConfig().rmu_chunk_bytes is None
+    assert (default_rmu_chunk_bytes("cuda"), default_rmu_chunk_bytes("cpu")) == (256 << 20, 4 << 20)
+    job = write_job(tmp_path, "leto:\n  rmu_chunk_bytes: 1048576\n")
+    _, _, _, leto = build_launch(["--config", job, script])
+    assert leto.rmu_chunk_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="rmu_chunk_bytes"):
+        LetoConfig(rmu_chunk_bytes=1000)
