@@ -6,7 +6,14 @@ CUDA is available, so none of this can leak into a GPU job. Megatron-Core 0.16.1
 * ``torch.cuda.current_device()`` → the CPU device (Megatron allocates its scratch
   buffers, e.g. the attention matmul buffer, with ``device=torch.cuda.current_device()``);
 * an RNG tracker whose states are CPU generator states (``CudaRNGStatesTracker`` reads
-  and writes ``torch.cuda`` generators); forks swap the default CPU generator in and out.
+  and writes ``torch.cuda`` generators); forks swap the default CPU generator in and out;
+* pipeline parallelism: the schedules allocate their token counter with ``device="cuda"``
+  by name (``forward_backward_pipelining_without_interleaving``,
+  ``forward_backward_no_pipelining``), ``LanguageModule.setup_embeddings_and_output_layer``
+  moves the shared embedding with ``.cuda()`` before its all-reduce, and the batched p2p
+  path calls ``torch.cuda.synchronize()`` (``batch_p2p_sync``). Those three entry points run
+  under ``CudaToCpu`` (``"cuda"`` devices become the CPU, ``Tensor.cuda()`` returns the
+  tensor), and ``torch.cuda.synchronize`` is a no-op (there is no device to wait for).
 
 Callers must also pass an explicit attention mask (``leto.integrations.megatron.causal_mask``):
 Megatron's default causal mask is allocated on ``"cuda"`` by name.
@@ -15,9 +22,12 @@ Megatron's default causal mask is allocated on ``"cuda"`` by name.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _installed = False
 
@@ -54,6 +64,41 @@ def install() -> None:
                 torch.set_rng_state(outer)
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _install_pipeline()
     _installed = True
+
+
+class CudaToCpu(TorchFunctionMode):
+    """``device="cuda"`` (by name or ``torch.device``) becomes the CPU; ``Tensor.cuda()`` is
+    the tensor itself. Everything else passes through unchanged."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return func(*args, **kwargs)
+
+
+def _on_cpu(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with CudaToCpu():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _install_pipeline() -> None:
+    """Megatron's schedules and the shared-embedding set-up under ``CudaToCpu``."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in ("forward_backward_pipelining_without_interleaving", "forward_backward_no_pipelining"):
+        setattr(schedules, name, _on_cpu(getattr(schedules, name)))
+    LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)

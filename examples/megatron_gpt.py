@@ -11,6 +11,16 @@ shards the model over N ranks (the TP ranks of a data-parallel replica read the 
 batch); gradients are averaged over the data-parallel group only. With no CUDA the documented
 ``torch.cuda`` shims (examples/megatron_cpu_shims.py) are installed first.
 
+``--pipeline-model-parallel-size N`` splits the layers over N stages (no interleaving), each
+stage retaining only its own parameters and Adam state; Megatron's 1F1B schedule
+(``get_forward_backward_func``) runs ``--global-batch-size / (--micro-batch-size * DP)``
+micro-batches per iteration, keyed by (seed, iteration, DP rank, micro-batch); with
+``--share-embeddings-and-output-weights`` the first and last stage hold copies of the word
+embedding whose gradients Megatron's ``finalize_model_grads`` sums (Megatron DDP required).
+Micro-batches without pipelining (``--global-batch-size`` above micro * DP) run Megatron's
+no-pipelining schedule; one micro-batch per iteration (the default) runs the plain
+forward and backward.
+
 Data parallelism (``--ddp-impl``): ``megatron`` (the default) wraps the model in Megatron-Core's
 ``DistributedDataParallel``, whose contiguous gradient buffers are retained regions
 ("ddp.grads.float32", protected and read by the resumable updater) and whose bucketed
@@ -35,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -57,6 +68,14 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP degree (no sequence parallelism); data parallelism is the rest of the world")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (1F1B, no interleaving; needs --ddp-impl megatron)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration over all DP replicas (default micro-batch size * DP): "
+                        "micro-batches per iteration = global / (micro * DP)")
+    p.add_argument("--share-embeddings-and-output-weights", action="store_true",
+                   help="tie the output layer to the word embedding (under pipeline parallelism: copies on the "
+                        "first and last stage, their gradients all-reduced)")
     p.add_argument("--ddp-impl", choices=["megatron", "leto"], default="megatron",
                    help="data-parallel gradients: megatron = Megatron-Core's DistributedDataParallel with its "
                         "grad buffers in retained regions (default); leto = Leto's flat grads region and all-reduce")
@@ -106,6 +125,7 @@ def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
     # embedding's backward without atomics (F.embedding's is not deterministic on CUDA).
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=torch.float32,
@@ -145,9 +165,10 @@ def lr_at(it: int, args: argparse.Namespace) -> float:
     return args.min_lr + coeff * (args.lr - args.min_lr)
 
 
-def get_batch(it: int, dp_rank: int, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Synthetic tokens keyed by (seed, iteration, data-parallel rank)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + it * 1009 + dp_rank)
+def get_batch(it: int, dp_rank: int, args: argparse.Namespace, device: torch.device,
+              microbatch: int = 0) -> tuple[torch.Tensor, ...]:
+    """Synthetic tokens keyed by (seed, iteration, data-parallel rank, micro-batch)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + it * 1009 + dp_rank + microbatch * 100_003)
     data = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g).to(device)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0).expand_as(tokens)
@@ -161,9 +182,39 @@ def forward_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], bf16: 
     return losses.float().mean()
 
 
+def forward_step(args: argparse.Namespace):
+    """Megatron's ``forward_step_func`` for its schedules: (per-token losses, loss function)."""
+    def step(batches, model: torch.nn.Module):
+        tokens, position_ids, mask, labels = next(batches)
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            output = model(tokens, position_ids, mask, labels=labels)
+
+        def loss_func(losses: torch.Tensor):
+            loss = losses.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    return step
+
+
+def num_microbatches(args: argparse.Namespace, dp: int) -> int:
+    """Megatron's rule: global batch / (micro batch * DP), which must divide."""
+    per_step = args.micro_batch_size * dp
+    global_batch = args.global_batch_size or per_step
+    if global_batch % per_step:
+        raise SystemExit(f"megatron_gpt: --global-batch-size {global_batch} is not a multiple of "
+                         f"--micro-batch-size * DP = {per_step}")
+    return global_batch // per_step
+
+
+def gpt_kwargs(args: argparse.Namespace) -> dict:
+    return {"share_embeddings_and_output_weights": args.share_embeddings_and_output_weights}
+
+
 def build(ctx: leto.Context, args: argparse.Namespace):
     return lm.build_gpt(ctx, transformer_config(args), vocab_size=args.vocab_size,
-                        max_sequence_length=args.max_position_embeddings or args.seq_length)
+                        max_sequence_length=args.max_position_embeddings or args.seq_length, **gpt_kwargs(args))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -193,7 +244,8 @@ class Baseline:
             torch.manual_seed(args.seed + 1 if isolated else args.seed)
             self.model = GPTModel(config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
                                   vocab_size=args.vocab_size,
-                                  max_sequence_length=args.max_position_embeddings or args.seq_length)
+                                  max_sequence_length=args.max_position_embeddings or args.seq_length,
+                                  **gpt_kwargs(args))
         self.opt = lm.adamw(self.model, optimizer_config(args))
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         for p in self.params:
@@ -281,6 +333,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def report_tied_embedding(model: torch.nn.Module) -> None:
+    """First and last stage: a digest of their copy of the tied word embedding. Megatron's
+    ``finalize_model_grads`` sums the two copies' gradients, so they stay bit-identical."""
+    from megatron.core import parallel_state
+
+    if not (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
+        return
+    weight = model.shared_embedding_or_output_weight().detach().cpu().contiguous()
+    digest = hashlib.blake2b(weight.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+    print(f"megatron_gpt: rank {dist.get_rank()} tied embedding {digest}", flush=True)
+
+
 def setup_torch() -> None:
     """Deterministic kernels on a GPU (exact recovery needs them); the CPU shims otherwise."""
     torch.set_num_threads(1)
@@ -328,6 +392,12 @@ def main() -> None:
     if args.ddp_impl != "megatron" and (args.overlap_grad_reduce or args.ddp_bucket_size is not None):
         raise SystemExit(f"megatron_gpt: --overlap-grad-reduce and --ddp-bucket-size need --ddp-impl megatron "
                          f"(got --ddp-impl {args.ddp_impl})")
+    if args.pipeline_model_parallel_size > 1 and args.ddp_impl != "megatron":
+        raise SystemExit("megatron_gpt: --pipeline-model-parallel-size needs --ddp-impl megatron "
+                         "(Megatron's finalize_model_grads all-reduces the shared embedding)")
+    if (args.no_leto or args.compare_baseline) and (args.pipeline_model_parallel_size > 1 or args.global_batch_size):
+        raise SystemExit("megatron_gpt: --no-leto and --compare-baseline run one micro-batch without pipelining "
+                         "(drop --pipeline-model-parallel-size and --global-batch-size)")
     lm.require_megatron()
     setup_torch()
     if args.no_leto:
@@ -335,11 +405,16 @@ def main() -> None:
         return
 
     ctx = leto.init()  # a shadow pre-initialises here; at L3 it waits for promotion in retain()
-    parallel = lm.ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    parallel = lm.ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     # Megatron's parallel_state on Leto's group; a shadow below level 3 waits for promotion here
     dp = lm.init_parallel(ctx, seed=args.seed, parallel=parallel)
+    microbatches = num_microbatches(args, dp)
+    pp = parallel.pipeline_model_parallel_size
     if ctx.rank == 0 and not ctx.is_shadow:
-        print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}, DP {dp}), "
+        stages = f", PP {pp}" if pp > 1 else ""
+        print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}{stages}, DP {dp}), "
+              f"{microbatches} micro-batches per iteration, "
               f"backend {dist.get_backend()} on {ctx.device}, DDP {args.ddp_impl}"
               f"{' (overlap)' if args.overlap_grad_reduce else ''}", flush=True)
     torch.manual_seed(args.seed)
@@ -349,7 +424,8 @@ def main() -> None:
         lm.warm_up_shadow(ctx, transformer_config(args), vocab_size=args.vocab_size,
                           max_sequence_length=args.max_position_embeddings or args.seq_length,
                           micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                          loss_fn=lambda m: forward_loss(m, get_batch(0, dp_rank(), args, ctx.device), args.bf16))
+                          loss_fn=lambda m: forward_loss(m, get_batch(0, dp_rank(), args, ctx.device), args.bf16),
+                          **gpt_kwargs(args))
     state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad,
                                ddp_config=ddp_config(args))
     net = state.model  # Megatron's DDP wrapper (--ddp-impl megatron), or the model
@@ -367,6 +443,16 @@ def main() -> None:
             base_s.append(baseline.step(it)[0])
         for group in opt.param_groups:
             group["lr"] = lr_at(it, args)
+        if pp > 1 or microbatches > 1:  # Megatron's schedule: 1F1B over the stages, or accumulation
+            batches = [get_batch(it, dp_rank(), args, ctx.device, m) for m in range(microbatches)]
+            loss = state.forward_backward(forward_step(args), batches, seq_length=args.seq_length,
+                                          micro_batch_size=args.micro_batch_size)
+            state.step(loss=loss)
+            if first:
+                first.mark("forward+backward+update")
+                first.report(it)
+                first = None
+            continue
         batch = get_batch(it, dp_rank(), args, ctx.device)
 
         def compute(batch: tuple[torch.Tensor, ...] = batch, first: FirstIteration | None = first) -> torch.Tensor:
@@ -385,6 +471,8 @@ def main() -> None:
             first.mark("update")
             first.report(it)
             first = None
+    if pp > 1 and args.share_embeddings_and_output_weights:
+        report_tied_embedding(model)
     if baseline is not None and args.bench_out and ctx.rank == 0 and top is not None:
         loop_s.append(time.perf_counter() - top)
         skip = len(loop_s) // 5  # warm-up, and the shadows' start-up load

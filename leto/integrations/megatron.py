@@ -48,10 +48,11 @@ pipeline/context/expert parallelism (``ParallelConfig`` refuses them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -97,7 +98,8 @@ def require_megatron() -> str:
 class ParallelConfig:
     """Megatron's model-parallel sizes; data parallelism is whatever the world leaves.
 
-    Tensor parallelism is supported; pipeline, context and expert parallelism are not yet."""
+    Tensor and pipeline parallelism (one model chunk per stage: no virtual stages) are
+    supported; context and expert parallelism are not yet."""
 
     tensor_model_parallel_size: int = 1
     """Megatron's --tensor-model-parallel-size."""
@@ -113,11 +115,12 @@ class ParallelConfig:
         bad = {k: v for k, v in sizes.items() if v < 1}
         if bad:
             raise ConfigError(f"parallel sizes must be >= 1: {bad}")
-        unsupported = {k: v for k, v in sizes.items() if v != 1 and k != "tensor_model_parallel_size"}
+        supported = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        unsupported = {k: v for k, v in sizes.items() if v != 1 and k not in supported}
         if unsupported:
             raise ConfigError(
-                f"leto's Megatron integration runs tensor and data parallelism only, got {unsupported}: "
-                "pipeline/context/expert parallelism need what docs/MEGATRON.md describes"
+                f"leto's Megatron integration runs tensor, pipeline and data parallelism only, got {unsupported}: "
+                "context/expert parallelism need what docs/MEGATRON.md describes"
             )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -218,19 +221,50 @@ def meta_config(config: TransformerConfig) -> TransformerConfig:
 
 def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
               layer_spec: Any = None, **gpt_kwargs: Any) -> GPTModel:
-    """A ``GPTModel`` on ``ctx.device``, or on ``meta`` when the trainer will reattach."""
+    """A ``GPTModel`` on ``ctx.device``, or on ``meta`` when the trainer will reattach.
+
+    Under pipeline parallelism this rank's stage: ``pre_process`` (embedding) on the first
+    stage, ``post_process`` (final norm, output layer, loss) on the last, unless given. On
+    ``meta`` the first/last-stage all-reduce that copies the first stage's word embedding
+    into the last stage's tied output weight is skipped (``_no_embedding_sync``): a meta
+    tensor has no data, and the retained weights replace both copies."""
     require_megatron()
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     if config.sequence_parallel:
         raise ConfigError("sequence_parallel=True: its norm gradients need a TP all-reduce that leto does not "
                           "run yet (docs/MEGATRON.md); turn sequence parallelism off")
+    if config.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError("virtual_pipeline_model_parallel_size: the interleaved schedule (model chunks) is not "
+                          "supported; leto runs one chunk per stage (docs/MEGATRON.md)")
+    if config.pipeline_model_parallel_size > 1:
+        gpt_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
+        gpt_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage())
     spec = layer_spec or get_gpt_layer_local_spec()
     with ctx.init_device(ctx.device) as device:
-        cfg = meta_config(config) if device.type == "meta" else config
-        return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
-                        max_sequence_length=max_sequence_length, **gpt_kwargs)
+        on_meta = device.type == "meta"
+        cfg = meta_config(config) if on_meta else config
+        with _no_embedding_sync() if on_meta else contextlib.nullcontext():
+            return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
+                            max_sequence_length=max_sequence_length, **gpt_kwargs)
+
+
+@contextlib.contextmanager
+def _no_embedding_sync() -> Iterator[None]:
+    """``LanguageModule.setup_embeddings_and_output_layer`` without its first/last-stage
+    all-reduce of the tied word embedding (``_is_in_embd_group`` answers False): the
+    attributes (``shared``, ``shared_embedding``) are still set. For ``meta`` builds only;
+    every stage's reattaching trainer skips it alike, so no peer waits in it."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule._is_in_embd_group
+    LanguageModule._is_in_embd_group = lambda self: False
+    try:
+        yield
+    finally:
+        LanguageModule._is_in_embd_group = original
 
 
 def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
@@ -245,12 +279,17 @@ def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, 
     (the script's own, so autocast and the loss are the job's). Call it before ``retain``:
     nothing retained is mapped then. Megatron's RNG tracker is restored afterwards and its
     global attention buffer dropped (``leto.preinit.model_warmup`` says what else is respected).
+
+    Under pipeline parallelism every stage's shadow warms a whole one-layer model
+    (``pipeline_model_parallel_size=1`` in the cut config: embedding, a layer, output layer
+    and loss, a superset of any stage's kernels, with no p2p and no embedding all-reduce);
+    its estimate counts the embedding and logits on every stage, so it errs high.
     """
     from leto.preinit.model_warmup import warm_model
 
     if not ctx.is_shadow:
         return None
-    cut = dataclasses.replace(config, num_layers=min(num_layers, config.num_layers))
+    cut = dataclasses.replace(config, num_layers=min(num_layers, config.num_layers), pipeline_model_parallel_size=1)
     transient = warmup_bytes(cut, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                              micro_batch_size=micro_batch_size, seq_length=seq_length)
     return warm_model(ctx, lambda: run_throwaway(ctx.device, cut, vocab_size=vocab_size,
@@ -352,9 +391,19 @@ def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
     With ``ddp_config`` the model is wrapped in Megatron's ``DistributedDataParallel``
     whose gradient buffers are retained regions (``leto.integrations.megatron_ddp``);
     run the forward through ``MegatronState.model`` (the wrapper). Without it, gradients
-    are Leto's "grads" region, synchronised by Leto's flat all-reduce."""
+    are Leto's "grads" region, synchronised by Leto's flat all-reduce.
+
+    Under pipeline parallelism Megatron's DDP is required: the gradient reduction is then
+    Megatron's ``finalize_model_grads`` (``pipeline_grad_sync``), run by ``step()`` where
+    Megatron's schedule would run it; ``MegatronState.forward_backward`` runs the schedule."""
+    from megatron.core import parallel_state
+
     from leto.integrations import megatron_ddp
 
+    pipeline = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    if pipeline and ddp_config is None:
+        raise ConfigError("pipeline parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
+                          "the shared embedding's gradient is all-reduced by Megatron's finalize_model_grads")
     attrs = {id(p): dict(vars(p)) for p in model.parameters()}
     params = list(model.parameters())
     grads = None
@@ -368,7 +417,33 @@ def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
     wrapped: torch.nn.Module = model
     if ddp_config is not None:
         wrapped = megatron_ddp.build_ddp(ctx, state, model, ddp_config)
+    if pipeline:
+        pipeline_grad_sync(ctx, wrapped)
     return MegatronState(state, seed=seed, max_grad_norm=max_grad_norm, model=wrapped)
+
+
+def pipeline_grad_sync(ctx: Context, ddp: torch.nn.Module) -> None:
+    """Megatron's gradient finalisation for a pipeline stage, as ``ctx.grad_sync.reduce``.
+
+    ``finalize_model_grads([ddp])``, Megatron's own: the DDP bucket all-reduce over the
+    data-parallel group, then the tied word embedding's gradient summed over the embedding
+    group (first and last stage). Megatron's schedule calls it at its end
+    (``config.finalize_model_grads_func``); here that hook is left unset and
+    ``RetainedState.step`` calls it after the "sync" fault point, before clipping and
+    ``GRADS_READY``, as for DP. The schedule's DDP hooks are Megatron's ``training.py``
+    settings: ``no_sync_func`` (and ``grad_sync_func`` when ``align_grad_reduce``) with
+    ``overlap_grad_reduce``."""
+    import functools
+
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    config = ddp.config
+    config.finalize_model_grads_func = None
+    if ddp.ddp_config.overlap_grad_reduce:
+        config.no_sync_func = ddp.no_sync
+        if ddp.ddp_config.align_grad_reduce:
+            config.grad_sync_func = ddp.start_grad_sync
+    ctx.grad_sync = dataclasses.replace(ctx.grad_sync, reduce=functools.partial(finalize_model_grads, [ddp]))
 
 
 @dataclasses.dataclass(slots=True)
@@ -400,6 +475,32 @@ class MegatronState:
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         self.state.step(max_grad_norm=self.max_grad_norm, loss=loss)
+
+    def forward_backward(self, forward_step_func: Callable, batches: Sequence[Any], *, seq_length: int,
+                         micro_batch_size: int) -> torch.Tensor | None:
+        """Megatron's schedule (``get_forward_backward_func``: 1F1B across stages, or
+        micro-batch accumulation without pipelining) over ``MegatronState.model``, one
+        micro-batch per element of ``batches``, inside ``compute`` (a retry starts from the
+        first micro-batch again); returns the mean of the micro-batches' ``"lm loss"`` on the last stage,
+        None on the others. ``forward_step_func(data_iterator, model)`` returns Megatron's
+        ``(output_tensor, loss_func)``; ``loss_func`` returns ``(loss, {"lm loss": loss})``
+        (the schedule divides the loss by ``num_microbatches`` before backward). The
+        schedule's point-to-point sends and receives run in the compute phase, which leaves
+        retained state read-only: a kill mid-schedule re-runs the step on every rank."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        schedule = get_forward_backward_func()
+
+        def run() -> torch.Tensor | None:
+            store = schedule(forward_step_func=forward_step_func, data_iterator=iter(batches), model=self.model,
+                             num_microbatches=len(batches), seq_length=seq_length,
+                             micro_batch_size=micro_batch_size, forward_only=False)
+            if not parallel_state.is_pipeline_last_stage():
+                return None
+            return torch.stack([out["lm loss"] for out in store]).mean()
+
+        return self.compute(run)
 
 
 TRACKER_NAMES = ("data-parallel-rng", "model-parallel-rng", "expert-parallel-rng")

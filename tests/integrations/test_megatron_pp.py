@@ -1,0 +1,115 @@
+"""Megatron-Core pipeline parallelism under leto-run (gloo, CPU): exact in-place recovery.
+
+Real jobs: examples/megatron_gpt.py ``--pipeline-model-parallel-size 2`` (1F1B, no
+interleaving) with the CPU ``torch.cuda`` shims, Megatron's DDP per stage, the word
+embedding tied to the output layer (``--share-embeddings-and-output-weights``: a copy on
+each stage, gradients summed by Megatron's ``finalize_model_grads``), 4 micro-batches per
+iteration, shadows at L3 (each builds its stage on ``meta``), ``consistency: rmu`` with
+two-tier erasure protection. Each stage retains only its own parameters and Adam state.
+
+* PP=2 equals PP=1 (one rank, the same 4 micro-batches through Megatron's no-pipelining
+  schedule) to float rounding, with clipping biting every step: fails if the embedding
+  copies are not summed (the two stages' copies drift apart and the losses with them) or
+  if the clipping norm misses a stage or counts the tied copy twice;
+* PP=2 on 2 ranks: SIGKILLs in forward (stage 1, mid-schedule), backward (stage 0, mid
+  1F1B), at the gradient sync (stage 1, before ``finalize_model_grads``) and inside the
+  optimizer update (stage 0, mid-chunk); every (rank, step) digest equals the fault-free
+  PP=2 run's;
+* PP=2 x DP=2 on 4 ranks (``slow``): equals DP=2 to float rounding, and exact recovery.
+
+Not on CPU: NCCL p2p (tests/gpu/test_megatron_gpu.py, 2 GPUs), interleaved schedules
+(virtual stages, refused), PP > 2.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from leto.config import FaultSpec
+from tests.launcher.harness import REPO, assert_exact, digests, run_leto
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+
+SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7",
+         "--share-embeddings-and-output-weights"]
+ERASURE = {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 8, "tier2_parity": 1}
+LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 32768}
+MICROBATCHES = 4
+NO_DROPOUT_CLIPPED = ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05", "--lr", "1e-2"]
+
+
+def _pp(size: int, dp: int = 1) -> list[str]:
+    return ["--pipeline-model-parallel-size", str(size), "--global-batch-size", str(2 * MICROBATCHES * dp)]
+
+
+def _job(*, script_args=(), leto=None, timeout_s: float = 200) -> dict:
+    return {"leto": leto or LETO, "script": SCRIPT, "steps_flag": "--train-iters", "model_args": MODEL,
+            "script_args": list(script_args), "timeout_s": timeout_s}
+
+
+def _run(tmp_path, *, nproc: int, steps: int, faults=(), script_args=(), leto=None, timeout_s: float = 200):
+    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, faults=list(faults),
+                            **_job(script_args=script_args, leto=leto, timeout_s=timeout_s))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, events
+
+
+def _losses(events: list[dict], rank: int) -> list[float | None]:
+    return [e["loss"] for e in events if e["kind"] == "step_done" and e["rank"] == rank]
+
+
+def _tied(stdout: str) -> dict[int, str]:
+    """rank -> the digest of its copy of the tied word embedding at the end (the example's report)."""
+    found = re.findall(r"megatron_gpt: rank (\d+) tied embedding ([0-9a-f]+)", stdout)
+    return {int(rank): digest for rank, digest in found}
+
+
+def _clean(tmp_path, *, nproc: int, steps: int, script_args: list[str], timeout_s: float):
+    """The fault-free reference: every (rank, step) digest, once; the tied copies equal."""
+    proc, events = _run(tmp_path, nproc=nproc, steps=steps, script_args=script_args, timeout_s=timeout_s)
+    ref = digests(events)
+    assert set(ref) == {(r, s) for r in range(nproc) for s in range(1, steps + 1)}
+    assert all(len(v) == 1 for v in ref.values()), "the fault-free run must be deterministic"
+    return proc, events, ref
+
+
+def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[FaultSpec], resumed_at: list[int],
+                           script_args: list[str], stages: dict[int, tuple[int, int]], timeout_s: float) -> None:
+    """``stages``: replica -> (first-stage rank, last-stage rank)."""
+    proc, events, clean = _clean(tmp_path, nproc=nproc, steps=steps, script_args=script_args, timeout_s=timeout_s)
+    assert f"PP 2, DP {len(stages)}), {MICROBATCHES} micro-batches per iteration" in proc.stdout
+    tied = _tied(proc.stdout)
+    assert set(tied) == {r for pair in stages.values() for r in pair}
+    for first, last in stages.values():
+        assert tied[first] == tied[last], "the first and last stage's copies of the tied embedding diverged"
+    losses = {r: _losses(events, r) for r in range(nproc)}
+    for first, last in stages.values():
+        assert losses[first] == [None] * steps, "a first stage has no loss"
+        assert all(isinstance(x, float) and math.isfinite(x) for x in losses[last])
+    proc, events = _run(tmp_path, nproc=nproc, steps=steps, faults=faults, script_args=script_args,
+                        timeout_s=timeout_s)
+    injected = [e for e in events if e["kind"] == "fault_injected"]
+    assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert len(resumed) == nproc * len(faults)
+    # kills in forward, backward and at the sync re-run their step; a kill inside the update finishes it
+    assert sorted({e["step"] for e in resumed}) == resumed_at
+    assert_exact(clean, events)
+    assert _tied(proc.stdout) == tied, "the recovered run's tied embedding differs from the fault-free run's"
+
+
+@pytest.mark.timeout(400)
+def test_pp2_recovery_is_bit_exact(tmp_path):
+    faults = [
+        FaultSpec(rank=1, step=3, phase="forward"),  # last stage, its first micro-batch's forward
+        FaultSpec(rank=0, step=5, phase="backward", erase_device_pages=8, erase_host_pages=1),  # mid 1F1B
+        FaultSpec(rank=1, step=7, phase="sync"),  # before finalize_model_grads
+        FaultSpec(rank=0, step=9, phase="update", point="optimizer", chunk=1, erase_device_pages=8),
+    ]
+    _assert_exact_recovery(tmp_path, nproc=2, steps=12, faults=faults, resumed_at=[3, 5, 7, 10],
+                           script_args=_pp(2), stages={0: (0, 1)}, timeout_s=200)
