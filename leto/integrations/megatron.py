@@ -41,9 +41,16 @@ which is what Megatron itself runs when neither Apex nor Transformer Engine is p
   (``leto.integrations.megatron_ddp``); without ``ddp_config``, Leto's flat "grads"
   region and all-reduce.
 
+* **Pipeline parallelism** (1F1B, one chunk per stage): each stage builds (``build_gpt``:
+  ``pre_process``/``post_process`` per stage) and retains only its own layers; Megatron's
+  schedule runs in the compute phase (``MegatronState.forward_backward``); Megatron's
+  ``finalize_model_grads`` (DDP all-reduce, then the tied embedding's over the first/last
+  stage) is the gradient reduction (``pipeline_grad_sync``); the clipping norm's
+  model-parallel group already spans the stages.
+
 Not built (see docs/MEGATRON.md for what each needs): Megatron's ``DistributedOptimizer``
-(sharded fp32 main params and Adam state), sequence parallelism, and
-pipeline/context/expert parallelism (``ParallelConfig`` refuses them).
+(sharded fp32 main params and Adam state), sequence parallelism, interleaved (virtual)
+pipeline stages, and context/expert parallelism (``ParallelConfig`` refuses them).
 """
 
 from __future__ import annotations

@@ -31,7 +31,13 @@ lands with NCCL bucket all-reduces in flight. The "-leto-ddp" case keeps Leto's 
 * tensor parallelism, TP=2 on two GPUs (one rank each), NCCL, bf16: each rank retains its
   shard, Megatron's TP all-reduces run on NCCL groups that the L3 shadows build before
   promotion, gradients are averaged over the data-parallel group (of one) and clipped by
-  the TP-aware global norm. Needs 2 GPUs (``nvidia-h200-x2``); skips with fewer.
+  the TP-aware global norm. Needs 2 GPUs (``nvidia-h200-x2``); skips with fewer;
+* pipeline parallelism, PP=2 on two GPUs (one stage each), NCCL, bf16: Megatron's 1F1B
+  schedule over 4 micro-batches with its batched NCCL p2p sends, the word embedding tied
+  to the output layer (a copy per stage, gradients summed over the embedding group by
+  ``finalize_model_grads``; the example reports a digest of each copy, which must agree),
+  each stage retaining its own parameters and Adam state; the forward kill is on the
+  first stage, the backward kill on the last. Needs 2 GPUs; skips with fewer.
 
 megatron-core is not on the GPU image; docs/MEGATRON.md says how the carried wheel is
 installed. Without it these tests skip, saying so.
@@ -40,6 +46,7 @@ installed. Without it these tests skip, saying so.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -78,6 +85,8 @@ class Case:
     """Model-state pages lost at the backward and at the update kill (per group)."""
     tp: int = 1
     """--tensor-model-parallel-size."""
+    pp: int = 1
+    """--pipeline-model-parallel-size (> 1: 4 micro-batches, tied embedding)."""
     gpus: int = 1
     """GPUs the case needs (one rank per GPU for NCCL)."""
     ddp: list[str] = dataclasses.field(default_factory=list)
@@ -95,6 +104,7 @@ CASES = {
     "gloo-2ranks-fp32": Case(2, TINY, RMU, bf16=False),
     "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16, lost_grad_pages=8),
     "nccl-tp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, tp=2, gpus=2),
+    "nccl-pp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, pp=2, gpus=2),
     "nccl-dp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=OVERLAP),
     "nccl-dp2-2gpus-bf16-leto-ddp": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=["--ddp-impl", "leto"]),
 }
@@ -118,11 +128,22 @@ GRAD_REGION = "ddp.grads.float32"
 """Megatron DDP's gradient buffer of fp32 params (``leto.integrations.megatron_ddp.region_name``)."""
 
 
+MICROBATCHES = 4
+"""Micro-batches per iteration of a PP case (--global-batch-size = 4 x TINY's micro-batch of 4)."""
+
+
+def _pipeline_args(case: Case) -> list[str]:
+    if case.pp == 1:
+        return []
+    return ["--pipeline-model-parallel-size", str(case.pp), "--global-batch-size", str(MICROBATCHES * 4),
+            "--share-embeddings-and-output-weights"]
+
+
 def _run(tmp_path, case: Case, faults: list[FaultSpec]):
     proc, events = run_leto(tmp_path, steps=STEPS, nproc=case.nproc, faults=faults, leto=case.leto, script=SCRIPT,
                             steps_flag="--train-iters", model_args=case.model,
                             script_args=["--bf16"] * case.bf16 + ["--tensor-model-parallel-size", str(case.tp),
-                                                                  *case.ddp],
+                                                                  *_pipeline_args(case), *case.ddp],
                             timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, events
@@ -138,7 +159,12 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     ref_proc, ref_events = _run(tmp_path, case, [])
     output = ref_proc.stdout + ref_proc.stderr
     assert f"backend {case.backend()}" in output, "the run did not use the expected backend"
-    assert f"(TP {case.tp}, DP {case.nproc // case.tp})" in output, "the run did not use the expected TP size"
+    stages = f", PP {case.pp}" if case.pp > 1 else ""
+    assert f"(TP {case.tp}{stages}, DP {case.nproc // (case.tp * case.pp)})" in output, \
+        "the run did not use the expected TP/PP sizes"
+    if case.pp > 1:
+        tied = re.findall(r"megatron_gpt: rank (\d+) tied embedding ([0-9a-f]+)", ref_proc.stdout)
+        assert len(tied) == 2 and tied[0][1] == tied[1][1], f"the stages' tied embedding copies diverged: {tied}"
     impl = "leto" if "leto" in case.ddp else "megatron (overlap)" if OVERLAP == case.ddp else "megatron"
     assert f"DDP {impl}" in output, "the run did not use the expected data-parallel implementation"
     reference = digests(ref_events)

@@ -62,15 +62,16 @@ def test_imports_and_version(megatron):
     assert lm.require_megatron() == lm.MEGATRON_VERSION
 
 
-def test_parallel_config_takes_tensor_parallelism_only():
+def test_parallel_config_takes_tensor_and_pipeline_parallelism():
     from leto.integrations.megatron import ParallelConfig
 
     assert ParallelConfig().data_parallel_size(4) == 4
     assert ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(4) == 2
     with pytest.raises(ConfigError, match="not a multiple"):
         ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(3)
-    for size in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
-        with pytest.raises(ConfigError, match="tensor and data parallelism only"):
+    assert ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2).data_parallel_size(8) == 2
+    for size in ("context_parallel_size", "expert_model_parallel_size"):
+        with pytest.raises(ConfigError, match="tensor, pipeline and data parallelism only"):
             ParallelConfig(**{size: 2})
     with pytest.raises(ConfigError, match=">= 1"):
         ParallelConfig(pipeline_model_parallel_size=0)
@@ -165,6 +166,39 @@ def test_sequence_parallelism_is_refused(parallel):
     lm = parallel
     with pytest.raises(ConfigError, match="sequence_parallel"):
         lm.build_gpt(FakeCtx(False), _config(sequence_parallel=True, tensor_model_parallel_size=2), vocab_size=64, max_sequence_length=16)
+
+
+def test_interleaved_pipeline_is_refused(parallel):
+    lm = parallel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                               pipeline_dtype=torch.float32)
+    with pytest.raises(ConfigError, match="interleaved schedule"):
+        lm.build_gpt(FakeCtx(False), config, vocab_size=64, max_sequence_length=16)
+
+
+def test_meta_build_skips_the_embedding_all_reduce_only_inside(parallel):
+    # A stage's meta build must not all-reduce its (data-less) tied embedding copy.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from leto.integrations.megatron import _no_embedding_sync
+
+    original = LanguageModule._is_in_embd_group
+    with _no_embedding_sync():
+        assert LanguageModule._is_in_embd_group(object()) is False
+    assert LanguageModule._is_in_embd_group is original
+
+
+def test_cpu_shim_maps_cuda_allocations_to_the_cpu(megatron):
+    import megatron_cpu_shims
+
+    with megatron_cpu_shims.CudaToCpu():
+        counter = torch.zeros([], dtype=torch.int, device="cuda")  # as Megatron's schedules allocate it
+        weight = torch.ones(3)
+        moved = weight.cuda()  # as setup_embeddings_and_output_layer moves the shared embedding
+    assert counter.device.type == "cpu" and moved is weight
 
 
 def test_meta_build_tags_parameters_as_a_real_build(parallel):
