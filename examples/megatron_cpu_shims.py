@@ -68,6 +68,7 @@ def install() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _install_pipeline()
+    _install_moe()
     _installed = True
 
 
@@ -102,3 +103,42 @@ def _install_pipeline() -> None:
     for name in ("forward_backward_pipelining_without_interleaving", "forward_backward_no_pipelining"):
         setattr(schedules, name, _on_cpu(getattr(schedules, name)))
     LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+
+
+class CpuStream:
+    """An inert stand-in for ``torch.cuda.Stream`` on the host: work is already in order."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> CpuEvent:
+        return CpuEvent()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+def _install_moe() -> None:
+    """The all-to-all token dispatcher's host copies and side stream on CPU."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    stream = CpuStream()
+    torch.cuda.Stream = lambda *args, **kwargs: stream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda device=None: stream  # type: ignore[assignment]
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()  # type: ignore[assignment]
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.detach().clone().numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu

@@ -21,6 +21,15 @@ Micro-batches without pipelining (``--global-batch-size`` above micro * DP) run 
 no-pipelining schedule; one micro-batch per iteration (the default) runs the plain
 forward and backward.
 
+Mixture of experts (``--num-experts N``): Megatron's local MoE layer in every layer (router,
+``SequentialMLP`` experts, ``--moe-token-dispatcher-type alltoall`` by default, no token
+dropping), ``--moe-router-topk`` experts per token, the load-balancing loss
+(``--moe-router-load-balancing-type aux_loss``, ``--moe-aux-loss-coeff``), without linear
+biases (``--disable-bias-linear``, required: Megatron's MoE recipes run without them).
+``--expert-model-parallel-size E`` splits the experts over E ranks of the data-parallel
+world (TP = PP = 1); the dense part stays data-parallel over the whole world, and Megatron's
+DDP (required) reduces expert gradients over the expert-data-parallel group.
+
 Data parallelism (``--ddp-impl``): ``megatron`` (the default) wraps the model in Megatron-Core's
 ``DistributedDataParallel``, whose contiguous gradient buffers are retained regions
 ("ddp.grads.float32", protected and read by the resumable updater) and whose bucketed
@@ -70,6 +79,17 @@ def parse_args() -> argparse.Namespace:
                    help="TP degree (no sequence parallelism); data parallelism is the rest of the world")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (1F1B, no interleaving; needs --ddp-impl megatron)")
+    p.add_argument("--num-experts", type=int, default=None, help="MoE: experts per layer (default: dense MLP)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP degree: experts split over EP ranks of the data-parallel world (TP = PP = 1)")
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall")
+    p.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
+                   default="aux_loss")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default --ffn-hidden-size")
+    p.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers (Megatron's MoE recipes; required with --num-experts)")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per iteration over all DP replicas (default micro-batch size * DP): "
                         "micro-batches per iteration = global / (micro * DP)")
@@ -131,8 +151,20 @@ def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
         attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(), bias_dropout_fusion=args.fusions,
         masked_softmax_fusion=False, bias_activation_fusion=args.fusions, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, deterministic_mode=True,
+        gradient_accumulation_fusion=False, deterministic_mode=True, add_bias_linear=not args.disable_bias_linear,
+        **moe_config(args),
     )
+
+
+def moe_config(args: argparse.Namespace) -> dict:
+    """Megatron's MoE settings: local experts (no grouped GEMM), no token dropping."""
+    if not args.num_experts:
+        return {}
+    return {"num_moe_experts": args.num_experts, "expert_model_parallel_size": args.expert_model_parallel_size,
+            "moe_router_topk": args.moe_router_topk, "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+            "moe_router_load_balancing_type": args.moe_router_load_balancing_type,
+            "moe_aux_loss_coeff": args.moe_aux_loss_coeff, "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+            "moe_grouped_gemm": False, "moe_permute_fusion": False}
 
 
 def optimizer_config(args: argparse.Namespace):  # -> OptimizerConfig
@@ -236,13 +268,14 @@ class Baseline:
     """
 
     def __init__(self, ctx: Rank | leto.Context, args: argparse.Namespace, *, isolated: bool) -> None:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         self.ctx, self.args, self.isolated = ctx, args, isolated
         with self._rng(), torch.device(ctx.device):
             torch.manual_seed(args.seed + 1 if isolated else args.seed)
-            self.model = GPTModel(config=transformer_config(args), transformer_layer_spec=get_gpt_layer_local_spec(),
+            config = transformer_config(args)
+            lm.check_moe(config)
+            self.model = GPTModel(config=config, transformer_layer_spec=lm.local_layer_spec(config),
                                   vocab_size=args.vocab_size,
                                   max_sequence_length=args.max_position_embeddings or args.seq_length,
                                   **gpt_kwargs(args))
@@ -373,7 +406,8 @@ def train_plain(args: argparse.Namespace) -> None:
         if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count():
             backend = "nccl"  # one GPU per rank; ranks sharing a GPU use gloo, as leto-run does
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                             expert_model_parallel_size=args.expert_model_parallel_size)
     lm.reseed_tracker(args.seed, -1)  # as lm.init_parallel
     plain = Baseline(Rank(rank, world, device), args, isolated=False)
     iter_s, losses = [], []
@@ -395,6 +429,17 @@ def main() -> None:
     if args.pipeline_model_parallel_size > 1 and args.ddp_impl != "megatron":
         raise SystemExit("megatron_gpt: --pipeline-model-parallel-size needs --ddp-impl megatron "
                          "(Megatron's finalize_model_grads all-reduces the shared embedding)")
+    if args.expert_model_parallel_size > 1 and not args.num_experts:
+        raise SystemExit("megatron_gpt: --expert-model-parallel-size needs --num-experts")
+    if args.num_experts and args.num_experts % args.expert_model_parallel_size:
+        raise SystemExit(f"megatron_gpt: --num-experts {args.num_experts} is not a multiple of "
+                         f"--expert-model-parallel-size {args.expert_model_parallel_size}")
+    if args.expert_model_parallel_size > 1 and args.ddp_impl != "megatron":
+        raise SystemExit("megatron_gpt: --expert-model-parallel-size needs --ddp-impl megatron "
+                         "(expert gradients are reduced over the expert-data-parallel group)")
+    if (args.no_leto or args.compare_baseline) and args.expert_model_parallel_size > 1:
+        raise SystemExit("megatron_gpt: --no-leto and --compare-baseline reduce every gradient over the world "
+                         "(drop --expert-model-parallel-size)")
     if (args.no_leto or args.compare_baseline) and (args.pipeline_model_parallel_size > 1 or args.global_batch_size):
         raise SystemExit("megatron_gpt: --no-leto and --compare-baseline run one micro-batch without pipelining "
                          "(drop --pipeline-model-parallel-size and --global-batch-size)")
@@ -406,14 +451,19 @@ def main() -> None:
 
     ctx = leto.init()  # a shadow pre-initialises here; at L3 it waits for promotion in retain()
     parallel = lm.ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                 expert_model_parallel_size=args.expert_model_parallel_size)
     # Megatron's parallel_state on Leto's group; a shadow below level 3 waits for promotion here
     dp = lm.init_parallel(ctx, seed=args.seed, parallel=parallel)
     microbatches = num_microbatches(args, dp)
     pp = parallel.pipeline_model_parallel_size
     if ctx.rank == 0 and not ctx.is_shadow:
         stages = f", PP {pp}" if pp > 1 else ""
-        print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}{stages}, DP {dp}), "
+        experts = f", EP {parallel.expert_model_parallel_size}" if args.num_experts else ""
+        moe = (f"MoE {args.num_experts} experts top-{args.moe_router_topk} ({args.moe_token_dispatcher_type}), "
+               if args.num_experts else "")
+        print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}{stages}{experts}, "
+              f"DP {dp}), {moe}"
               f"{microbatches} micro-batches per iteration, "
               f"backend {dist.get_backend()} on {ctx.device}, DDP {args.ddp_impl}"
               f"{' (overlap)' if args.overlap_grad_reduce else ''}", flush=True)

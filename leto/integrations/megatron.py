@@ -48,9 +48,21 @@ which is what Megatron itself runs when neither Apex nor Transformer Engine is p
   stage) is the gradient reduction (``pipeline_grad_sync``); the clipping norm's
   model-parallel group already spans the stages.
 
+* **Mixture of experts, expert parallelism** (``num_moe_experts``; EP > 1 with TP = PP = 1):
+  Megatron's local MoE layer (``get_gpt_layer_local_spec(num_experts=...)``: router,
+  ``SequentialMLP`` experts, the all-to-all token dispatcher, no token dropping). Each
+  rank retains its ``num_experts / EP`` experts. Expert parameters (``allreduce=False``)
+  get their own retained gradient region in Megatron's DDP, whose bucket all-reduce runs
+  over the expert-data-parallel group with Megatron's ``1/DP`` pre-scaling; the clipping
+  norm is Megatron's ``ChainedOptimizer`` rule: the dense norm over the model-parallel
+  group, the expert norm over the expert-tensor-model-pipeline group, combined as the
+  root of their squares (``clip_grads_model_parallel``). The dispatcher's all-to-alls run
+  in the compute phase (read-only retained state): a kill mid-dispatch re-runs the step.
+
 Not built (see docs/MEGATRON.md for what each needs): Megatron's ``DistributedOptimizer``
 (sharded fp32 main params and Adam state), sequence parallelism, interleaved (virtual)
-pipeline stages, and context/expert parallelism (``ParallelConfig`` refuses them).
+pipeline stages, context parallelism, expert parallelism combined with TP or PP (expert
+tensor parallelism), grouped-GEMM experts (``ParallelConfig``/``build_gpt`` refuse them).
 """
 
 from __future__ import annotations
@@ -105,8 +117,9 @@ def require_megatron() -> str:
 class ParallelConfig:
     """Megatron's model-parallel sizes; data parallelism is whatever the world leaves.
 
-    Tensor and pipeline parallelism (one model chunk per stage: no virtual stages) are
-    supported; context and expert parallelism are not yet."""
+    Tensor and pipeline parallelism (one model chunk per stage: no virtual stages), and
+    expert parallelism on its own (TP = PP = 1; the experts split over EP ranks of the
+    data-parallel world) are supported; context parallelism is not yet."""
 
     tensor_model_parallel_size: int = 1
     """Megatron's --tensor-model-parallel-size."""
@@ -122,19 +135,27 @@ class ParallelConfig:
         bad = {k: v for k, v in sizes.items() if v < 1}
         if bad:
             raise ConfigError(f"parallel sizes must be >= 1: {bad}")
-        supported = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        supported = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
         unsupported = {k: v for k, v in sizes.items() if v != 1 and k not in supported}
         if unsupported:
             raise ConfigError(
-                f"leto's Megatron integration runs tensor, pipeline and data parallelism only, got {unsupported}: "
-                "context/expert parallelism need what docs/MEGATRON.md describes"
+                f"leto's Megatron integration runs tensor, pipeline, expert and data parallelism only, got "
+                f"{unsupported}: context parallelism needs what docs/MEGATRON.md describes"
             )
+        if self.expert_model_parallel_size > 1 and (self.tensor_model_parallel_size > 1
+                                                    or self.pipeline_model_parallel_size > 1):
+            raise ConfigError("expert_model_parallel_size > 1 runs with TP = PP = 1 only: expert tensor parallelism "
+                              "and MoE pipelines are not verified (docs/MEGATRON.md)")
 
     def data_parallel_size(self, world_size: int) -> int:
         model = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         if world_size % model:
             raise ConfigError(f"world size {world_size} is not a multiple of TP*PP*CP = {model}")
-        return world_size // model
+        dp = world_size // model
+        if dp % self.expert_model_parallel_size:
+            raise ConfigError(f"data-parallel size {dp} is not a multiple of "
+                              f"expert_model_parallel_size {self.expert_model_parallel_size}")
+        return dp
 
 
 def init_parallel(ctx: Context, *, seed: int, parallel: ParallelConfig | None = None) -> int:
@@ -179,12 +200,14 @@ def megatron_grad_sync() -> GradSync:
     """Leto's gradient seam for Megatron's ``parallel_state`` (initialised).
 
     Pure data parallelism keeps Leto's default (the world, torch's clipping); under model
-    parallelism gradients are averaged over the data-parallel group and clipped by
+    or expert parallelism gradients are averaged over the data-parallel group (Megatron's
+    DDP reduces expert gradients over the expert-data-parallel group) and clipped by
     ``clip_grads_model_parallel``.
     """
     from megatron.core import parallel_state
 
-    if parallel_state.get_model_parallel_group().size() == 1:
+    if (parallel_state.get_model_parallel_group().size() == 1
+            and parallel_state.get_expert_model_parallel_world_size() == 1):
         return GradSync()
     return GradSync(group=parallel_state.get_data_parallel_group(), clip=clip_grads_model_parallel)
 
@@ -198,24 +221,42 @@ def clip_grads_model_parallel(params: list[torch.nn.Parameter], max_norm: float)
     (``megatron.core.optimizer.clip_grads`` with its parameter filter, whose helpers
     allocate on ``"cuda"`` by name and so do not run on CPU). Same coefficient rule:
     ``max_norm / (norm + 1e-6)``, applied when below 1.
+
+    With expert parameters (``allreduce=False``) this is Megatron's ``ChainedOptimizer``:
+    ``get_megatron_optimizer`` gives them their own optimizer whose norm group is the
+    expert-tensor-model-pipeline group (the EP ranks, each holding other experts), the
+    dense optimizer's is the model-parallel group, and the two differ, so the global norm
+    is ``sqrt(dense_norm² + expert_norm²)``; every parameter is clipped by it.
     """
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
 
     with_grad = [p for p in params if p.grad is not None]
     grads = [p.grad for p in with_grad]
-    counted = [p.grad for p in with_grad if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    dense = [p for p in with_grad if getattr(p, "allreduce", True)]
+    experts = [p for p in with_grad if not getattr(p, "allreduce", True)]
     device = grads[0].device
+    norm = _group_norm(dense, parallel_state.get_model_parallel_group(), device)
+    if experts:
+        expert_norm = _group_norm(experts, parallel_state.get_expert_tensor_model_pipeline_parallel_group(), device)
+        norm = torch.stack([norm, expert_norm]).square().sum().sqrt()
+    coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coeff)
+    return norm
+
+
+def _group_norm(params: list[torch.nn.Parameter], group: Any, device: torch.device) -> torch.Tensor:
+    """Megatron's ``get_grad_norm_fp32`` over ``group`` with its optimizer's parameter filter
+    (not shared, not a TP duplicate): local squares summed over the group, then the root."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
     if counted:
         squares = torch.stack([n.float() for n in torch._foreach_norm(counted)]).square().sum()
     else:
         squares = torch.zeros((), dtype=torch.float32, device=device)
-    torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-    norm = squares.sqrt()
-    coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coeff)
-    return norm
+    torch.distributed.all_reduce(squares, group=group)
+    return squares.sqrt()
 
 
 def meta_config(config: TransformerConfig) -> TransformerConfig:
@@ -237,7 +278,6 @@ def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_s
     tensor has no data, and the retained weights replace both copies."""
     require_megatron()
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     if config.sequence_parallel:
@@ -246,16 +286,56 @@ def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_s
     if config.virtual_pipeline_model_parallel_size is not None:
         raise ConfigError("virtual_pipeline_model_parallel_size: the interleaved schedule (model chunks) is not "
                           "supported; leto runs one chunk per stage (docs/MEGATRON.md)")
+    check_moe(config)
     if config.pipeline_model_parallel_size > 1:
         gpt_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
         gpt_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage())
-    spec = layer_spec or get_gpt_layer_local_spec()
+    spec = layer_spec or local_layer_spec(config)
     with ctx.init_device(ctx.device) as device:
         on_meta = device.type == "meta"
         cfg = meta_config(config) if on_meta else config
         with _no_embedding_sync() if on_meta else contextlib.nullcontext():
             return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
                             max_sequence_length=max_sequence_length, **gpt_kwargs)
+
+
+def local_layer_spec(config: TransformerConfig) -> Any:
+    """Megatron's local (no Transformer Engine) layer spec; with ``num_moe_experts``, its MoE
+    layer (router, ``SequentialMLP`` experts)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if not config.num_moe_experts:
+        return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+
+
+def check_moe(config: TransformerConfig) -> None:
+    """Refuse the MoE settings leto does not run (one-line ``ConfigError``s), and let
+    Megatron's router run without Transformer Engine.
+
+    megatron-core 0.16.1's ``RouterGatingLinearFunction`` reads ``te_general_gemm``, a name
+    ``moe_utils`` binds only when Transformer Engine imports; without it the router raises
+    ``NameError``. The name is bound to None here, which is the fallback the function
+    tests for (a plain ``torch.matmul``)."""
+    if not config.num_moe_experts:
+        return
+    if config.moe_grouped_gemm:
+        raise ConfigError("moe_grouped_gemm=True: grouped-GEMM experts (TEGroupedMLP / GroupedMLP) are not "
+                          "supported; leto runs Megatron's local SequentialMLP experts")
+    if config.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+        raise ConfigError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: leto runs the "
+                          "'alltoall' and 'allgather' dispatchers only")
+    if config.add_bias_linear:
+        raise ConfigError("MoE with add_bias_linear=True: megatron-core 0.16.1's expert MLP adds its fc2 bias in "
+                          "place into a view returned by its TP reduction (autograd refuses it at EP = 1); run "
+                          "without linear biases, as Megatron's MoE recipes do (--disable-bias-linear)")
+    if config.moe_expert_capacity_factor is not None:
+        raise ConfigError("moe_expert_capacity_factor: token dropping is not verified under leto; leave it unset "
+                          "(no dropping, Megatron's default)")
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @contextlib.contextmanager
@@ -306,11 +386,15 @@ def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, 
 
 
 def _agree_over_model_parallel(ctx: Context) -> Callable[[bool], bool] | None:
-    """Under model parallelism the throwaway forward runs TP collectives: all shadows of a
-    model-parallel group warm up, or none (one MIN all-reduce over the shadows' group)."""
+    """Under model parallelism the throwaway forward runs TP collectives, under expert
+    parallelism the dispatcher's all-to-alls: all shadows of a model-parallel (or, with
+    TP = PP = 1, expert-model-parallel) group warm up, or none (one MIN all-reduce over
+    the shadows' group)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_model_parallel_group()
+    if group.size() == 1:
+        group = parallel_state.get_expert_model_parallel_group()
     if group.size() == 1:
         return None
 
@@ -330,15 +414,15 @@ def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size
     the caller forks torch's RNG if it must not move (``warm_model`` does)."""
     require_megatron()
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+    check_moe(config)
     tracker = get_cuda_rng_tracker()
     states = dict(tracker.get_states())
     try:
         with torch.device(device):
-            model = GPTModel(config=config, transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
+            model = GPTModel(config=config, transformer_layer_spec=layer_spec or local_layer_spec(config),
                              vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs)
         loss_fn(model).backward()
     finally:
@@ -359,7 +443,8 @@ def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_len
     s, b = seq_length, micro_batch_size
     param_b = torch.empty((), dtype=config.params_dtype).element_size()
     act_b = 2 if (config.bf16 or config.fp16) else 4
-    per_layer = (4 * h * h + 2 * h * ffn) // tp + 13 * h
+    experts = (config.num_moe_experts or 1) // config.expert_model_parallel_size  # this rank's experts
+    per_layer = (4 * h * h + 2 * h * ffn * experts) // tp + 13 * h
     params = vocab_size // tp * h + max_sequence_length * h + config.num_layers * per_layer + 2 * h
     layer_act = act_b * s * b * h * 17 + act_b * 5 * heads // tp * s * s * b // 2
     logits = s * b * vocab_size // tp * (act_b + 8)
@@ -411,6 +496,10 @@ def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
     if pipeline and ddp_config is None:
         raise ConfigError("pipeline parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
                           "the shared embedding's gradient is all-reduced by Megatron's finalize_model_grads")
+    experts = parallel_state.get_expert_model_parallel_world_size() > 1
+    if experts and ddp_config is None:
+        raise ConfigError("expert parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
+                          "expert gradients are reduced over the expert-data-parallel group, not the data-parallel one")
     attrs = {id(p): dict(vars(p)) for p in model.parameters()}
     params = list(model.parameters())
     grads = None

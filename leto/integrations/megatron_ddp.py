@@ -13,8 +13,11 @@ parity like Leto's own "grads" and read by the resumable updater:
 
 1. **Plan.** ``grad_placement`` computes where Megatron will put each gradient from shapes
    alone (Megatron's rule without the distributed optimizer: per dtype group in
-   ``named_parameters`` order, parameters reversed, back to back, no padding), so the
-   regions exist before the model does (a shadow plans them from its ``meta`` model).
+   ``named_parameters`` order, parameters reversed, back to back, no padding; the dense
+   parameters' buffers first, then the expert parameters' (``allreduce=False``) in
+   buffers of their own, "ddp.grads.expert.<dtype>", which Megatron reduces over the
+   expert-data-parallel group), so the regions exist before the model does (a shadow
+   plans them from its ``meta`` model).
 2. **Allocation.** After ``ctx.retain`` has bound the parameters to retained memory, the
    ``DistributedDataParallel`` constructor runs inside ``GradBufferAllocation``, a
    ``TorchFunctionMode`` that answers exactly the buffers' ``torch.zeros(numel, dtype=...)``
@@ -29,7 +32,7 @@ parity like Leto's own "grads" and read by the resumable updater:
    ``RetainedState`` points ``.grad`` at ``main_grad`` for clipping and the update.
 
 Not supported (refused): the distributed optimizer (``param_data`` and sharded state; see
-docs/MEGATRON.md), expert-parallel parameters, and ``main_grad`` dtypes other than the
+docs/MEGATRON.md) and ``main_grad`` dtypes other than the
 parameter's (``grad_reduce_in_fp32`` with non-fp32 parameters: torch's AdamW would mix them).
 """
 
@@ -70,10 +73,11 @@ def check_ddp_config(ddp_config: DistributedDataParallelConfig) -> None:
             raise ConfigError(f"DistributedDataParallelConfig.{key}=True: {why}")
 
 
-def region_name(param_dtype: torch.dtype, grad_dtype: torch.dtype) -> str:
-    """The retained region of a (param dtype, grad dtype) buffer, e.g. ``ddp.grads.float32``."""
+def region_name(param_dtype: torch.dtype, grad_dtype: torch.dtype, *, expert: bool = False) -> str:
+    """The retained region of a (param dtype, grad dtype) buffer, e.g. ``ddp.grads.float32``,
+    or ``ddp.grads.expert.float32`` for expert parameters."""
     p, g = str(param_dtype).removeprefix("torch."), str(grad_dtype).removeprefix("torch.")
-    return REGION_PREFIX + (p if p == g else f"{p}.{g}")
+    return REGION_PREFIX + ("expert." if expert else "") + (p if p == g else f"{p}.{g}")
 
 
 def grad_placement(model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -82,25 +86,24 @@ def grad_placement(model: torch.nn.Module, params: list[torch.nn.Parameter],
     shapes alone: works on a ``meta`` model. Mirrors ``_ParamAndGradBuffer.__init__``
     without the distributed optimizer (no padding, so bucket boundaries move nothing)."""
     check_ddp_config(ddp_config)
-    groups: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
+    groups: dict[tuple[bool, torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if not getattr(p, "allreduce", True):
-            raise ConfigError(f"parameter {name} is expert-parallel (allreduce=False): not supported with Megatron's DDP")
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else p.dtype
         if grad_dtype != p.dtype:
             raise ConfigError(f"parameter {name}: main_grad {grad_dtype} != param {p.dtype}; leto's AdamW reads "
                               "main_grad as the gradient: use fp32 params (leto retains them as main params)")
-        groups.setdefault((p.dtype, grad_dtype), []).append(p)
+        groups.setdefault((not getattr(p, "allreduce", True), p.dtype, grad_dtype), []).append(p)
     regions, where = [], {}
-    for index, ((param_dtype, grad_dtype), members) in enumerate(groups.items()):
+    ordered = sorted(groups.items(), key=lambda item: item[0][0])  # stable: dense buffers, then experts'
+    for index, ((expert, param_dtype, grad_dtype), members) in enumerate(ordered):
         itemsize = torch.empty((), dtype=grad_dtype).element_size()
         start = 0
         for p in reversed(members):  # Megatron's order: roughly the order of backward
             where[id(p)] = (index, start * itemsize)
             start += p.numel()
-        regions.append((region_name(param_dtype, grad_dtype), start * itemsize))
+        regions.append((region_name(param_dtype, grad_dtype, expert=expert), start * itemsize))
     missing = [tuple(p.shape) for p in params if id(p) not in where]
     if missing:
         raise ConfigError(f"{len(missing)} optimizer parameters are not trainable parameters of the model "

@@ -1,0 +1,86 @@
+"""Megatron-Core mixture of experts and expert parallelism under leto-run (gloo, CPU): exact recovery.
+
+Real jobs: examples/megatron_gpt.py ``--num-experts 4 --moe-router-topk 2`` (Megatron's
+local MoE layer in both layers: router with the load-balancing aux loss, ``SequentialMLP``
+experts, the all-to-all token dispatcher over gloo's ``all_to_all_single``, no token
+dropping) with the CPU ``torch.cuda`` shims, Megatron's DDP on retained gradient regions,
+shadows at L3, ``consistency: rmu`` with two-tier erasure protection, clipping that bites
+every step.
+
+* EP=2 on 2 ranks (each rank retains 2 of the 4 experts; the dense part is data-parallel
+  over both): the dense and expert gradients live in separate retained regions
+  ("ddp.grads.float32", "ddp.grads.expert.float32"); SIGKILLs in forward (rank 1: rank 0
+  then waits in the dispatcher's all-to-all for a dead peer), backward (rank 0, with
+  erased pages), at the gradient sync (rank 1, before Megatron's bucket all-reduces) and
+  mid-chunk in the optimizer update (rank 0); every (rank, step) digest equals the
+  fault-free EP=2 run's;
+* EP=1 at DP=2 (``slow``, --run-slow): the same MoE model, experts replicated, exact
+  recovery from kills in forward, backward and mid-update.
+
+Not on CPU: NCCL (tests/gpu/test_megatron_gpu.py, 2 GPUs), EP > 2, expert tensor
+parallelism, grouped GEMM, token dropping (refused).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from leto.config import FaultSpec
+from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+
+SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7",
+         "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear",
+         "--clip-grad", "0.05"]  # clipping bites every step: the expert norm counts
+ERASURE = {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 8, "tier2_parity": 1}
+LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 32768}
+
+
+def _job(ep: int, timeout_s: float) -> dict:
+    return {"leto": LETO, "script": SCRIPT, "steps_flag": "--train-iters", "model_args": MODEL,
+            "script_args": ["--expert-model-parallel-size", str(ep)], "timeout_s": timeout_s}
+
+
+def _assert_exact_recovery(tmp_path, *, ep: int, steps: int, faults: list[FaultSpec], resumed_at: list[int],
+                           timeout_s: float = 200) -> None:
+    clean, events = fault_free_run(tmp_path, steps=steps, nproc=2, **_job(ep, timeout_s))
+    losses = [e["loss"] for e in events if e["kind"] == "step_done"]
+    assert len(losses) == 2 * steps and all(isinstance(x, float) and math.isfinite(x) for x in losses)
+    proc, events = run_leto(tmp_path, steps=steps, nproc=2, faults=faults, **_job(ep, timeout_s))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"(TP 1, EP {ep}, DP 2), MoE 4 experts top-2 (alltoall)" in proc.stdout
+    injected = [e for e in events if e["kind"] == "fault_injected"]
+    assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert len(resumed) == 2 * len(faults)
+    # kills in forward, backward and at the sync re-run their step; a kill inside the update finishes it
+    assert sorted({e["step"] for e in resumed}) == resumed_at
+    assert_exact(clean, events)
+
+
+@pytest.mark.timeout(400)
+def test_ep2_recovery_is_bit_exact(tmp_path):
+    faults = [
+        FaultSpec(rank=1, step=2, phase="forward"),  # rank 0 goes on into the dispatcher's all-to-all
+        FaultSpec(rank=0, step=4, phase="backward", erase_device_pages=8, erase_host_pages=1),
+        FaultSpec(rank=1, step=6, phase="sync"),  # before Megatron's dense and expert bucket all-reduces
+        FaultSpec(rank=0, step=8, phase="update", point="optimizer", chunk=1, erase_device_pages=8),
+    ]
+    _assert_exact_recovery(tmp_path, ep=2, steps=10, faults=faults, resumed_at=[2, 4, 6, 9])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_moe_ep1_dp2_recovery_is_bit_exact(tmp_path):
+    faults = [
+        FaultSpec(rank=0, step=2, phase="forward"),
+        FaultSpec(rank=1, step=4, phase="backward", erase_device_pages=8),
+        FaultSpec(rank=0, step=6, phase="update", point="optimizer", chunk=1, erase_device_pages=8),
+    ]
+    _assert_exact_recovery(tmp_path, ep=1, steps=8, faults=faults, resumed_at=[2, 4, 7])
