@@ -378,6 +378,15 @@ def report_tied_embedding(model: torch.nn.Module) -> None:
     print(f"megatron_gpt: rank {dist.get_rank()} tied embedding {digest}", flush=True)
 
 
+def report_experts(ctx: leto.Context, model: torch.nn.Module, state) -> None:
+    """MoE: the experts this rank holds (Megatron's ``local_expert_indices``, first MoE
+    layer) and the retained gradient regions (under EP, the expert parameters' own)."""
+    moe = next(m for m in model.modules() if hasattr(m, "local_expert_indices"))
+    regions = [name for name, _ in state.state.layout.grad_regions]
+    print(f"megatron_gpt: rank {ctx.rank} experts {list(moe.local_expert_indices)}, gradient regions {regions}",
+          flush=True)
+
+
 def setup_torch() -> None:
     """Deterministic kernels on a GPU (exact recovery needs them); the CPU shims otherwise."""
     torch.set_num_threads(1)
@@ -478,6 +487,8 @@ def main() -> None:
                           **gpt_kwargs(args))
     state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad,
                                ddp_config=ddp_config(args))
+    if args.num_experts and not ctx.is_shadow:
+        report_experts(ctx, model, state)
     net = state.model  # Megatron's DDP wrapper (--ddp-impl megatron), or the model
     baseline = Baseline(ctx, args, isolated=True) if args.compare_baseline else None
     base_s: list[float] = []

@@ -98,6 +98,32 @@ def test_placement_equals_megatrons_buffers(lm):
         assert region == 0 and p.main_grad.data_ptr() - buffer.grad_data.data_ptr() == offset
 
 
+def test_placement_puts_expert_grads_in_their_own_region_after_the_dense_ones(lm):
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from leto.integrations import megatron_ddp
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               num_moe_experts=4, moe_router_topk=2, add_bias_linear=False)
+    ctx = SimpleNamespace(device=torch.device("cpu"), init_device=lambda d: torch.device(d))
+    torch.manual_seed(0)
+    model = lm.build_gpt(ctx, config, vocab_size=64, max_sequence_length=16)
+    for name, p in model.named_parameters():  # what Megatron's linear layers tag at expert_model_parallel_size > 1
+        if ".local_experts." in name:
+            p.allreduce = False
+    opt = lm.adamw(model, _opt())
+    ddp_config = _ddp_config(overlap_grad_reduce=True, bucket_size=BUCKET)
+    placement = megatron_ddp.grad_placement(model, _params(opt), ddp_config)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    assert len(ddp.buffers) == 1 and len(ddp.expert_parallel_buffers) == 1
+    dense, expert = ddp.buffers[0], ddp.expert_parallel_buffers[0]
+    assert placement.regions == (("ddp.grads.float32", dense.numel * 4), ("ddp.grads.expert.float32", expert.numel * 4))
+    for p, (region, offset) in zip(_params(opt), placement.slots, strict=True):
+        buffer = expert if not getattr(p, "allreduce", True) else dense
+        assert region == (buffer is expert) and p.main_grad.data_ptr() - buffer.grad_data.data_ptr() == offset
+
+
 def _opt():
     from megatron.core.optimizer import OptimizerConfig
 

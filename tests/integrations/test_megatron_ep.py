@@ -55,6 +55,10 @@ def _assert_exact_recovery(tmp_path, *, ep: int, steps: int, faults: list[FaultS
     proc, events = run_leto(tmp_path, steps=steps, nproc=2, faults=faults, **_job(ep, timeout_s))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"(TP 1, EP {ep}, DP 2), MoE 4 experts top-2 (alltoall)" in proc.stdout
+    regions = "['ddp.grads.float32', 'ddp.grads.expert.float32']" if ep > 1 else "['ddp.grads.float32']"
+    held = {0: [0, 1], 1: [2, 3]} if ep > 1 else {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+    for rank, experts in held.items():
+        assert f"megatron_gpt: rank {rank} experts {experts}, gradient regions {regions}" in proc.stdout
     injected = [e for e in events if e["kind"] == "fault_injected"]
     assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
     resumed = [e for e in events if e["kind"] == "resumed"]

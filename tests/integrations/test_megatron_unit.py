@@ -7,8 +7,8 @@ What cannot run on CPU, and so is not tested here (it is the GPU step of issue 6
 * Megatron's GPU initialisation path (``use_cpu_initialization=False``) and the real
   ``CudaRNGStatesTracker`` (here: the CPU tracker of examples/megatron_cpu_shims.py);
 * Transformer Engine layer specs, fused kernels, bf16 Megatron runs;
-* Megatron DDP buffers / DistributedOptimizer and PP/CP/EP layouts (not integrated); TP over
-  several ranks is tested end to end in test_megatron_tp.py.
+* DistributedOptimizer and CP layouts (not integrated); TP, PP and EP over several ranks
+  are tested end to end in test_megatron_tp.py, test_megatron_pp.py and test_megatron_ep.py.
 """
 
 from __future__ import annotations
@@ -70,9 +70,14 @@ def test_parallel_config_takes_tensor_and_pipeline_parallelism():
     with pytest.raises(ConfigError, match="not a multiple"):
         ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(3)
     assert ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2).data_parallel_size(8) == 2
-    for size in ("context_parallel_size", "expert_model_parallel_size"):
-        with pytest.raises(ConfigError, match="tensor, pipeline and data parallelism only"):
-            ParallelConfig(**{size: 2})
+    with pytest.raises(ConfigError, match="tensor, pipeline, expert and data parallelism only"):
+        ParallelConfig(context_parallel_size=2)
+    assert ParallelConfig(expert_model_parallel_size=2).data_parallel_size(2) == 2  # EP is carved out of DP
+    with pytest.raises(ConfigError, match="not a multiple of expert_model_parallel_size"):
+        ParallelConfig(expert_model_parallel_size=2).data_parallel_size(3)
+    for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        with pytest.raises(ConfigError, match="TP = PP = 1 only"):
+            ParallelConfig(expert_model_parallel_size=2, **{size: 2})
     with pytest.raises(ConfigError, match=">= 1"):
         ParallelConfig(pipeline_model_parallel_size=0)
 
@@ -277,3 +282,42 @@ def test_throwaway_run_restores_the_tracker_and_drops_its_buffer(parallel):
     # the estimate counts at least the throwaway's parameters and gradients
     assert lm.warmup_bytes(config, vocab_size=64, max_sequence_length=16, micro_batch_size=2,
                            seq_length=16) >= 2 * 4 * seen[0]
+
+
+def _moe_config(**kw):
+    return _config(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, **kw)
+
+
+def test_moe_clipping_counts_expert_grads_with_the_dense_norm(parallel):
+    # World of one: Megatron's ChainedOptimizer norm sqrt(dense² + expert²) is the norm of all.
+    lm = parallel
+    torch.manual_seed(0)
+    model = lm.build_gpt(FakeCtx(False), _moe_config(), vocab_size=64, max_sequence_length=16)
+    params = list(model.parameters())
+    experts = [p for name, p in model.named_parameters() if ".local_experts." in name]
+    for p in experts:  # what Megatron's linear layers tag at expert_model_parallel_size > 1
+        p.allreduce = False
+    assert len(experts) == 2 * 4 * 2  # 2 layers x 4 experts x (fc1, fc2) weights
+    torch.manual_seed(1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(ref, params, strict=True):
+        r.grad = p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5, foreach=True)
+    got = lm.clip_grads_model_parallel(params, 0.5)
+    torch.testing.assert_close(got, want)
+    dense = torch.stack([p.grad.norm() for p in ref if getattr(p, "allreduce", True)]).norm()
+    assert got > dense * 1.01  # the experts' gradients are in the norm
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_moe_settings_leto_does_not_run_are_refused(parallel):
+    lm = parallel
+    cases = {"moe_grouped_gemm": (_moe_config(moe_grouped_gemm=True), "grouped-GEMM"),
+             "capacity": (_moe_config(moe_expert_capacity_factor=1.0), "token dropping"),
+             "bias": (_config(num_moe_experts=4, moe_router_topk=2), "disable-bias-linear")}
+    for config, match in cases.values():
+        with pytest.raises(ConfigError, match=match):
+            lm.build_gpt(FakeCtx(False), config, vocab_size=64, max_sequence_length=16)
