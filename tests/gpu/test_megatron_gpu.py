@@ -37,7 +37,13 @@ lands with NCCL bucket all-reduces in flight. The "-leto-ddp" case keeps Leto's 
   to the output layer (a copy per stage, gradients summed over the embedding group by
   ``finalize_model_grads``; the example reports a digest of each copy, which must agree),
   each stage retaining its own parameters and Adam state; the forward kill is on the
-  first stage, the backward kill on the last. Needs 2 GPUs; skips with fewer.
+  first stage, the backward kill on the last. Needs 2 GPUs; skips with fewer;
+* expert parallelism, EP=2 on two GPUs (one rank each), NCCL, bf16: Megatron's local MoE
+  layer (4 experts, top-2, aux loss, no linear biases), the all-to-all token dispatcher on
+  NCCL (``all_to_all_single`` with per-rank splits), each rank retaining 2 experts whose
+  gradients are Megatron DDP's expert buffer ("ddp.grads.expert.float32", reduced over the
+  expert-data-parallel group), the dense part data-parallel over both GPUs; the forward kill
+  leaves the other rank in the dispatcher's all-to-all. Needs 2 GPUs; skips with fewer.
 
 megatron-core is not on the GPU image; docs/MEGATRON.md says how the carried wheel is
 installed. Without it these tests skip, saying so.
@@ -93,6 +99,8 @@ class Case:
     """Data-parallel flags: [] is Megatron's DDP (the example's default)."""
     lost_grad_pages: int = 0
     """Pages of Megatron DDP's gradient buffer lost at a fourth kill, mid-update."""
+    ep: int = 0
+    """> 0: a MoE model (4 experts, top-2) with --expert-model-parallel-size ep."""
 
     def backend(self) -> str:
         """What leto-run's ``backend="auto"`` picks: NCCL when every rank has a GPU of its own."""
@@ -105,6 +113,7 @@ CASES = {
     "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16, lost_grad_pages=8),
     "nccl-tp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, tp=2, gpus=2),
     "nccl-pp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, pp=2, gpus=2),
+    "nccl-ep2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ep=2),
     "nccl-dp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=OVERLAP),
     "nccl-dp2-2gpus-bf16-leto-ddp": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=["--ddp-impl", "leto"]),
 }
@@ -139,11 +148,20 @@ def _pipeline_args(case: Case) -> list[str]:
             "--share-embeddings-and-output-weights"]
 
 
+def _moe_args(case: Case) -> list[str]:
+    if not case.ep:
+        return []
+    return ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear",
+            "--expert-model-parallel-size", str(case.ep)]
+
+
 def _run(tmp_path, case: Case, faults: list[FaultSpec]):
     proc, events = run_leto(tmp_path, steps=STEPS, nproc=case.nproc, faults=faults, leto=case.leto, script=SCRIPT,
                             steps_flag="--train-iters", model_args=case.model,
                             script_args=["--bf16"] * case.bf16 + ["--tensor-model-parallel-size", str(case.tp),
-                                                                  *_pipeline_args(case), *case.ddp],
+                                                                  *_pipeline_args(case), *_moe_args(case),
+                                                                  *case.ddp],
                             timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, events
@@ -160,8 +178,13 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     output = ref_proc.stdout + ref_proc.stderr
     assert f"backend {case.backend()}" in output, "the run did not use the expected backend"
     stages = f", PP {case.pp}" if case.pp > 1 else ""
-    assert f"(TP {case.tp}{stages}, DP {case.nproc // (case.tp * case.pp)})" in output, \
-        "the run did not use the expected TP/PP sizes"
+    experts = f", EP {case.ep}" if case.ep else ""
+    assert f"(TP {case.tp}{stages}{experts}, DP {case.nproc // (case.tp * case.pp)})" in output, \
+        "the run did not use the expected TP/PP/EP sizes"
+    if case.ep:
+        held = re.findall(r"megatron_gpt: rank (\d+) experts \[([\d, ]+)\], gradient regions (\[.*\])", output)
+        assert sorted(held) == [("0", "0, 1", "['ddp.grads.float32', 'ddp.grads.expert.float32']"),
+                                ("1", "2, 3", "['ddp.grads.float32', 'ddp.grads.expert.float32']")], held
     if case.pp > 1:
         tied = re.findall(r"megatron_gpt: rank (\d+) tied embedding ([0-9a-f]+)", ref_proc.stdout)
         assert len(tied) == 2 and tied[0][1] == tied[1][1], f"the stages' tied embedding copies diverged: {tied}"
