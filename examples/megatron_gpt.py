@@ -387,6 +387,16 @@ def report_experts(ctx: leto.Context, model: torch.nn.Module, state) -> None:
           flush=True)
 
 
+def report_dense(model: torch.nn.Module) -> None:
+    """MoE: a digest of the dense (non-expert) parameters, which every data-parallel rank
+    holds: under EP they stay bit-identical only if every rank clipped by the same global
+    norm (the expert norm summed over the expert-parallel group)."""
+    dense = [p.detach().cpu().contiguous().view(torch.uint8).flatten() for p in model.parameters()
+             if getattr(p, "allreduce", True)]
+    digest = hashlib.blake2b(torch.cat(dense).numpy().tobytes(), digest_size=16).hexdigest()
+    print(f"megatron_gpt: rank {dist.get_rank()} dense parameters {digest}", flush=True)
+
+
 def setup_torch() -> None:
     """Deterministic kernels on a GPU (exact recovery needs them); the CPU shims otherwise."""
     torch.set_num_threads(1)
@@ -534,6 +544,8 @@ def main() -> None:
             first = None
     if pp > 1 and args.share_embeddings_and_output_weights:
         report_tied_embedding(model)
+    if args.num_experts:
+        report_dense(model)
     if baseline is not None and args.bench_out and ctx.rank == 0 and top is not None:
         loop_s.append(time.perf_counter() - top)
         skip = len(loop_s) // 5  # warm-up, and the shadows' start-up load

@@ -13,7 +13,9 @@ every step.
   then waits in the dispatcher's all-to-all for a dead peer), backward (rank 0, with
   erased pages), at the gradient sync (rank 1, before Megatron's bucket all-reduces) and
   mid-chunk in the optimizer update (rank 0); every (rank, step) digest equals the
-  fault-free EP=2 run's;
+  fault-free EP=2 run's; the dense parameters end bit-identical on both ranks (each rank
+  clipped by the same global norm: with the expert norm taken over the expert-data-parallel
+  group of one instead, they diverge) and equal to the fault-free run's;
 * EP=1 at DP=2 (``slow``, --run-slow): the same MoE model, experts replicated, exact
   recovery from kills in forward, backward and mid-update.
 
@@ -24,11 +26,12 @@ parallelism, grouped GEMM, token dropping (refused).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
+from tests.launcher.harness import REPO, assert_exact, digests, run_leto
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
@@ -47,9 +50,21 @@ def _job(ep: int, timeout_s: float) -> dict:
             "script_args": ["--expert-model-parallel-size", str(ep)], "timeout_s": timeout_s}
 
 
+def _dense(stdout: str) -> dict[int, str]:
+    """rank -> the digest of its dense (non-expert) parameters at the end (the example's report)."""
+    return {int(r): d for r, d in re.findall(r"megatron_gpt: rank (\d+) dense parameters ([0-9a-f]+)", stdout)}
+
+
 def _assert_exact_recovery(tmp_path, *, ep: int, steps: int, faults: list[FaultSpec], resumed_at: list[int],
                            timeout_s: float = 200) -> None:
-    clean, events = fault_free_run(tmp_path, steps=steps, nproc=2, **_job(ep, timeout_s))
+    proc, events = run_leto(tmp_path, steps=steps, nproc=2, **_job(ep, timeout_s))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    clean = digests(events)
+    assert set(clean) == {(r, s) for r in range(2) for s in range(1, steps + 1)}
+    assert all(len(v) == 1 for v in clean.values()), "the fault-free run must be deterministic"
+    # every rank clipped by the same global norm (expert squares summed over the EP group)
+    dense = _dense(proc.stdout)
+    assert set(dense) == {0, 1} and dense[0] == dense[1], "the data-parallel ranks' dense parameters diverged"
     losses = [e["loss"] for e in events if e["kind"] == "step_done"]
     assert len(losses) == 2 * steps and all(isinstance(x, float) and math.isfinite(x) for x in losses)
     proc, events = run_leto(tmp_path, steps=steps, nproc=2, faults=faults, **_job(ep, timeout_s))
@@ -66,6 +81,7 @@ def _assert_exact_recovery(tmp_path, *, ep: int, steps: int, faults: list[FaultS
     # kills in forward, backward and at the sync re-run their step; a kill inside the update finishes it
     assert sorted({e["step"] for e in resumed}) == resumed_at
     assert_exact(clean, events)
+    assert _dense(proc.stdout) == dense, "the recovered run's dense parameters differ from the fault-free run's"
 
 
 @pytest.mark.timeout(400)
