@@ -33,11 +33,11 @@ import re
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import REPO, assert_exact, digests, run_leto
+from tests.integrations.megatron_jobs import MegatronJobs
+from tests.launcher.harness import assert_exact, digests
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
-SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7",
          "--share-embeddings-and-output-weights", "--clip-grad", "0.05"]  # clipping bites every step
@@ -50,20 +50,8 @@ def _pp(size: int, dp: int = 1) -> list[str]:
     return ["--pipeline-model-parallel-size", str(size), "--global-batch-size", str(2 * MICROBATCHES * dp)]
 
 
-def _job(*, script_args=(), leto=None, timeout_s: float = 200) -> dict:
-    return {"leto": leto or LETO, "script": SCRIPT, "steps_flag": "--train-iters", "model_args": MODEL,
-            "script_args": list(script_args), "timeout_s": timeout_s}
-
-
-def _run(tmp_path, *, nproc: int, steps: int, faults=(), script_args=(), leto=None, timeout_s: float = 200):
-    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, faults=list(faults),
-                            **_job(script_args=script_args, leto=leto, timeout_s=timeout_s))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc, events
-
-
-def _losses(events: list[dict], rank: int) -> list[float | None]:
-    return [e["loss"] for e in events if e["kind"] == "step_done" and e["rank"] == rank]
+JOBS = MegatronJobs(LETO, MODEL)
+_job, _run, _losses = JOBS.job, JOBS.run, MegatronJobs.losses
 
 
 def _tied(stdout: str) -> dict[int, str]:

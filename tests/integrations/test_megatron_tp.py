@@ -24,11 +24,11 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import REPO, assert_exact, fault_free_digests, run_leto
+from tests.integrations.megatron_jobs import MegatronJobs
+from tests.launcher.harness import assert_exact, fault_free_digests
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
-SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7"]
 ERASURE = {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 8, "tier2_parity": 1}
@@ -39,21 +39,8 @@ def _tp(size: int) -> list[str]:
     return ["--tensor-model-parallel-size", str(size)]
 
 
-def _job(*, script_args=(), leto=None, timeout_s: float = 200) -> dict:
-    """``run_leto`` arguments of a Megatron job (the harness's reference runs take them too)."""
-    return {"leto": leto or LETO, "script": SCRIPT, "steps_flag": "--train-iters", "model_args": MODEL,
-            "script_args": list(script_args), "timeout_s": timeout_s}
-
-
-def _run(tmp_path, *, nproc: int, steps: int, faults=(), script_args=(), leto=None, timeout_s: float = 200):
-    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, faults=list(faults),
-                            **_job(script_args=script_args, leto=leto, timeout_s=timeout_s))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc, events
-
-
-def _losses(events: list[dict], rank: int) -> list[float]:
-    return [e["loss"] for e in events if e["kind"] == "step_done" and e["rank"] == rank]
+JOBS = MegatronJobs(LETO, MODEL)
+_job, _run, _losses = JOBS.job, JOBS.run, MegatronJobs.losses
 
 
 @pytest.mark.timeout(300)
