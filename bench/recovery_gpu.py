@@ -50,14 +50,16 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int, consistency: str) -> list[dict]:
+def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int, consistency: str,
+             **env: str) -> list[dict]:
     events = tmp / "leto.jsonl"
+    events.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard",
            "--events", str(events), "--consistency", consistency]
     for rank, step, phase in kills:
         cmd += ["--inject-fault", f"rank={rank},step={step},phase={phase}"]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
-    proc = subprocess.run(cmd, check=False, env=_env(), cwd=tmp, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, env=_env(**env), cwd=tmp, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"leto-run failed:\n{proc.stderr[-4000:]}")
     return read_events(events)
@@ -138,12 +140,21 @@ def iteration_only(args: argparse.Namespace) -> None:
             return statistics.median(e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5)
 
         leto = steady(run_leto(tmp, args.steps, [], args.nproc, args.consistency))
+        phases: dict[str, float] = {}
+        if args.phase_times:  # a second run, synchronised at every phase boundary
+            timed = [e for e in run_leto(tmp, args.steps, [], args.nproc, args.consistency, LETO_PHASE_TIMES="1")
+                     if e["kind"] == "step_done" and e["step"] >= 5 and e.get("rank", 0) == 0]
+            phases = {k: statistics.median(e["phases_s"][k] for e in timed) for k in timed[0]["phases_s"]}
+            phases["total"] = statistics.median(e["iter_s"] for e in timed)
+            print("leto-run phases, synchronised (ms): "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()), flush=True)
         det = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det", args.nproc,
                                   deterministic=True))
         fast = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc))
     result = {"date": time.strftime("%Y-%m-%d"), "nproc": args.nproc, "consistency": args.consistency,
               "leto_iteration_s": leto, "torchrun_deterministic_iteration_s": det, "torchrun_iteration_s": fast,
-              "overhead_vs_deterministic": leto / det - 1, "overhead_vs_default": leto / fast - 1}
+              "overhead_vs_deterministic": leto / det - 1, "overhead_vs_default": leto / fast - 1,
+              "leto_phases_synchronised_s": phases}
     print(f"leto-run ({args.consistency}) iteration {leto * 1e3:.1f} ms; torchrun, same deterministic kernels "
           f"{det * 1e3:.1f} ms ({100 * (leto / det - 1):+.1f} %); torchrun, PyTorch's default kernels "
           f"{fast * 1e3:.1f} ms ({100 * (leto / fast - 1):+.1f} %)")
@@ -162,6 +173,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)")
     p.add_argument("--consistency", choices=("rmu", "snapshot"), default="rmu",
                    help="leto's update consistency (rmu: the product default)")
+    p.add_argument("--phase-times", action="store_true",
+                   help="with --iteration-only: a second leto-run, each step's phases timed (LETO_PHASE_TIMES=1)")
     p.add_argument("--iteration-only", action="store_true",
                    help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call")
     p.add_argument("--profile-from", type=Path, metavar="RESULT_JSON",

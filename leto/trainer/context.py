@@ -79,6 +79,9 @@ class TrainerEnv:
     """0 until the context resolves it for its device (``leto.config.default_rmu_chunk_bytes``)."""
     rmu_fused: bool | None
     digest: bool
+    phase_times: bool
+    """Diagnostic (``LETO_PHASE_TIMES=1``): each step's phases timed to the device's end
+    (a synchronisation at every boundary, so the step itself runs slower), in ``step_done``."""
     erasure: ErasureConfig | None
     preinit: PreinitConfig
 
@@ -109,6 +112,7 @@ class TrainerEnv:
                 rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", "0")),
                 rmu_fused={"auto": None, "1": True, "0": False}[env.get("LETO_RMU_FUSED", "auto")],
                 digest=env.get("LETO_DIGEST", "0") == "1",
+                phase_times=env.get("LETO_PHASE_TIMES", "0") == "1",
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
                 preinit=PreinitConfig(**json.loads(env[ENV_PREINIT])) if env.get(ENV_PREINIT) else PreinitConfig(),
             )

@@ -123,6 +123,8 @@ class RetainedState:
         self._committed_this_step = True
         self._announced = False
         self._step_started = 0.0
+        self._phase_times: dict[str, float] | None = None
+        self._phase_mark = 0.0
         self._install_fault_hooks()
 
     # -- placement ---------------------------------------------------------------------------
@@ -313,6 +315,7 @@ class RetainedState:
             raise ProtocolError(f"step {step} begins with the marker at {self.marker.step}/{self.marker.phase.name}")
         self._committed_this_step = False
         self._step_started = time.perf_counter()
+        self._phase_times = {} if self.ctx.env.phase_times else None
         self.ctx.injector.step = step
         set_rng_blob(self._rng, self.device)
         self._zero_grads()
@@ -379,24 +382,31 @@ class RetainedState:
     def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
+        self._time_phase("compute")
         self._check_grads_bound()
         self.ctx.injector.point("sync")
         self._allreduce_grads()
         if self.layout.main_grad:  # clipping and the update read .grad
             for p, grad in zip(self.params, self._grad_views(), strict=True):
                 p.grad = grad
+        self._time_phase("allreduce")
         if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
             self.ctx.grad_sync.clip_(self.params, max_grad_norm)
         self._rng_next.copy_(rng_blob(self.device))
+        self._time_phase("clip")
         self._encode_grads()  # final gradients stay recoverable until the update commits
+        self._time_phase("encode_grads")
         if self.updater is not None:  # the last flush's IDLE store lands before these marker writes
             self.updater.join()
+        self._time_phase("join")
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         self.memory.fence()
         self.marker.advance(Phase.GRADS_READY)
         # Once any rank passes this barrier, every rank's gradients of this step are final.
         dist.barrier()
+        self._time_phase("barrier")
         self._update(step)
+        self._time_phase("update")
         self._committed_this_step = True
         self.ctx.preinit.report()  # memory after the step, before the agent may read it
         if not self._announced:  # tells the agent this generation is training (recovery done)
@@ -406,8 +416,19 @@ class RetainedState:
             Kind.STEP_DONE, rank=self.ctx.rank, step=step,
             iter_s=time.perf_counter() - self._step_started,
             loss=None if loss is None else float(loss.detach()),
+            **({} if self._phase_times is None else {"phases_s": self._phase_times}),
         )
         self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
+
+    def _time_phase(self, name: str) -> None:
+        """``LETO_PHASE_TIMES=1``: the seconds since the last boundary, to the device's end."""
+        if self._phase_times is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self._phase_times[name] = now - self._phase_mark if self._phase_times else now - self._step_started
+        self._phase_mark = now
 
     def _update(self, step: int) -> None:
         if self.updater is not None:
