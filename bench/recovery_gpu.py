@@ -66,13 +66,13 @@ def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: in
 
 
 def run_torchrun(tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, name: str, nproc: int,
-                 deterministic: bool = False) -> list[dict]:
+                 deterministic: bool = False, **env: str) -> list[dict]:
     events = tmp / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "1", str(REPO / "examples/torchrun_gpt_ckpt.py"), "--steps", str(steps),
            "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(every), "--kill-at-step", str(kill), *MODEL,
            *(["--deterministic"] if deterministic else [])]
-    proc = subprocess.run(cmd, check=False, env=_env(LETO_EVENTS_FILE=str(events)), cwd=tmp, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, env=_env(LETO_EVENTS_FILE=str(events), **env), cwd=tmp, capture_output=True, text=True)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     if proc.returncode:
         raise SystemExit(f"torchrun baseline {name} failed:\n{proc.stderr[-4000:]}")
@@ -127,6 +127,13 @@ def profile_from(result_path: Path) -> Path:
         raise SystemExit(f"recovery_gpu: --profile-from {result_path}: {type(e).__name__}: {e}") from None
 
 
+def median_phases(events: list[dict]) -> dict[str, float]:
+    """Rank 0's median seconds per phase (``LETO_PHASE_TIMES=1`` runs), steps >= 5, and the total."""
+    timed = [e for e in events if e["kind"] == "step_done" and e["step"] >= 5 and e.get("rank", 0) == 0]
+    phases = {k: statistics.median(e["phases_s"][k] for e in timed) for k in timed[0]["phases_s"]}
+    return {**phases, "total": statistics.median(e["iter_s"] for e in timed)}
+
+
 def iteration_only(args: argparse.Namespace) -> None:
     """Steady-state iteration of leto-run (its default protection, ``--consistency``) and of
     plain torchrun on the same model, one after the other; the first 5 steps left out.
@@ -140,16 +147,19 @@ def iteration_only(args: argparse.Namespace) -> None:
             return statistics.median(e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5)
 
         leto = steady(run_leto(tmp, args.steps, [], args.nproc, args.consistency))
-        phases: dict[str, float] = {}
+        phases: dict = {}
         if args.phase_times:  # a second run, synchronised at every phase boundary
-            timed = [e for e in run_leto(tmp, args.steps, [], args.nproc, args.consistency, LETO_PHASE_TIMES="1")
-                     if e["kind"] == "step_done" and e["step"] >= 5 and e.get("rank", 0) == 0]
-            phases = {k: statistics.median(e["phases_s"][k] for e in timed) for k in timed[0]["phases_s"]}
-            phases["total"] = statistics.median(e["iter_s"] for e in timed)
-            print("leto-run phases, synchronised (ms): "
-                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()), flush=True)
-        det = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det", args.nproc,
-                                  deterministic=True))
+            phases = median_phases(run_leto(tmp, args.steps, [], args.nproc, args.consistency, LETO_PHASE_TIMES="1"))
+        det_events = run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det", args.nproc,
+                                  deterministic=True)
+        det = steady(det_events)
+        if args.phase_times:
+            phases = {"leto-run": phases, "torchrun (deterministic)": median_phases(run_torchrun(
+                tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det_phases", args.nproc,
+                deterministic=True, LETO_PHASE_TIMES="1"))}
+            for name, ph in phases.items():
+                print(f"{name} phases, synchronised (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()),
+                      flush=True)
         fast = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc))
     result = {"date": time.strftime("%Y-%m-%d"), "nproc": args.nproc, "consistency": args.consistency,
               "leto_iteration_s": leto, "torchrun_deterministic_iteration_s": det, "torchrun_iteration_s": fast,

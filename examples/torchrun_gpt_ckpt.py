@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_gpt import GPT, batch, deterministic_cuda, lr_at
 
 from leto.events import EventLog, Kind
+from leto.trainer.timing import PhaseTimes
 
 
 def main() -> None:
@@ -76,6 +77,7 @@ def main() -> None:
         events.emit(Kind.RESUMED, rank=rank, step=start, action="checkpoint", load_s=time.perf_counter() - t0)
     for step in range(start, args.steps):
         began = time.perf_counter()
+        phases = PhaseTimes(device, began)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = batch(step, rank, args, device)
@@ -86,15 +88,20 @@ def main() -> None:
         if attempt == 0 and rank == world - 1 and step == args.kill_at_step:
             events.emit(Kind.FAULT_INJECTED, rank=rank, step=step, phase="backward")
             os.kill(os.getpid(), signal.SIGKILL)
+        phases.mark("compute")
         if world > 1:
             for prm in model.parameters():
                 dist.all_reduce(prm.grad)
                 prm.grad.div_(world)
+        phases.mark("allreduce")
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        phases.mark("clip")
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        events.emit(Kind.STEP_DONE, rank=rank, step=step, iter_s=time.perf_counter() - began, attempt=attempt)
+        phases.mark("update")
+        events.emit(Kind.STEP_DONE, rank=rank, step=step, iter_s=time.perf_counter() - began, attempt=attempt,
+                    **phases.fields())
         if (step + 1) % args.ckpt_every == 0:
             t0 = time.perf_counter()
             msd, osd = get_state_dict(model, opt)

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -316,7 +317,14 @@ def check_moe(config: TransformerConfig) -> None:
     megatron-core 0.16.1's ``RouterGatingLinearFunction`` reads ``te_general_gemm``, a name
     ``moe_utils`` binds only when Transformer Engine imports; without it the router raises
     ``NameError``. The name is bound to None here, which is the fallback the function
-    tests for (a plain ``torch.matmul``)."""
+    tests for (a plain ``torch.matmul``).
+
+    The router's gating runs outside autocast (``--bf16`` is autocast over fp32 parameters
+    here): its autograd function casts to its own ``router_dtype`` in the forward but not in
+    the backward, so an autocast forward leaves a bf16 gradient against an fp32 weight
+    (``expected mat1 and mat2 to have the same dtype``, seen on an H200 at EP = 2). Outside
+    autocast the logits are computed in the dtype of the router's input, fp32 here: what
+    Megatron's ``--moe-router-dtype fp32`` recommends for the router anyway."""
     if not config.num_moe_experts:
         return
     if config.moe_grouped_gemm:
@@ -336,6 +344,20 @@ def check_moe(config: TransformerConfig) -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe import router
+
+    if not getattr(router.router_gating_linear, "_leto_outside_autocast", False):
+        router.router_gating_linear = _outside_autocast(router.router_gating_linear)
+
+
+def _outside_autocast(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(fn)
+    def gating(inp: torch.Tensor, *args: Any) -> torch.Tensor:
+        with torch.autocast(inp.device.type, enabled=False):
+            return fn(inp, *args)
+
+    gating._leto_outside_autocast = True  # type: ignore[attr-defined]
+    return gating
 
 
 @contextlib.contextmanager

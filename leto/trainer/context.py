@@ -43,6 +43,7 @@ from leto.preinit.config import PreinitConfig
 from leto.preinit.guard import OomGuard
 from leto.preinit.probe import probe_for
 from leto.trainer.grad_sync import GradSync
+from leto.trainer.timing import phase_times_enabled
 
 if TYPE_CHECKING:
     from leto.checkpoint import Checkpointer
@@ -80,8 +81,7 @@ class TrainerEnv:
     rmu_fused: bool | None
     digest: bool
     phase_times: bool
-    """Diagnostic (``LETO_PHASE_TIMES=1``): each step's phases timed to the device's end
-    (a synchronisation at every boundary, so the step itself runs slower), in ``step_done``."""
+    """``LETO_PHASE_TIMES=1``: each step's phases in ``step_done`` (``leto.trainer.timing``)."""
     erasure: ErasureConfig | None
     preinit: PreinitConfig
 
@@ -112,7 +112,7 @@ class TrainerEnv:
                 rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", "0")),
                 rmu_fused={"auto": None, "1": True, "0": False}[env.get("LETO_RMU_FUSED", "auto")],
                 digest=env.get("LETO_DIGEST", "0") == "1",
-                phase_times=env.get("LETO_PHASE_TIMES", "0") == "1",
+                phase_times=phase_times_enabled(),
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
                 preinit=PreinitConfig(**json.loads(env[ENV_PREINIT])) if env.get(ENV_PREINIT) else PreinitConfig(),
             )

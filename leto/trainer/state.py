@@ -45,6 +45,7 @@ from leto.trainer.layout import GradPlacement, Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
 from leto.trainer.protection import ProtectedRegion
+from leto.trainer.timing import PhaseTimes
 from leto.updater.fused import resolve_fused
 from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
 
@@ -123,8 +124,7 @@ class RetainedState:
         self._committed_this_step = True
         self._announced = False
         self._step_started = 0.0
-        self._phase_times: dict[str, float] | None = None
-        self._phase_mark = 0.0
+        self._phases = PhaseTimes(self.device, 0.0, enabled=False)
         self._install_fault_hooks()
 
     # -- placement ---------------------------------------------------------------------------
@@ -161,6 +161,7 @@ class RetainedState:
         self.state_bytes = views["state"]
         self.grad_regions = {name: views[name] for name in grad_nbytes}
         """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
+        self._grad_view_list: list[torch.Tensor] | None = None
         self.snapshot_bytes = views.get("snapshot")
         marker_words = mem.mapped_on_device(views["marker"])
         self.marker = Marker(views["marker"], None if marker_words is None else marker_words.view(torch.int64))
@@ -208,9 +209,12 @@ class RetainedState:
             torch.utils.swap_tensors(b, data)
 
     def _grad_views(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view of its retained region."""
-        return [slot.view(self.grad_regions[name])
-                for slot, name in zip(self.layout.grads, self.layout.grad_region, strict=True)]
+        """Each parameter's gradient as a view of its retained region (built once: a few
+        hundred views cost milliseconds of host time per step on a 1 B model)."""
+        if self._grad_view_list is None:
+            self._grad_view_list = [slot.view(self.grad_regions[name])
+                                    for slot, name in zip(self.layout.grads, self.layout.grad_region, strict=True)]
+        return self._grad_view_list
 
     def _encode(self, name: str) -> None:
         if name in self.protected:
@@ -315,7 +319,7 @@ class RetainedState:
             raise ProtocolError(f"step {step} begins with the marker at {self.marker.step}/{self.marker.phase.name}")
         self._committed_this_step = False
         self._step_started = time.perf_counter()
-        self._phase_times = {} if self.ctx.env.phase_times else None
+        self._phases = PhaseTimes(self.device, self._step_started, enabled=self.ctx.env.phase_times)
         self.ctx.injector.step = step
         set_rng_blob(self._rng, self.device)
         self._zero_grads()
@@ -382,31 +386,31 @@ class RetainedState:
     def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
-        self._time_phase("compute")
+        self._phases.mark("compute")
         self._check_grads_bound()
         self.ctx.injector.point("sync")
         self._allreduce_grads()
         if self.layout.main_grad:  # clipping and the update read .grad
             for p, grad in zip(self.params, self._grad_views(), strict=True):
                 p.grad = grad
-        self._time_phase("allreduce")
+        self._phases.mark("allreduce")
         if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
             self.ctx.grad_sync.clip_(self.params, max_grad_norm)
         self._rng_next.copy_(rng_blob(self.device))
-        self._time_phase("clip")
+        self._phases.mark("clip")
         self._encode_grads()  # final gradients stay recoverable until the update commits
-        self._time_phase("encode_grads")
+        self._phases.mark("encode_grads")
         if self.updater is not None:  # the last flush's IDLE store lands before these marker writes
             self.updater.join()
-        self._time_phase("join")
+        self._phases.mark("join")
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         self.memory.fence()
         self.marker.advance(Phase.GRADS_READY)
         # Once any rank passes this barrier, every rank's gradients of this step are final.
         dist.barrier()
-        self._time_phase("barrier")
+        self._phases.mark("barrier")
         self._update(step)
-        self._time_phase("update")
+        self._phases.mark("update")
         self._committed_this_step = True
         self.ctx.preinit.report()  # memory after the step, before the agent may read it
         if not self._announced:  # tells the agent this generation is training (recovery done)
@@ -416,19 +420,9 @@ class RetainedState:
             Kind.STEP_DONE, rank=self.ctx.rank, step=step,
             iter_s=time.perf_counter() - self._step_started,
             loss=None if loss is None else float(loss.detach()),
-            **({} if self._phase_times is None else {"phases_s": self._phase_times}),
+            **self._phases.fields(),
         )
         self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
-
-    def _time_phase(self, name: str) -> None:
-        """``LETO_PHASE_TIMES=1``: the seconds since the last boundary, to the device's end."""
-        if self._phase_times is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self._phase_times[name] = now - self._phase_mark if self._phase_times else now - self._step_started
-        self._phase_mark = now
 
     def _update(self, step: int) -> None:
         if self.updater is not None:

@@ -321,3 +321,30 @@ def test_moe_settings_leto_does_not_run_are_refused(parallel):
     for config, match in cases.values():
         with pytest.raises(ConfigError, match=match):
             lm.build_gpt(FakeCtx(False), config, vocab_size=64, max_sequence_length=16)
+
+
+def test_moe_router_gating_runs_outside_autocast(parallel):
+    """Megatron's router gating casts to its router dtype in the forward only: under a bf16
+    autocast (how leto's --bf16 runs) its backward multiplied a bf16 gradient by the fp32
+    weight and raised (seen at EP = 2 on an H200). CPU autocast reproduces it with the
+    backward outside the autocast region (where a GPU's backward thread runs it)."""
+    lm = parallel
+    from megatron.core.transformer.moe import moe_utils, router
+
+    lm.check_moe(_moe_config())
+    lm.check_moe(_moe_config())  # installed once, not wrapped twice
+    original = moe_utils.router_gating_linear  # Megatron's, unwrapped (the router's binding is wrapped)
+    inp = torch.randn(8, 32, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(4, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the backward outside it, as the examples run it
+        logits = original(inp, weight, None, torch.float32)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        logits.sum().backward()
+    inp.grad = weight.grad = None
+    assert router.router_gating_linear.__wrapped__ is original
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = router.router_gating_linear(inp, weight, None, torch.float32)
+    logits.sum().backward()
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, inp.detach() @ weight.detach().t())
+    assert weight.grad.dtype == torch.float32 and inp.grad.dtype == torch.float32
