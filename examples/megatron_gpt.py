@@ -36,6 +36,10 @@ Data parallelism (``--ddp-impl``): ``megatron`` (the default) wraps the model in
 all-reduce (``finish_grad_sync``; with ``--overlap-grad-reduce`` launched from backward hooks,
 buckets of ``--ddp-bucket-size`` elements) synchronises them; ``leto`` keeps Leto's own flat
 "grads" region and one flat all-reduce. Both recover bit-exactly.
+``--use-distributed-optimizer`` (with ``--ddp-impl megatron``) is Megatron's distributed
+optimizer: gradients are reduce-scattered, each DP rank retains and updates only its shard of
+the fp32 main params and Adam state, and the updated shards are all-gathered into Megatron's
+contiguous parameter buffer ("ddp.params.float32") as part of the update.
 
 ``--bf16`` is Megatron's bf16 mixed precision as Leto retains it: parameters, gradients and
 Adam state stay fp32 (Megatron's fp32 main params are here the model's own, retained), the
@@ -99,6 +103,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ddp-impl", choices=["megatron", "leto"], default="megatron",
                    help="data-parallel gradients: megatron = Megatron-Core's DistributedDataParallel with its "
                         "grad buffers in retained regions (default); leto = Leto's flat grads region and all-reduce")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="--ddp-impl megatron: Megatron's distributed optimizer (sharded main params and Adam "
+                        "state, reduce-scattered gradients, parameters all-gathered after the update)")
     p.add_argument("--overlap-grad-reduce", action="store_true",
                    help="--ddp-impl megatron: launch each bucket's all-reduce from backward hooks")
     p.add_argument("--ddp-bucket-size", type=int, default=None,
@@ -182,7 +189,8 @@ def ddp_config(args: argparse.Namespace):  # -> DistributedDataParallelConfig | 
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce,
-                                         bucket_size=args.ddp_bucket_size)
+                                         bucket_size=args.ddp_bucket_size,
+                                         use_distributed_optimizer=args.use_distributed_optimizer)
 
 
 def lr_at(it: int, args: argparse.Namespace) -> float:
@@ -397,6 +405,23 @@ def report_dense(model: torch.nn.Module) -> None:
     print(f"megatron_gpt: rank {dist.get_rank()} dense parameters {digest}", flush=True)
 
 
+def report_optimizer_state(ctx: leto.Context, model: torch.nn.Module, state) -> None:
+    """Elements of retained Adam state (per moment) against the model's parameters: equal
+    without the distributed optimizer, this rank's shard with it."""
+    layout = state.state.layout
+    moments = sum(math.prod(o["exp_avg"].shape) for o in layout.optim)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"megatron_gpt: rank {ctx.rank} optimizer state {moments} of {params} parameter elements", flush=True)
+
+
+def report_parameters(model: torch.nn.Module) -> None:
+    """A digest of every parameter of the model as the forward reads it (with the
+    distributed optimizer: Megatron's all-gathered ``param_data``)."""
+    flat = [p.detach().cpu().contiguous().view(torch.uint8).flatten() for p in model.parameters()]
+    digest = hashlib.blake2b(torch.cat(flat).numpy().tobytes(), digest_size=16).hexdigest()
+    print(f"megatron_gpt: rank {dist.get_rank()} parameters {digest}", flush=True)
+
+
 def setup_torch() -> None:
     """Deterministic kernels on a GPU (exact recovery needs them); the CPU shims otherwise."""
     torch.set_num_threads(1)
@@ -445,6 +470,13 @@ def main() -> None:
     if args.ddp_impl != "megatron" and (args.overlap_grad_reduce or args.ddp_bucket_size is not None):
         raise SystemExit(f"megatron_gpt: --overlap-grad-reduce and --ddp-bucket-size need --ddp-impl megatron "
                          f"(got --ddp-impl {args.ddp_impl})")
+    if args.use_distributed_optimizer and args.ddp_impl != "megatron":
+        raise SystemExit(f"megatron_gpt: --use-distributed-optimizer needs --ddp-impl megatron (got --ddp-impl "
+                         f"{args.ddp_impl}): the shards are Megatron DDP's buckets")
+    if args.use_distributed_optimizer and (args.pipeline_model_parallel_size > 1 or args.num_experts
+                                           or args.no_leto or args.compare_baseline):
+        raise SystemExit("megatron_gpt: --use-distributed-optimizer runs without --pipeline-model-parallel-size, "
+                         "--num-experts, --no-leto and --compare-baseline")
     if args.pipeline_model_parallel_size > 1 and args.ddp_impl != "megatron":
         raise SystemExit("megatron_gpt: --pipeline-model-parallel-size needs --ddp-impl megatron "
                          "(Megatron's finalize_model_grads all-reduces the shared embedding)")
@@ -469,6 +501,9 @@ def main() -> None:
         return
 
     ctx = leto.init()  # a shadow pre-initialises here; at L3 it waits for promotion in retain()
+    if args.use_distributed_optimizer and ctx.env.consistency != "rmu":
+        raise SystemExit(f"megatron_gpt: --use-distributed-optimizer needs leto consistency: rmu (got "
+                         f"{ctx.env.consistency}): the snapshot path steps torch's optimizer over full parameters")
     parallel = lm.ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                  expert_model_parallel_size=args.expert_model_parallel_size)
@@ -485,7 +520,8 @@ def main() -> None:
               f"DP {dp}), {moe}"
               f"{microbatches} micro-batches per iteration, "
               f"backend {dist.get_backend()} on {ctx.device}, DDP {args.ddp_impl}"
-              f"{' (overlap)' if args.overlap_grad_reduce else ''}", flush=True)
+              f"{' (overlap)' if args.overlap_grad_reduce else ''}"
+              f"{', distributed optimizer' if args.use_distributed_optimizer else ''}", flush=True)
     torch.manual_seed(args.seed)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
@@ -499,6 +535,7 @@ def main() -> None:
                                ddp_config=ddp_config(args))
     if args.num_experts and not ctx.is_shadow:
         report_experts(ctx, model, state)
+    report_optimizer_state(ctx, model, state)  # (a shadow gets here once promoted)
     net = state.model  # Megatron's DDP wrapper (--ddp-impl megatron), or the model
     baseline = Baseline(ctx, args, isolated=True) if args.compare_baseline else None
     base_s: list[float] = []
@@ -512,7 +549,7 @@ def main() -> None:
         top = now
         if baseline is not None:
             base_s.append(baseline.step(it)[0])
-        for group in opt.param_groups:
+        for group in state.optimizer.param_groups:  # the retained optimizer (a shard, distributed)
             group["lr"] = lr_at(it, args)
         if pp > 1 or microbatches > 1:  # Megatron's schedule: 1F1B over the stages, or accumulation
             batches = [get_batch(it, dp_rank(), args, ctx.device, m) for m in range(microbatches)]
@@ -546,6 +583,7 @@ def main() -> None:
         report_tied_embedding(model)
     if args.num_experts:
         report_dense(model)
+    report_parameters(model)
     if baseline is not None and args.bench_out and ctx.rank == 0 and top is not None:
         loop_s.append(time.perf_counter() - top)
         skip = len(loop_s) // 5  # warm-up, and the shadows' start-up load

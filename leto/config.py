@@ -18,10 +18,11 @@ from leto.preinit.config import PreinitConfig
 
 Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
-UpdatePoint = Literal["boundary", "optimizer", "parity", "flush"]
+UpdatePoint = Literal["boundary", "optimizer", "parity", "flush", "gather"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
 DEVICE_REGIONS = ("state", "grads", "rmu.undo", "rmu.parity")
-"""Device regions a fault may erase pages of (besides a Megatron DDP buffer, ``ddp.grads.<dtype>``)."""
+"""Device regions a fault may erase pages of (besides a Megatron DDP buffer, ``ddp.grads.<dtype>``, or
+the distributed optimizer's full parameter buffer, ``ddp.params.<dtype>``)."""
 FaultKind = Literal["kill", "fatal", "hang", "device", "oom", "kill_shadow", "shadow_crash"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
@@ -51,7 +52,9 @@ class FaultSpec:
     """With ``phase: update`` under ``consistency: rmu``, where inside the update:
     boundary (a chunk boundary, before its undo copy), optimizer (mid-chunk: after the
     in-place update, before its parity update), parity (inside the chunk's parity update),
-    flush (inside the copy of the parity to host). None: after the last chunk (rmu) or
+    flush (inside the copy of the parity to host), gather (with Megatron's distributed
+    optimizer: inside the all-gather of the updated parameter shards, after the first
+    bucket group; the parameter buffer is scribbled). None: after the last chunk (rmu) or
     after the optimizer step (snapshot)."""
     chunk: int | None = None
     """With ``point`` boundary/optimizer/parity: the chunk to kill in (default: the first)."""
@@ -83,16 +86,17 @@ class FaultSpec:
             raise ConfigError(f"fault rank and step must be >= 0, got rank={self.rank} step={self.step}")
         if self.phase not in PHASES:
             raise ConfigError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}")
-        if self.erase_device_region not in DEVICE_REGIONS and not self.erase_device_region.startswith("ddp.grads."):
+        if (self.erase_device_region not in DEVICE_REGIONS
+                and not self.erase_device_region.startswith(("ddp.grads.", "ddp.params."))):
             raise ConfigError(f"fault erase_device_region {self.erase_device_region!r} is not one of "
-                              f"{', '.join(DEVICE_REGIONS)} or ddp.grads.<dtype>")
+                              f"{', '.join(DEVICE_REGIONS)}, ddp.grads.<dtype> or ddp.params.<dtype>")
         if min(self.erase_device_pages, self.erase_host_pages) < 0:
             raise ConfigError("fault erase_device_pages / erase_host_pages must be >= 0")
         if self.point is not None and (self.phase != "update" or self.point not in UPDATE_POINTS):
             raise ConfigError(
                 f"fault point {self.point!r} needs phase: update and one of {', '.join(UPDATE_POINTS)}"
             )
-        if self.chunk is not None and (self.point in (None, "flush") or self.chunk < 0):
+        if self.chunk is not None and (self.point in (None, "flush", "gather") or self.chunk < 0):
             raise ConfigError("fault chunk needs point: boundary, optimizer or parity, and must be >= 0")
         if not 0 <= self.shadow_ready_steps_before <= self.step:
             raise ConfigError(f"fault shadow_ready_steps_before must be in [0, step={self.step}]")

@@ -478,8 +478,9 @@ def adamw(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
     if opt.optimizer != "adam":
         raise ConfigError(f"leto retains Adam state; OptimizerConfig.optimizer={opt.optimizer!r} is not supported")
     if opt.use_distributed_optimizer:
-        raise ConfigError("use_distributed_optimizer: Megatron's DistributedOptimizer is not integrated yet; "
-                          "leto retains the full AdamW state per rank (docs/MEGATRON.md)")
+        raise ConfigError("OptimizerConfig.use_distributed_optimizer: build the full AdamW here; Megatron's "
+                          "DistributedOptimizer sharding comes from lm.retain_megatron(ddp_config="
+                          "DistributedDataParallelConfig(use_distributed_optimizer=True))")
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -522,6 +523,8 @@ def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
     if experts and ddp_config is None:
         raise ConfigError("expert parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
                           "expert gradients are reduced over the expert-data-parallel group, not the data-parallel one")
+    if ddp_config is not None and ddp_config.use_distributed_optimizer:
+        return _retain_sharded(ctx, model, optimizer, seed=seed, max_grad_norm=max_grad_norm, ddp_config=ddp_config)
     attrs = {id(p): dict(vars(p)) for p in model.parameters()}
     params = list(model.parameters())
     grads = None
@@ -538,6 +541,32 @@ def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
     if pipeline:
         pipeline_grad_sync(ctx, wrapped)
     return MegatronState(state, seed=seed, max_grad_norm=max_grad_norm, model=wrapped)
+
+
+def _retain_sharded(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW, *, seed: int,
+                    max_grad_norm: float | None, ddp_config: DistributedDataParallelConfig) -> MegatronState:
+    """``retain_megatron`` with Megatron's distributed optimizer (``megatron_distopt``): the
+    retained optimizer is ``optimizer``'s shard on this DP rank (``MegatronState.optimizer``);
+    the model's parameters are Megatron's ``param_data``, a retained mirror region."""
+    from megatron.core import parallel_state
+
+    from leto.integrations import megatron_distopt
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ConfigError("the distributed optimizer runs without pipeline parallelism for now (docs/MEGATRON.md)")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    plan = megatron_distopt.plan_shards(model, params, ddp_config,
+                                        dp_rank=parallel_state.get_data_parallel_rank(),
+                                        dp_size=parallel_state.get_data_parallel_world_size())
+    mains = megatron_distopt.main_params(params, plan)
+    shard_opt = megatron_distopt.shard_optimizer(optimizer, mains, plan)
+    attrs = [dict(vars(params[piece.param])) for piece in plan.pieces]
+    state = ctx.retain(model, shard_opt, grads=plan.grad_placement, mirror=plan.mirror)
+    for main, kept in zip(mains, attrs, strict=True):  # Megatron's attributes: the clipping filter reads them
+        for key, value in kept.items():
+            setattr(main, key, value)
+    ddp = megatron_distopt.build_ddp(ctx, state, model, ddp_config, plan, params)
+    return MegatronState(state, seed=seed, max_grad_norm=max_grad_norm, model=ddp)
 
 
 def pipeline_grad_sync(ctx: Context, ddp: torch.nn.Module) -> None:
@@ -574,6 +603,12 @@ class MegatronState:
     model: torch.nn.Module | None = None
     """What the forward runs: Megatron's ``DistributedDataParallel`` wrapper, or the model."""
     _step: int = dataclasses.field(default=-1, init=False)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The retained optimizer: the job's AdamW, or with the distributed optimizer its
+        shard on this rank (set learning rates here)."""
+        return self.state.optimizer
 
     def steps(self, total: int) -> Iterator[int]:
         for step in self.state.steps(total):

@@ -31,8 +31,8 @@ parity like Leto's own "grads" and read by the resumable updater:
    ``GRADS_READY``) and ``zero=ddp.zero_grad_buffer`` (at the start of a step);
    ``RetainedState`` points ``.grad`` at ``main_grad`` for clipping and the update.
 
-Not supported (refused): the distributed optimizer (``param_data`` and sharded state; see
-docs/MEGATRON.md) and ``main_grad`` dtypes other than the
+The distributed optimizer (``param_data`` and sharded state) is
+``leto.integrations.megatron_distopt``. Not supported (refused): ``main_grad`` dtypes other than the
 parameter's (``grad_reduce_in_fp32`` with non-fp32 parameters: torch's AdamW would mix them).
 """
 
@@ -59,15 +59,19 @@ logger = logging.getLogger(__name__)
 REGION_PREFIX = "ddp.grads."
 
 
-def check_ddp_config(ddp_config: DistributedDataParallelConfig) -> None:
-    """Refuse what this integration does not retain (one-line ``ConfigError``s)."""
+def check_ddp_config(ddp_config: DistributedDataParallelConfig, *, sharded: bool = False) -> None:
+    """Refuse what this integration does not retain (one-line ``ConfigError``s).
+    ``sharded``: the distributed optimizer's path (``leto.integrations.megatron_distopt``)."""
     unsupported = {
-        "use_distributed_optimizer": "Megatron's DistributedOptimizer is not integrated yet (docs/MEGATRON.md)",
+        "use_distributed_optimizer": "Megatron's DistributedOptimizer buffers are planned by "
+                                     "leto.integrations.megatron_distopt (lm.retain_megatron does this)",
         "use_megatron_fsdp": "Megatron FSDP shards parameters outside leto's layout",
         "use_custom_fsdp": "Megatron FSDP shards parameters outside leto's layout",
         "nccl_ub": "NCCL user buffers allocate the gradient buffer from their own pool",
         "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 parameters are not supported",
     }
+    if sharded:
+        del unsupported["use_distributed_optimizer"]
     for key, why in unsupported.items():
         if getattr(ddp_config, key, False):
             raise ConfigError(f"DistributedDataParallelConfig.{key}=True: {why}")

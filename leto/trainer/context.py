@@ -209,6 +209,7 @@ class Context:
         optimizer: torch.optim.Optimizer,
         checkpoint: CheckpointConfig | None = None,
         grads: GradPlacement | None = None,
+        mirror: tuple[tuple[str, int], ...] = (),
     ) -> RetainedState:
         """Back parameters, gradients and optimizer state by retained pool memory.
 
@@ -216,12 +217,13 @@ class Context:
         ``checkpoint`` (default: the job's ``leto.checkpoint``) keeps an asynchronous
         torch.distributed.checkpoint for fatal failures; a fresh start (no retained state,
         e.g. after a group restart) loads the newest one. ``grads``: gradients placed in an
-        integration's own buffers (``RetainedState``).
+        integration's own buffers (``RetainedState``); ``mirror``: its full parameter buffers
+        when ``optimizer`` updates shards of them (``Layout.mirror_regions``).
         """
         from leto.trainer.state import RetainedState
 
         wait = self._wait_for_promotion if self.is_shadow else None
-        state = RetainedState(self, model, optimizer, wait_for_promotion=wait, grads=grads)
+        state = RetainedState(self, model, optimizer, wait_for_promotion=wait, grads=grads, mirror=mirror)
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()
         if config is not None:

@@ -12,6 +12,9 @@ An integration whose own buffers hold the gradients (Megatron's ``DistributedDat
 its buffers placed in retained regions by ``Layout``'s ``GradPlacement``) also sets
 ``reduce`` (its bucketed all-reduce, e.g. ``finish_grad_sync``) and ``zero`` (its
 ``zero_grad_buffer``), which replace Leto's flat all-reduce and the zeroing of "grads".
+With a sharded optimizer (Megatron's distributed optimizer) ``reduce`` reduce-scatters, each
+rank updates only its shard, and ``gather`` all-gathers the updated shards into every rank's
+full parameter buffer after the update commits, and again at every resume.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class GradSync:
     """The integration's gradient reduction over its buffers (replaces the mean all-reduce)."""
     zero: Callable[[], None] | None = None
     """Zeroes the integration's gradient buffers at the start of a step (replaces Leto's zeroing)."""
+    gather: Callable[[], None] | None = None
+    """After each committed update, and at every resume on every rank: rebuild the full
+    parameters from the committed shards (the distributed optimizer's all-gather). It must
+    be a pure function of retained state, so a kill inside it is repaired by running it again."""
     collectives_in_backward: bool = False
     """Backward launches collectives (bucketed all-reduces overlapping it): a rank cannot
     re-run its backward alone, so an out-of-memory error there is not retried."""

@@ -7,7 +7,10 @@ Everything a resumed trainer needs to continue bit-identically lives in one flat
 An integration with its own contiguous gradient buffers (Megatron's
 ``DistributedDataParallel``) passes a ``GradPlacement`` instead: the gradients then live
 where its buffers put them, one retained region per buffer, and each parameter's gradient
-is its ``main_grad`` view there.
+is its ``main_grad`` view there. With a sharded optimizer (Megatron's distributed
+optimizer) the "parameters" of the layout are this rank's shards (its fp32 main params), and
+the full model parameters live in ``mirror_regions``: retained but unprotected, since they
+are rebuilt from every rank's committed shards after each update and at each resume.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class Layout:
     """(name, bytes) of the gradient regions: ("grads", n) unless an integration placed them."""
     grad_region: tuple[str, ...]
     """Per parameter: the name of the region its gradient lives in."""
+    mirror_regions: tuple[tuple[str, int], ...]
+    """(name, bytes) of an integration's full parameter buffers, derived from the state
+    (the distributed optimizer's all-gather): retained, unprotected, not updated by the RMU."""
     main_grad: bool
     """Gradients are the integration's ``param.main_grad`` buffers (filled by its backward
     hooks), not ``param.grad``; ``.grad`` points at them only for clipping and the update."""
@@ -82,9 +88,11 @@ class Layout:
     def plan(
         cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], optimizer: torch.optim.Optimizer,
         rng_bytes: int | None = None, grads: GradPlacement | None = None,
+        mirror: tuple[tuple[str, int], ...] = (),
     ) -> Layout:
         """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state);
-        ``grads``: gradient placement of an integration's buffers (default: Leto's "grads")."""
+        ``grads``: gradient placement of an integration's buffers (default: Leto's "grads");
+        ``mirror``: (name, bytes) of its full parameter buffers, when ``params`` are shards."""
         state_keys = optimizer_state_keys(optimizer)
         cursor = 0
         param_slots, optim_slots = [], []
@@ -117,6 +125,11 @@ class Layout:
         )
         if grads is not None:  # a job must reattach with the gradient placement it started with
             description += repr((grad_regions, [s.offset for s in grad_slots]))
+        if mirror:
+            names = [name for name, _ in mirror]
+            if len(set(names)) != len(names) or {"state", "grads"} & set(names) or set(names) & set(dict(grad_regions)):
+                raise ConfigError(f"mirror regions need unique names of their own: {names}")
+            description += repr(("mirror", tuple(mirror)))
         digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little")
         return cls(
             params=tuple(param_slots),
@@ -127,6 +140,7 @@ class Layout:
             state_bytes=state_bytes,
             grad_regions=tuple(grad_regions),
             grad_region=tuple(grad_region),
+            mirror_regions=tuple(mirror),
             main_grad=grads is not None,
             digest=digest - (1 << 64) if digest >= 1 << 63 else digest,
         )

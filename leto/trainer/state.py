@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import logging
 import os
 import time
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from leto.erasure import padded_bytes
-from leto.errors import ProtocolError, UnrecoverableStateError
+from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.warmup import warm_shadow
@@ -66,6 +67,7 @@ class RetainedState:
     def __init__(
         self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         wait_for_promotion: Callable[[], None] | None = None, grads: GradPlacement | None = None,
+        mirror: tuple[tuple[str, int], ...] = (),
     ) -> None:
         """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
         they exist: mapping reads nothing) and waits, so promotion costs no mapping work.
@@ -73,7 +75,12 @@ class RetainedState:
 
         ``grads``: an integration's gradient buffers (Megatron's DDP) as retained regions;
         the integration then fills them (``param.main_grad``) and ``ctx.grad_sync`` reduces
-        and zeroes them (``GradSync.reduce``, ``GradSync.zero``)."""
+        and zeroes them (``GradSync.reduce``, ``GradSync.zero``).
+
+        ``mirror``: (name, bytes) of the integration's full parameter buffers when the
+        optimizer's parameters are this rank's shards of them (Megatron's distributed
+        optimizer): mapped here, unprotected, refilled by ``GradSync.gather`` after every
+        committed update and at every resume (lost pages included)."""
         if wait_for_promotion is not None and not ctx.env.holds_device:
             wait_for_promotion()
             wait_for_promotion = None
@@ -86,7 +93,10 @@ class RetainedState:
         self.buffers = [b for b in model.buffers()]
         self.device = ctx.device if self.params[0].is_meta else self.params[0].device
         self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel(),
-                                  grads=grads)
+                                  grads=grads, mirror=mirror)
+        if mirror and ctx.env.consistency != "rmu":
+            raise ConfigError("a sharded optimizer (Megatron's distributed optimizer) needs consistency: rmu; "
+                              "the snapshot path steps torch's optimizer over full parameters")
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
         mapped_ahead = wait_for_promotion is None or ctx.state_retained()
@@ -144,6 +154,7 @@ class RetainedState:
         views = {
             "state": mem.device_region("state", state_nbytes, chunk)[0],
             **{name: mem.device_region(name, n, chunk)[0] for name, n in grad_nbytes.items()},
+            **{name: mem.device_region(name, n)[0] for name, n in self.layout.mirror_regions},
             "marker": mem.host_region("marker", MARKER_BYTES)[0],
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
             "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
@@ -162,6 +173,8 @@ class RetainedState:
         self.grad_regions = {name: views[name] for name in grad_nbytes}
         """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
         self._grad_view_list: list[torch.Tensor] | None = None
+        self.mirror_regions = {name: views[name][:n] for name, n in self.layout.mirror_regions}
+        """Full parameter buffers of a sharded optimizer, by name (``Layout.mirror_regions``)."""
         self.snapshot_bytes = views.get("snapshot")
         marker_words = mem.mapped_on_device(views["marker"])
         self.marker = Marker(views["marker"], None if marker_words is None else marker_words.view(torch.int64))
@@ -240,6 +253,10 @@ class RetainedState:
             self._check_update_buffers(phase)
         if self.updater is not None:
             self.updater.prepare()  # undo a torn chunk, resync the scratch parity
+        for name in self.mirror_regions:  # fresh zeroed chunks; the resume's gather refills them
+            if lost := self.memory.lost_chunks(name):
+                logger.info("[rank %d] %d lost chunks of %s replaced; the gather at resume refills them",
+                            self.ctx.rank, len(lost), name)
         if not self.protected:
             return
         needed = {"state": phase != Phase.UPDATING, **{name: phase != Phase.IDLE for name in self.grad_regions}}
@@ -427,6 +444,7 @@ class RetainedState:
     def _update(self, step: int) -> None:
         if self.updater is not None:
             self.updater.run(step)
+            self._gather()
             self._committed()
             return
         assert self.snapshot_bytes is not None
@@ -434,6 +452,16 @@ class RetainedState:
         self.memory.fence()
         self.marker.advance(Phase.UPDATING)
         self._apply_optimizer(step)
+
+    def _gather(self) -> None:
+        """A sharded optimizer's all-gather (``GradSync.gather``): part of the update of the
+        step just committed, but outside its transaction. It reads only committed shards and
+        writes only the unprotected full parameter buffers, so a kill inside it is repaired
+        by the gather every rank runs at resume."""
+        if self.ctx.grad_sync.gather is not None:
+            self.ctx.grad_sync.gather()
+        elif self.mirror_regions:
+            raise ProtocolError("a sharded optimizer's full parameter buffers need ctx.grad_sync.gather")
 
     def _committed(self) -> None:
         if self.ctx.env.digest:
@@ -544,12 +572,17 @@ class RetainedState:
             Kind.RESUMED, rank=self.ctx.rank, gen=self.ctx.env.generation, step=resume_at, action=action, points=[list(p) for p in points],
             attach_s=self.attach_s, decide_s=time.perf_counter() - t0, mapped_ahead_step=self.mapped_ahead_step,
         )
+        self._gather()  # every rank: the full parameters from every rank's committed shards
         if self.ctx.env.digest:
             self.emit_digest()
         return resume_at
 
     def emit_digest(self) -> str:
+        """Digest of the state region (with a sharded optimizer: and of the full parameters)."""
         digest = self.memory.digest(self.state_bytes)
+        if self.mirror_regions:
+            parts = [digest, *(self.memory.digest(region) for region in self.mirror_regions.values())]
+            digest = hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
         self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
         return digest
 
