@@ -138,6 +138,8 @@ def parse_args() -> argparse.Namespace:
                    help="Megatron's bias-GeLU and bias-dropout-add fusions (jit_fuser: torch.compile)")
     p.add_argument("--no-shadow-warm-up", action="store_true",
                    help="shadows skip warming Megatron's first iteration (lm.warm_up_shadow)")
+    p.add_argument("--parameters-out", default=None,
+                   help="rank 0 saves the final parameters here (torch.save, by name) for comparisons")
     p.add_argument("--no-leto", action="store_true", help="a plain loop without Leto (run under torchrun)")
     p.add_argument("--compare-baseline", action="store_true", help="also train without Leto, same process")
     p.add_argument("--bench-out", default=None, help="with --no-leto or --compare-baseline: JSON of iteration times")
@@ -584,6 +586,8 @@ def main() -> None:
     if args.num_experts:
         report_dense(model)
     report_parameters(model)
+    if args.parameters_out and ctx.rank == 0:
+        torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()}, args.parameters_out)
     if baseline is not None and args.bench_out and ctx.rank == 0 and top is not None:
         loop_s.append(time.perf_counter() - top)
         skip = len(loop_s) // 5  # warm-up, and the shadows' start-up load

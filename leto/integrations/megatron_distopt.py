@@ -25,7 +25,8 @@ Here:
 * **Full parameters = ``ddp.params.<dtype>``**, Megatron's ``param_data`` as a retained
   but unprotected region (``Layout.mirror_regions``): every byte of it is a copy of some
   rank's committed main params, so nothing needs parity. ``build_ddp`` answers Megatron's
-  two ``torch.zeros`` per buffer with the two regions (``ParamAndGradAllocation``), then
+  two ``torch.zeros`` per buffer with the two regions (``GradBufferAllocation``; a
+  reattaching trainer's ``meta`` parameters are first placed over ``param_data``), then
   checks Megatron's own ``param_index_map``, bucket boundaries and
   ``DistributedOptimizer._build_gbuf_range_map`` against the plan (``ProtocolError`` if a
   release lays them out differently).
@@ -270,15 +271,25 @@ def shard_optimizer(optimizer: torch.optim.AdamW, mains: list[torch.nn.Parameter
     return torch.optim.AdamW(groups, lr=optimizer.defaults["lr"], foreach=True)
 
 
-class ParamAndGradAllocation(GradBufferAllocation):
-    """``GradBufferAllocation`` for ``param_data`` and ``grad_data``, in Megatron's order;
-    a reattaching trainer's ``meta`` parameters copy nothing into ``param_data`` (its
-    values come from the gather at resume)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.Tensor.copy_ and len(args) == 2 and args[1].is_meta and not args[0].is_meta:
-            return args[0]
-        return super().__torch_function__(func, types, args, kwargs)
+def place_meta_params(model_params: list[torch.nn.Parameter], plan: ShardPlan,
+                      mirror: dict[str, torch.Tensor]) -> None:
+    """A reattaching trainer's ``meta`` parameters become tensors over their planned places
+    in ``param_data`` (sharing the region's storage, not views of it: Megatron asserts
+    ``param.data._base is None`` before it re-points ``.data`` there and copies the old
+    values, here onto themselves). Nothing is allocated; the values are whatever the region
+    holds until the gather at resume. Megatron's attributes are kept."""
+    for b in plan.buffers:
+        region = mirror[b.param_region].view(b.param_dtype)
+        for i, (start, _, _) in b.index.items():
+            p = model_params[i]
+            if not p.is_meta:
+                continue
+            data = torch.empty(0, dtype=b.param_dtype, device=region.device).set_(
+                region.untyped_storage(), region.storage_offset() + start, p.shape)
+            attrs = dict(vars(p))
+            torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+            for key, value in attrs.items():
+                setattr(p, key, value)
 
 
 @dataclasses.dataclass(slots=True)
@@ -350,7 +361,8 @@ def build_ddp(ctx: Context, state: RetainedState, model: torch.nn.Module, ddp_co
         pending.append(state.mirror_regions[b.param_region].view(b.param_dtype))
         pending.append(state.grad_regions[b.grad_region][:b.numel * b.itemsize(b.grad_dtype)].view(b.grad_dtype))
     t0 = time.perf_counter()
-    allocation = ParamAndGradAllocation(pending)
+    place_meta_params(model_params, plan, state.mirror_regions)
+    allocation = GradBufferAllocation(pending)
     with allocation:
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     if allocation.pending:
