@@ -20,7 +20,8 @@ lands with NCCL bucket all-reduces in flight. The "-leto-ddp" case keeps Leto's 
   machine with two GPUs leto-run gives each rank its own and picks NCCL: DP=2). Every
   collective this layout issues runs on gloo with CUDA tensors: Leto's flat gradient
   all-reduce and Megatron's cross-entropy all-reduces (TP group of one). What would not:
-  gloo has no CUDA reduce-scatter / all-gather, so Megatron's DistributedOptimizer and
+  gloo has no CUDA reduce-scatter / all-gather (on CPU tensors it has: the CPU tests run
+  the distributed optimizer there), so Megatron's DistributedOptimizer on the GPU and
   sequence parallelism need NCCL (one GPU per rank);
 * world size 1, NCCL, bf16, with two-tier parity on 2 MiB pages (one CUDA VMM chunk
   each): the backward and the update kills also lose 16 device pages of the model state
@@ -43,7 +44,14 @@ lands with NCCL bucket all-reduces in flight. The "-leto-ddp" case keeps Leto's 
   NCCL (``all_to_all_single`` with per-rank splits), each rank retaining 2 experts whose
   gradients are Megatron DDP's expert buffer ("ddp.grads.expert.float32", reduced over the
   expert-data-parallel group), the dense part data-parallel over both GPUs; the forward kill
-  leaves the other rank in the dispatcher's all-to-all. Needs 2 GPUs; skips with fewer.
+  leaves the other rank in the dispatcher's all-to-all. Needs 2 GPUs; skips with fewer;
+* Megatron's distributed optimizer (``--use-distributed-optimizer``), NCCL, bf16: world
+  size 1 (DP=1: one shard, the whole buffer; Megatron's reduce-scatter and all-gather over
+  a group of one, ``param_data`` a retained CUDA VMM region), and DP=2 on two GPUs with
+  overlapped NCCL reduce-scatters (each rank retains and updates half of the main params
+  and Adam state; the updated shards all-gathered over NCCL). Besides the three kills, a
+  fourth lands inside the parameter all-gather (``param_data`` scribbled): the gather every
+  rank runs at resume completes it. The digests cover the shard state and ``param_data``.
 
 megatron-core is not on the GPU image; docs/MEGATRON.md says how the carried wheel is
 installed. Without it these tests skip, saying so.
@@ -101,6 +109,8 @@ class Case:
     """Pages of Megatron DDP's gradient buffer lost at a fourth kill, mid-update."""
     ep: int = 0
     """> 0: a MoE model (4 experts, top-2) with --expert-model-parallel-size ep."""
+    distopt: bool = False
+    """Megatron's distributed optimizer (``ddp`` carries the flag); a fourth kill in the all-gather."""
 
     def backend(self) -> str:
         """What leto-run's ``backend="auto"`` picks: NCCL when every rank has a GPU of its own."""
@@ -116,6 +126,9 @@ CASES = {
     "nccl-ep2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ep=2),
     "nccl-dp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=OVERLAP),
     "nccl-dp2-2gpus-bf16-leto-ddp": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=["--ddp-impl", "leto"]),
+    "nccl-1rank-bf16-distopt": Case(1, TINY, RMU, bf16=True, ddp=["--use-distributed-optimizer"], distopt=True),
+    "nccl-dp2-2gpus-bf16-distopt": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=[*OVERLAP, "--use-distributed-optimizer"],
+                                        distopt=True),
 }
 
 
@@ -130,6 +143,8 @@ def _faults(case: Case) -> list[FaultSpec]:
     if case.lost_grad_pages:
         faults.append(FaultSpec(rank=0, step=14, phase="update", point="optimizer", chunk=0,
                                 erase_device_pages=case.lost_grad_pages, erase_device_region=GRAD_REGION))
+    if case.distopt:  # inside the all-gather of the updated shards (after its first bucket group)
+        faults.append(FaultSpec(rank=case.nproc - 1, step=14, phase="update", point="gather"))
     return faults
 
 
@@ -190,6 +205,11 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
         assert len(tied) == 2 and tied[0][1] == tied[1][1], f"the stages' tied embedding copies diverged: {tied}"
     impl = "leto" if "leto" in case.ddp else "megatron (overlap)" if OVERLAP == case.ddp else "megatron"
     assert f"DDP {impl}" in output, "the run did not use the expected data-parallel implementation"
+    if case.distopt:
+        assert "distributed optimizer" in output, "the run did not use Megatron's distributed optimizer"
+        held = [int(n) for n, _ in re.findall(r"rank \d+ optimizer state (\d+) of (\d+)", output)]
+        (total,) = {int(m) for _, m in re.findall(r"rank \d+ optimizer state (\d+) of (\d+)", output)}
+        assert len(held) == case.nproc and sum(held) == total, (held, total)
     reference = digests(ref_events)
     assert set(reference) == {(r, s) for r in range(case.nproc) for s in range(1, STEPS + 1)}
     assert all(len(d) == 1 for d in reference.values())
@@ -202,7 +222,7 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert len(resumed) == case.nproc * len(faults)
     # forward/backward kills re-run their step; a kill inside the update finishes it
-    assert sorted({e["step"] for e in resumed}) == [3, 7, 12] + [15] * bool(case.lost_grad_pages)
+    assert sorted({e["step"] for e in resumed}) == [3, 7, 12] + [15] * bool(case.lost_grad_pages or case.distopt)
     if case.lost_grad_pages:  # recovery 4 found the erased gradient pages and rebuilt them (needed mid-update)
         erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == GRAD_REGION]
         rebuilt = [e["lost"][GRAD_REGION] for e in events if e["kind"] == "pages_rebuilt" and e["gen"] == 4]
