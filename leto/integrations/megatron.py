@@ -59,8 +59,11 @@ which is what Megatron itself runs when neither Apex nor Transformer Engine is p
   root of their squares (``clip_grads_model_parallel``). The dispatcher's all-to-alls run
   in the compute phase (read-only retained state): a kill mid-dispatch re-runs the step.
 
-Not built (see docs/MEGATRON.md for what each needs): Megatron's ``DistributedOptimizer``
-(sharded fp32 main params and Adam state), sequence parallelism, interleaved (virtual)
+* **Distributed optimizer** (``DistributedDataParallelConfig(use_distributed_optimizer=True)``):
+  each DP rank retains and updates only its shard of main params and Adam state; Megatron's
+  full parameter buffer is all-gathered after each update (``leto.integrations.megatron_distopt``).
+
+Not built (see docs/MEGATRON.md for what each needs): sequence parallelism, interleaved (virtual)
 pipeline stages, context parallelism, expert parallelism combined with TP or PP (expert
 tensor parallelism), grouped-GEMM experts (``ParallelConfig``/``build_gpt`` refuse them).
 """

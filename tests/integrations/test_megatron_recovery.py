@@ -10,8 +10,8 @@ example's default) with overlapped bucket all-reduces.
 
 Not on CPU (the GPU step of issue 6): NCCL at world size 1 on one H200, two ranks sharing
 the GPU, the CUDA VMM device tier and the real CUDA RNG tracker under Megatron, bf16 and
-Transformer Engine specs; NCCL bucket all-reduces; Megatron's DistributedOptimizer and
-PP/CP/EP are not integrated (docs/MEGATRON.md).
+Transformer Engine specs; NCCL bucket all-reduces. Megatron's distributed optimizer:
+test_megatron_distopt.py; TP, PP, EP: their own test files (docs/MEGATRON.md).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ What cannot run on CPU, and so is not tested here (it is the GPU step of issue 6
 * Megatron's GPU initialisation path (``use_cpu_initialization=False``) and the real
   ``CudaRNGStatesTracker`` (here: the CPU tracker of examples/megatron_cpu_shims.py);
 * Transformer Engine layer specs, fused kernels, bf16 Megatron runs;
-* DistributedOptimizer and CP layouts (not integrated); TP, PP and EP over several ranks
-  are tested end to end in test_megatron_tp.py, test_megatron_pp.py and test_megatron_ep.py.
+* CP layouts (not integrated); TP, PP, EP and the distributed optimizer over several ranks
+  are tested end to end in test_megatron_tp.py, test_megatron_pp.py, test_megatron_ep.py and
+  test_megatron_distopt.py.
 """
 
 from __future__ import annotations
