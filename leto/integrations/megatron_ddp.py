@@ -138,13 +138,26 @@ class GradBufferAllocation(TorchFunctionMode):
         return numel == want.numel() and kwargs.get("dtype") == want.dtype
 
 
+def ddp_on_buffers(model: torch.nn.Module, ddp_config: DistributedDataParallelConfig, buffers: list[torch.Tensor],
+                   *, what: str) -> DistributedDataParallel:
+    """Megatron's ``DistributedDataParallel`` whose buffer ``torch.zeros`` calls are answered,
+    in order, by ``buffers`` (``GradBufferAllocation``); ``ProtocolError`` if one is left over."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    allocation = GradBufferAllocation(buffers)
+    with allocation:
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    if allocation.pending:
+        raise ProtocolError(f"Megatron's DDP allocated {allocation.answered} of {len(buffers)} planned {what} "
+                            "from leto's regions; this megatron-core lays them out differently")
+    return ddp
+
+
 def build_ddp(ctx: Context, state: RetainedState, model: torch.nn.Module,
               ddp_config: DistributedDataParallelConfig) -> DistributedDataParallel:
     """Megatron's ``DistributedDataParallel`` around ``model`` (already retained), its
     gradient buffers the retained regions; ``ctx.grad_sync`` then reduces and zeroes them."""
     import dataclasses
-
-    from megatron.core.distributed import DistributedDataParallel
 
     layout = state.layout
     if not layout.main_grad or not all(name.startswith(REGION_PREFIX) for name, _ in layout.grad_regions):
@@ -154,12 +167,7 @@ def build_ddp(ctx: Context, state: RetainedState, model: torch.nn.Module,
         dtype = next(s.dtype for s, r in zip(layout.grads, layout.grad_region, strict=True) if r == name)
         buffers.append(state.grad_regions[name][:nbytes].view(dtype))
     t0 = time.perf_counter()
-    allocation = GradBufferAllocation(buffers)
-    with allocation:
-        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    if allocation.pending:
-        raise ProtocolError(f"Megatron's DDP allocated {allocation.answered} of {len(buffers)} planned gradient "
-                            "buffers from leto's regions; this megatron-core lays them out differently")
+    ddp = ddp_on_buffers(model, ddp_config, buffers, what="gradient buffers")
     state.check_main_grads()
     ctx.grad_sync = dataclasses.replace(ctx.grad_sync, reduce=ddp.finish_grad_sync, zero=ddp.zero_grad_buffer,
                                         collectives_in_backward=ddp_config.overlap_grad_reduce)

@@ -25,7 +25,7 @@ Here:
 * **Full parameters = ``ddp.params.<dtype>``**, Megatron's ``param_data`` as a retained
   but unprotected region (``Layout.mirror_regions``): every byte of it is a copy of some
   rank's committed main params, so nothing needs parity. ``build_ddp`` answers Megatron's
-  two ``torch.zeros`` per buffer with the two regions (``GradBufferAllocation``; a
+  two ``torch.zeros`` per buffer with the two regions (``megatron_ddp.ddp_on_buffers``; a
   reattaching trainer's ``meta`` parameters are first placed over ``param_data``), then
   checks Megatron's own ``param_index_map``, bucket boundaries and
   ``DistributedOptimizer._build_gbuf_range_map`` against the plan (``ProtocolError`` if a
@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from leto.errors import ConfigError, ProtocolError
-from leto.integrations.megatron_ddp import GradBufferAllocation, check_ddp_config, region_name
+from leto.integrations.megatron_ddp import check_ddp_config, ddp_on_buffers, region_name
 from leto.trainer.layout import GradPlacement
 
 if TYPE_CHECKING:
@@ -354,20 +354,13 @@ def build_ddp(ctx: Context, state: RetainedState, model: torch.nn.Module, ddp_co
     """Megatron's ``DistributedDataParallel`` with ``param_data``/``grad_data`` in the
     retained regions, checked against the plan; sets ``ctx.grad_sync`` (reduce-scatter,
     zeroing, sharded clipping, the all-gather)."""
-    from megatron.core.distributed import DistributedDataParallel
-
     pending = []
     for b in plan.buffers:
         pending.append(state.mirror_regions[b.param_region].view(b.param_dtype))
         pending.append(state.grad_regions[b.grad_region][:b.numel * b.itemsize(b.grad_dtype)].view(b.grad_dtype))
     t0 = time.perf_counter()
     place_meta_params(model_params, plan, state.mirror_regions)
-    allocation = GradBufferAllocation(pending)
-    with allocation:
-        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    if allocation.pending:
-        raise ProtocolError(f"Megatron's DDP allocated {allocation.answered} of {len(pending)} planned parameter and "
-                            "gradient buffers from leto's regions; this megatron-core lays them out differently")
+    ddp = ddp_on_buffers(model, ddp_config, pending, what="parameter and gradient buffers")
     check_against_megatron(ddp, plan, model_params)
     grads = state._grad_views()
     for main, grad in zip(state.params, grads, strict=True):

@@ -68,6 +68,7 @@ def _retained(lm, model, opt, placement: GradPlacement, fill: float):
     state.params = _params(opt)
     state.layout = Layout.plan(state.params, [], opt, grads=placement)
     state.grad_regions = {name: torch.full((n // 4,), fill).view(torch.uint8) for name, n in placement.regions}
+    state._grad_view_list = None  # as RetainedState._map_regions leaves it (the views are built once)
     return state
 
 

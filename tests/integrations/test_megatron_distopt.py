@@ -31,7 +31,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,6 +38,7 @@ import torch
 from leto.config import FaultSpec
 from leto.errors import ProtocolError
 from tests.integrations.megatron_jobs import SCRIPT, MegatronJobs
+from tests.integrations.test_megatron_ddp import _gpt
 from tests.launcher.harness import _env, digests, run_leto
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
@@ -54,16 +54,6 @@ BUCKET = 2000
 
 
 # -- in one process --------------------------------------------------------------------------
-def _gpt(lm, device: str = "cpu"):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    ctx = SimpleNamespace(device=torch.device("cpu"), init_device=lambda d: torch.device(device))
-    return lm.build_gpt(ctx, config, vocab_size=64, max_sequence_length=16)
-
-
 def _setup(lm, device: str = "cpu"):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
