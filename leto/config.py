@@ -181,6 +181,13 @@ class LetoConfig:
     (on CPU the kernel only runs in Triton's slow interpreter). Fused and unfused results
     agree to float rounding, not bit for bit; recovery is exact either way, since a job
     keeps one path before and after a failure."""
+    lend_activation_memory: bool | None = None
+    """rmu on a GPU: the compute phase's activations borrow the undo buffer (it is needed
+    only after backward), so the update adds no peak device memory (``leto.pool.lend``;
+    needs a C compiler once, to build its allocator). None: on with rmu on a CUDA device
+    (on CPU there is nothing to lend, and the setting has no effect). A
+    tensor made in the compute phase and kept past it, if it sits in the lent memory, stops
+    the step with an error rather than being overwritten."""
     shadow_level: Literal[1, 2, 3] = 3
     """Highest pre-initialisation level of shadows: 1 = imports and model (no device
     memory), 2 = + CUDA context and cuBLAS, 3 = + process group built. The controller
@@ -214,6 +221,8 @@ class LetoConfig:
     """Start the workers of a group restart from a fork server that has imported torch."""
 
     def __post_init__(self) -> None:
+        if self.lend_activation_memory and self.consistency != "rmu":
+            raise ConfigError("leto.lend_activation_memory: true needs consistency: rmu (it lends the undo buffer)")
         if self.rmu_chunk_bytes is not None and self.rmu_chunk_bytes < 4096:
             raise ConfigError(f"leto.rmu_chunk_bytes must be >= 4096, got {self.rmu_chunk_bytes}")
         if not 0.001 <= self.poll_interval_s <= 0.05:

@@ -170,6 +170,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             "LETO_CONSISTENCY": self._leto.consistency,
             "LETO_RMU_CHUNK_BYTES": str(self._leto.rmu_chunk_bytes or 0),  # 0: the trainer's device decides
             "LETO_RMU_FUSED": {None: "auto", True: "1", False: "0"}[self._leto.rmu_fused],
+            "LETO_LEND_ACTIVATIONS": {None: "auto", True: "1", False: "0"}[self._leto.lend_activation_memory],
             "LETO_DIGEST": "1" if self._leto.digest else "0",
             faults.ENV_FAULTS: faults.encode(self._leto.faults),
             faults.ENV_FAULTS_FIRED: ",".join(map(str, sorted(self._fired))),

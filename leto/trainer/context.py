@@ -79,6 +79,8 @@ class TrainerEnv:
     rmu_chunk_bytes: int
     """0 until the context resolves it for its device (``leto.config.default_rmu_chunk_bytes``)."""
     rmu_fused: bool | None
+    lend_activations: bool | None
+    """``leto.lend_activation_memory`` (None: on with rmu on a CUDA device)."""
     digest: bool
     phase_times: bool
     """``LETO_PHASE_TIMES=1``: each step's phases in ``step_done`` (``leto.trainer.timing``)."""
@@ -111,6 +113,7 @@ class TrainerEnv:
                 consistency=env.get("LETO_CONSISTENCY", "rmu"),
                 rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", "0")),
                 rmu_fused={"auto": None, "1": True, "0": False}[env.get("LETO_RMU_FUSED", "auto")],
+                lend_activations={"auto": None, "1": True, "0": False}[env.get("LETO_LEND_ACTIVATIONS", "auto")],
                 digest=env.get("LETO_DIGEST", "0") == "1",
                 phase_times=phase_times_enabled(),
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,

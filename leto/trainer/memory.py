@@ -75,6 +75,10 @@ class RegionMemory:
         self._chunked[name] = (region, tensor)
         return tensor[:nbytes], region.existing  # the allocation is rounded up to whole chunks
 
+    def device_bytes(self) -> int:
+        """Bytes of every device region mapped (whole chunks)."""
+        return sum(region.nbytes for region, _ in self._chunked.values())
+
     def lost_chunks(self, name: str) -> list[int]:
         """Chunks of device region ``name`` that were lost, now fresh and zeroed."""
         region, tensor = self._chunked[name]

@@ -25,6 +25,7 @@ from its forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from leto.erasure import padded_bytes
 from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.events import Kind
+from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.warmup import warm_shadow
 from leto.trainer.layout import GradPlacement, Layout
@@ -187,6 +189,12 @@ class RetainedState:
                 for name in ("state", *grad_nbytes)
             }
         )
+        self._lend = (self.rmu and self.device.type == "cuda"
+                      and self.ctx.env.lend_activations is not False)
+        if self.ctx.env.lend_activations and not self._lend:  # rmu is checked with the job file
+            logger.info("leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)", self.device)
+        self._lender: ActivationLender | None = None  # built at the first compute phase
+        self._lent = {"rmu.undo": views["rmu.undo"]} if self._lend else {}
         self.updater: ResumableUpdater | None = None
         if self.rmu:
             self.updater = ResumableUpdater(
@@ -370,9 +378,12 @@ class RetainedState:
         a model-parallel ``Context.grad_sync`` the error always propagates).
         """
         step = self.marker.step
+        if self._lend and self._lender is None:
+            self._lender = ActivationLender(self.device, self._lent)
         while True:
             try:
-                return fn()
+                with self._lender.lending() if self._lender is not None else contextlib.nullcontext():
+                    return fn()
             except torch.OutOfMemoryError as e:
                 if not self.ctx.preinit.can_reclaim():
                     raise
@@ -404,6 +415,8 @@ class RetainedState:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
         self._phases.mark("compute")
+        if self._lender is not None:  # the update is about to write the lent memory
+            self._lender.check_returned()
         self._check_grads_bound()
         self.ctx.injector.point("sync")
         self._allreduce_grads()
@@ -438,8 +451,17 @@ class RetainedState:
             iter_s=time.perf_counter() - self._step_started,
             loss=None if loss is None else float(loss.detach()),
             **self._phases.fields(),
+            **({} if self.device.type != "cuda" else {"device_peak_bytes": self._device_peak_bytes()}),
+            **({} if self._lender is None else {"lent_bytes": self._lender.arena.lent_bytes()}),
         )
         self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
+
+    def _device_peak_bytes(self) -> int:
+        """This trainer's peak device footprint so far: its retained regions plus the caching
+        allocator's peak reservation, less the lent bytes the allocator holds (retained
+        memory, counted once; the lent segments stay cached from the first step on)."""
+        lent = self._lender.arena.lent_bytes() if self._lender is not None else 0
+        return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
 
     def _update(self, step: int) -> None:
         if self.updater is not None:

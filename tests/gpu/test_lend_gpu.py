@@ -1,0 +1,64 @@
+"""The compute phase borrows the RMU's undo buffer on a GPU (``leto.pool.lend``).
+
+In process: large activations, including those the autograd engine's device thread
+allocates in backward, land in the lent region, small ones never do, and a block kept past
+the compute phase stops the update. End to end: a job with lending on and kills in forward,
+backward and the update recovers to the digests of the same job with lending off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leto.config import FaultSpec
+from leto.errors import ProtocolError
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
+
+MIB = 1 << 20
+MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "256", "--batch", "32", "--bf16"]
+
+
+def test_activations_land_in_the_lent_region_and_a_kept_one_stops_the_update() -> None:
+    from leto.pool.lend import ActivationLender
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    region = torch.zeros(256 * MIB, dtype=torch.uint8, device=device)
+    lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
+    lender = ActivationLender(device, {"rmu.undo": region})
+
+    def lent(t: torch.Tensor) -> bool:
+        return lo <= t.data_ptr() < hi
+
+    with lender.lending():
+        big = torch.empty(8 * MIB, dtype=torch.uint8, device=device)
+        small = torch.empty(1024, dtype=torch.uint8, device=device)
+        x = torch.randn(4096, 1024, device=device, requires_grad=True)  # 16 MiB
+        (x * 2).sum().backward()  # x.grad is allocated on the autograd engine's device thread
+    assert lent(big) and lent(x) and lent(x.grad)
+    assert not lent(small)
+    with pytest.raises(ProtocolError, match="still in use"):
+        lender.check_returned()
+    del big, x
+    lender.check_returned()  # only the small block is left, outside the lent region
+    assert lender.arena.lent_bytes() > 0  # the segments stay cached in the pool
+    with lender.lending():  # the next compute phase reuses them
+        again = torch.empty(8 * MIB, dtype=torch.uint8, device=device)
+    assert lent(again)
+    del again
+    lender.check_returned()
+
+
+@pytest.mark.timeout(1200)
+def test_recovery_with_lent_activations_equals_the_run_without_lending(tmp_path) -> None:
+    reference = fault_free_digests(tmp_path, steps=14, nproc=1, model_args=MODEL, timeout_s=550,
+                                   leto={"lend_activation_memory": False})
+    faults = [FaultSpec(rank=0, step=3, phase="forward"), FaultSpec(rank=0, step=7, phase="backward"),
+              FaultSpec(rank=0, step=11, phase="update")]
+    proc, events = run_leto(tmp_path, steps=14, nproc=1, model_args=MODEL, faults=faults, timeout_s=550,
+                            leto={"lend_activation_memory": True})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(reference, events)
+    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
+    lent = [e["lent_bytes"] for e in events if e["kind"] == "step_done"]
+    assert lent and min(lent) > 0, "no activation landed in the lent undo buffer"
