@@ -557,6 +557,11 @@ def _retain_sharded(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
 
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ConfigError("the distributed optimizer runs without pipeline parallelism for now (docs/MEGATRON.md)")
+    from leto.trainer.context import _checkpoint_from_env
+
+    if _checkpoint_from_env() is not None:
+        raise ConfigError("leto.checkpoint with the distributed optimizer: the per-rank shards have no "
+                          "torch.distributed.checkpoint layout yet (docs/MEGATRON.md); drop leto.checkpoint")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     plan = megatron_distopt.plan_shards(model, params, ddp_config,
                                         dp_rank=parallel_state.get_data_parallel_rank(),

@@ -41,9 +41,11 @@ Here:
   rank's squared norm of its main-param gradients (not shared, not TP duplicates),
   summed over every rank, the root; the same ``max_norm / (norm + 1e-6)`` coefficient.
 
+Tensor parallelism works unchanged (each TP rank's buffer sharded over its DP group).
 Refused: ``overlap_param_gather`` (its forward pre-hooks gather in the next step's compute
-phase), expert parallelism (expert buffers shard over another group), several distributed-
-optimizer instances, and ``consistency: snapshot`` (``RetainedState``).
+phase), expert parallelism (expert buffers shard over another group), pipeline parallelism
+and ``leto.checkpoint`` (``lm.retain_megatron``), several distributed-optimizer instances,
+and ``consistency: snapshot`` (``RetainedState``).
 """
 
 from __future__ import annotations

@@ -199,3 +199,42 @@ def test_bad_input_is_a_one_line_error(tmp_path):
                                                               timeout_s=100))
     assert proc.returncode != 0
     assert "megatron_gpt: --use-distributed-optimizer needs leto consistency: rmu (got snapshot)" in proc.stderr
+
+
+# -- with tensor parallelism (slow: 4 ranks and their shadows on the CI's cores) -------------
+TP2 = ["--tensor-model-parallel-size", "2"]
+CLIP = ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05", "--lr", "1e-2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp2_dp2_distopt_matches_and_recovers(tmp_path):
+    """TP=2 x DP=2: each TP rank's shard is split over its DP group. A clip that bites every
+    step catches a wrong norm (a TP-duplicated norm counted twice, a rank's squares missing):
+    losses equal the non-distributed TP=2 x DP=2 run's to float rounding. Then kills in
+    backward, mid-update and in the all-gather: digests equal the fault-free run's."""
+    plain = {"consistency": "rmu"}
+    proc, sharded = JOBS.run(tmp_path, nproc=4, steps=6, script_args=[*DISTOPT, *CLIP, *TP2], leto=plain,
+                             timeout_s=400)
+    assert "(TP 2, DP 2)" in proc.stdout and "distributed optimizer" in proc.stdout
+    _, full = JOBS.run(tmp_path, nproc=4, steps=6, script_args=[*DDP, *CLIP, *TP2], leto=plain, timeout_s=400)
+    for rank in range(4):
+        want, got = JOBS.losses(full, rank), JOBS.losses(sharded, rank)
+        assert len(want) == len(got) == 6
+        assert got == pytest.approx(want, rel=1e-5, abs=0), f"rank {rank}: distributed {got} != {want}"
+    counts = _state_counts(proc.stdout)
+    for tp_rank in range(2):  # ranks (0, 2) and (1, 3) are the DP groups of TP ranks 0 and 1 (Megatron's order)
+        (total,) = {counts[r][1] for r in (tp_rank, tp_rank + 2)}
+        assert counts[tp_rank][0] + counts[tp_rank + 2][0] == total
+    faults = [
+        FaultSpec(rank=3, step=2, phase="backward", erase_device_pages=8),
+        FaultSpec(rank=2, step=4, phase="update", point="optimizer", chunk=1, erase_device_pages=8),
+        FaultSpec(rank=1, step=6, phase="update", point="gather"),
+    ]
+    _, clean_events = JOBS.run(tmp_path, nproc=4, steps=8, script_args=[*DISTOPT, *TP2], timeout_s=400)
+    _, events = JOBS.run(tmp_path, nproc=4, steps=8, script_args=[*DISTOPT, *TP2], faults=faults, timeout_s=500)
+    assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [2, 5, 7]
+    clean, faulty = digests(clean_events), digests(events)
+    assert set(faulty) == set(clean)
+    for key, want in clean.items():
+        assert faulty[key] == want, f"rank {key[0]} step {key[1]}: {faulty[key]} != {want}"
