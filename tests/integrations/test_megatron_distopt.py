@@ -24,6 +24,9 @@ buckets, ``consistency: rmu`` with two-tier parity):
   equals the fault-free distributed-optimizer run's;
 * bad input: ``--use-distributed-optimizer`` with ``--ddp-impl leto``, or under
   ``consistency: snapshot``, is a one-line error and a non-zero exit.
+
+Slow (``--run-slow``): TP=2 x DP=2 (equal losses under a biting clip, exact recovery), and
+the fused Triton RMU kernel (the GPU's default path, interpreted) over the shards.
 """
 
 from __future__ import annotations
@@ -238,3 +241,19 @@ def test_tp2_dp2_distopt_matches_and_recovers(tmp_path):
     assert set(faulty) == set(clean)
     for key, want in clean.items():
         assert faulty[key] == want, f"rank {key[0]} step {key[1]}: {faulty[key]} != {want}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_distopt_fused_rmu_recovery_is_bit_exact(tmp_path, monkeypatch):
+    """The GPU's default update path, the fused Triton RMU kernel (interpreted here), over
+    the shards: a mid-chunk kill with lost pages and a kill in the all-gather recover exactly."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the trainers inherit it
+    leto = {**LETO, "rmu_fused": True}
+    faults = [FaultSpec(rank=1, step=3, phase="update", point="optimizer", chunk=2, erase_device_pages=16),
+              FaultSpec(rank=0, step=6, phase="update", point="gather")]
+    _, clean_events = JOBS.run(tmp_path, nproc=2, steps=8, script_args=DISTOPT, leto=leto, timeout_s=600)
+    _, events = JOBS.run(tmp_path, nproc=2, steps=8, script_args=DISTOPT, leto=leto, faults=faults, timeout_s=600)
+    assert [e["point"] for e in events if e["kind"] == "fault_injected"] == ["optimizer", "gather"]
+    assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [4, 7]
+    assert digests(events) == digests(clean_events)
