@@ -25,8 +25,9 @@ buckets, ``consistency: rmu`` with two-tier parity):
 * bad input: ``--use-distributed-optimizer`` with ``--ddp-impl leto``, or under
   ``consistency: snapshot``, is a one-line error and a non-zero exit.
 
-Slow (``--run-slow``): TP=2 x DP=2 (equal losses under a biting clip, exact recovery), and
-the fused Triton RMU kernel (the GPU's default path, interpreted) over the shards.
+Slow (``--run-slow``): TP=2 x DP=2 (equal losses under a biting clip, exact recovery), the
+fused Triton RMU kernel (the GPU's default path, interpreted) over the shards, and DP=4
+(a quarter of the state per rank, exact recovery).
 """
 
 from __future__ import annotations
@@ -256,4 +257,21 @@ def test_distopt_fused_rmu_recovery_is_bit_exact(tmp_path, monkeypatch):
     _, events = JOBS.run(tmp_path, nproc=2, steps=8, script_args=DISTOPT, leto=leto, faults=faults, timeout_s=600)
     assert [e["point"] for e in events if e["kind"] == "fault_injected"] == ["optimizer", "gather"]
     assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [4, 7]
+    assert digests(events) == digests(clean_events)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dp4_distopt_quarter_state_and_recovers(tmp_path):
+    """DP=4: each rank retains a quarter of the Adam state; kills mid-update (lost pages)
+    and in the all-gather recover exactly."""
+    faults = [FaultSpec(rank=2, step=2, phase="update", point="optimizer", chunk=1, erase_device_pages=16),
+              FaultSpec(rank=3, step=4, phase="update", point="gather")]
+    proc, clean_events = JOBS.run(tmp_path, nproc=4, steps=6, script_args=DISTOPT, timeout_s=400)
+    counts = _state_counts(proc.stdout)
+    (total,) = {m for _, m in counts.values()}
+    assert set(counts) == {0, 1, 2, 3} and sum(n for n, _ in counts.values()) == total
+    assert all(abs(n - total / 4) <= 0.05 * total for n, _ in counts.values()), counts
+    _, events = JOBS.run(tmp_path, nproc=4, steps=6, script_args=DISTOPT, faults=faults, timeout_s=500)
+    assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [3, 5]
     assert digests(events) == digests(clean_events)
