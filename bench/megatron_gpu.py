@@ -8,7 +8,10 @@ Jobs of examples/megatron_gpt.py, one after the other, same model, data and seed
 (b) leto-run, ``consistency: rmu`` (chunks of --rmu-chunk-mib of parameters): SIGKILL in
     backward, then one mid-chunk inside the optimizer update, each timed so that the
     shadows should be ready (the report says whether they were);
-(c) with --parity, (b) again with two-tier parity (2 MiB pages, D=1024, H1=16, H2=1).
+(c) with --parity, (b) again with two-tier parity (2 MiB pages, D=1024, H1=16, H2=1);
+(d) with --distributed-optimizer, (b) again with Megatron's distributed optimizer
+    (``--use-distributed-optimizer``: reduce-scattered gradients, each rank's shard of the
+    Adam state updated by the RMU, parameters all-gathered after the update; "rmu_distopt").
 
 ``--warm-up both`` (the default) runs (b) twice: shadows that skip the warm-up of Megatron's
 first iteration (``--no-shadow-warm-up``: "rmu_cold") and shadows that run it
@@ -26,6 +29,7 @@ layers, hidden 2048, 16 heads, seq 2048, micro-batch 2, vocab 32000), bf16 compu
 fp32 parameters and Adam state, deterministic kernels.
 
     python bench/megatron_gpu.py [--json PATH] [--parity] [--nproc 1] [--fusions] [--warm-up both|on|off]
+                                 [--distributed-optimizer]
     python bench/megatron_gpu.py --small      # a tiny model: checks the script (CPU or GPU)
 """
 
@@ -157,6 +161,8 @@ def main() -> None:
     p.add_argument("--rmu-chunk-mib", type=int, default=256, help="RMU chunk: MiB of parameters per transaction")
     p.add_argument("--parity", action="store_true", help="also run (b) with two-tier parity")
     p.add_argument("--fusions", action="store_true", help="Megatron's jit_fuser fusions (torch.compile) on")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="also run (b) with Megatron's distributed optimizer (--use-distributed-optimizer)")
     p.add_argument("--warm-up", choices=["both", "on", "off"], default="both",
                    help="shadows warm Megatron's first iteration (on), skip it (off), or one run of each")
     args = p.parse_args()
@@ -191,6 +197,8 @@ def main() -> None:
             runs["rmu"] = (rmu, [])
         if args.parity:
             runs["rmu_parity"] = ({**rmu, "erasure": SMALL_PARITY if args.small else PARITY}, [])
+        if args.distributed_optimizer:
+            runs["rmu_distopt"] = (rmu, ["--use-distributed-optimizer"])
         for name, (leto, script_args) in runs.items():
             print(f"[{time.time() - t_start:.0f}s] (b) leto-run {name}: {total} steps, kills at {k1}, {k2}", flush=True)
             try:
