@@ -138,6 +138,12 @@ class ActivationLender:
             raise LetoError("lending activation memory needs a CUDA device")
         self.device = device
         self.regions = {name: (t.data_ptr(), t.numel() * t.element_size()) for name, t in regions.items()}
+        for name, (ptr, nbytes) in self.regions.items():  # its segments would overlap its own blocks
+            for segment in torch.cuda.memory_snapshot():
+                start, size = int(segment["address"]), int(segment["total_size"])
+                if start < ptr + nbytes and ptr < start + size:
+                    raise LetoError(f"{name} lies in the caching allocator's own memory: only memory mapped "
+                                    "outside it (the pool's CUDA VMM regions) can be lent")
         self.arena = _arena()
         self.arena.set_min_bytes(MIN_LENT_BYTES)
         for ptr, nbytes in self.regions.values():

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from leto.config import FaultSpec
-from leto.errors import ProtocolError
+from leto.errors import LetoError, ProtocolError
+from leto.pool.cuda_vmm import CudaChunks, array_interface
+from leto.pool.lend import ActivationLender
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 MIB = 1 << 20
@@ -20,10 +22,15 @@ MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "256", "--bat
 
 
 def test_activations_land_in_the_lent_region_and_a_kept_one_stops_the_update() -> None:
-    from leto.pool.lend import ActivationLender
-
     device = torch.device("cuda", torch.cuda.current_device())
-    region = torch.zeros(256 * MIB, dtype=torch.uint8, device=device)
+    with pytest.raises(LetoError, match="caching allocator"):  # memory the allocator owns cannot be lent
+        ActivationLender(device, {"rmu.undo": torch.zeros(64 * MIB, dtype=torch.uint8, device=device)})
+    # The undo region as the trainer has it: pool memory, a CUDA VMM mapping outside the allocator.
+    chunks = CudaChunks(device.index)
+    addr = chunks.reserve(256 * MIB)
+    chunks.map(addr, chunks.create(256 * MIB), 256 * MIB)
+    chunks.enable(addr, 256 * MIB)
+    region = torch.as_tensor(array_interface(addr, 256 * MIB), device=device)
     lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
     lender = ActivationLender(device, {"rmu.undo": region})
 
