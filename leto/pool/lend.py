@@ -130,6 +130,26 @@ def _arena() -> Arena:
     return Arena(library_path())
 
 
+def warm_library_workspaces(device: torch.device) -> None:
+    """Allocate, outside the lending pool, what CUDA libraries keep for the life of the
+    process once first used: cuBLAS / cuBLASLt hold a workspace per (handle, stream), a
+    handle per thread (the autograd engine's device thread has its own), taken from the
+    caching allocator and never freed (32 MiB each with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``).
+    First made inside a compute phase, one would sit in the lent memory for good (the 1.1 B
+    GPT's first step did exactly that on an H200). A matmul with and without bias, a batched
+    one, in fp32 and under bf16 autocast, forward here and backward on the engine's thread,
+    as CUDA graph capture asks for warm-up iterations before it takes a private pool."""
+    x = torch.randn(16, 16, device=device, requires_grad=True)
+    w = torch.randn(16, 16, device=device, requires_grad=True)
+    b = torch.randn(16, device=device, requires_grad=True)
+    for autocast in (False, True):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            y = torch.nn.functional.linear(x, w, b) + torch.nn.functional.linear(x, w)
+            z = torch.bmm(y[None], y[None].transpose(1, 2))
+        z.float().sum().backward()
+    torch.cuda.synchronize(device)
+
+
 class ActivationLender:
     """Routes one trainer's compute-phase allocations to memory shared with ``regions``."""
 
@@ -152,6 +172,7 @@ class ActivationLender:
                                                              "leto_lend_free")
         self.pool = torch.cuda.MemPool(allocator.allocator())
         self._allocator = allocator  # the pool's allocator lives as long as the pool
+        warm_library_workspaces(device)
         # Blocks cached by the default pool (the model's device build before retain moved it
         # into retained memory) would otherwise sit beside the pool's, unused.
         torch.cuda.empty_cache()
@@ -191,5 +212,6 @@ class ActivationLender:
                     raise ProtocolError(
                         f"a {block['size']}-byte tensor allocated in the compute phase is still in use when the "
                         f"update begins (at {offset:#x}, in memory lent from the RMU's undo buffer): release it "
-                        "before RetainedState.step(), or set leto.lend_activation_memory: false")
+                        "before RetainedState.step(); if a library keeps it (a workspace made on first use), "
+                        "make that first use before training, or set leto.lend_activation_memory: false")
                 offset += int(block["size"])
