@@ -139,9 +139,10 @@ def warm_library_workspaces(device: torch.device) -> None:
     GPT's first step did exactly that on an H200). A matmul with and without bias, a batched
     one, in fp32 and under bf16 autocast, forward here and backward on the engine's thread,
     as CUDA graph capture asks for warm-up iterations before it takes a private pool."""
-    x = torch.randn(16, 16, device=device, requires_grad=True)
-    w = torch.randn(16, 16, device=device, requires_grad=True)
-    b = torch.randn(16, device=device, requires_grad=True)
+    # No RNG draw: the lender is built inside a step's compute phase, after its RNG was set.
+    x = torch.ones(16, 16, device=device, requires_grad=True)
+    w = torch.ones(16, 16, device=device, requires_grad=True)
+    b = torch.ones(16, device=device, requires_grad=True)
     for autocast in (False, True):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             y = torch.nn.functional.linear(x, w, b) + torch.nn.functional.linear(x, w)
@@ -172,10 +173,10 @@ class ActivationLender:
                                                              "leto_lend_free")
         self.pool = torch.cuda.MemPool(allocator.allocator())
         self._allocator = allocator  # the pool's allocator lives as long as the pool
+        rng = torch.cuda.get_rng_state(device)
         warm_library_workspaces(device)
-        # Blocks cached by the default pool (the model's device build before retain moved it
-        # into retained memory) would otherwise sit beside the pool's, unused.
-        torch.cuda.empty_cache()
+        if not torch.equal(rng, torch.cuda.get_rng_state(device)):
+            raise ProtocolError("the library warm-up drew from the CUDA RNG inside a compute phase")
         logger.info("lending %s (%.0f MiB) to the compute phase's activations", ", ".join(self.regions),
                     sum(n for _, n in self.regions.values()) / 2**20)
 

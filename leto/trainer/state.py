@@ -328,6 +328,11 @@ class RetainedState:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run; resumes exactly where the job was interrupted."""
         step = self._resume() if self.reattached else self.marker.step
+        if self.device.type == "cuda":
+            # What the model's device build cached is dead weight now that it lives in retained
+            # memory; the peak in step_done (device_peak_bytes) counts from here, the steps only.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         while step < total:
             self._begin(step)
             yield step
@@ -457,9 +462,10 @@ class RetainedState:
         self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
 
     def _device_peak_bytes(self) -> int:
-        """This trainer's peak device footprint so far: its retained regions plus the caching
-        allocator's peak reservation, less the lent bytes the allocator holds (retained
-        memory, counted once; the lent segments stay cached from the first step on)."""
+        """This trainer's peak device footprint over its steps so far: its retained regions
+        plus the caching allocator's peak reservation since ``steps()`` began, less the lent
+        bytes the allocator holds (retained memory, counted once; the lent segments stay
+        cached from the first step on)."""
         lent = self._lender.arena.lent_bytes() if self._lender is not None else 0
         return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
 
