@@ -15,7 +15,7 @@ retained regions + the caching allocator's peak reservation − the lent bytes i
 printed per job with the steady iteration and, for (c), the bytes lent. (b) and (c) also
 report digests, which must be equal: lending changes no number.
 
-    python bench/lend_gpu.py [--steps 25] [--json OUT.json] [--small]
+    python bench/lend_gpu.py [--steps 25] [--erasure] [--json OUT.json] [--small]
 """
 
 from __future__ import annotations
@@ -72,8 +72,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--small", action="store_true", help="a tiny model (checks the script; on CPU nothing is lent)")
+    p.add_argument("--erasure", action="store_true",
+                   help="every job with two-tier parity (2 MiB pages, D=1024, H1=16, H2=1): the working parity "
+                        "(not lent) and the gradients' parity join the update")
     p.add_argument("--json", default=str(REPO / "bench/results/lend_gpu.json"))
     args = p.parse_args()
+    if args.erasure:
+        for section in JOBS.values():
+            section["erasure"] = {"page_bytes": 2 << 20, "data_pages": 1024, "tier1_parity": 16, "tier2_parity": 1}
     model = SMALL if args.small else MODEL
     import torch
 
@@ -96,7 +102,8 @@ def main() -> None:
             extra = results[name]["device_peak_bytes"] - base
             print(f"peak over snapshot (no device update buffer), {name}: {extra / 2**20:+.1f} MiB "
                   f"({100 * extra / base:+.2f} %)")
-    out = {"date": time.strftime("%Y-%m-%d"), "steps": args.steps, "model": model, "digests_equal": same,
+    out = {"date": time.strftime("%Y-%m-%d"), "steps": args.steps, "model": model, "erasure": args.erasure,
+           "digests_equal": same,
            "jobs": {k: {kk: vv for kk, vv in v.items() if kk != "digests"} for k, v in results.items()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
