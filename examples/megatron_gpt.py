@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 import leto
+from leto.events import Kind
 from leto.integrations import megatron as lm
 
 
@@ -362,6 +363,10 @@ class FirstIteration:
                       f"alloc retries +{retry1 - retry0}")
         print(f"megatron_gpt: rank {self.ctx.rank} promoted, first iteration (step {step}): {phases}; "
               f"torch.compile graphs compiled {graphs}{memory}", flush=True)
+        # the same as an event: a log line can be lost in torch elastic's log tailing, an event cannot
+        self.ctx.events.emit(Kind.FIRST_ITERATION, rank=self.ctx.rank, step=step, compiled_graphs=graphs,
+                             phases_s={name: t - prev for (_, prev), (name, t) in
+                                       zip(self.times, self.times[1:], strict=False)})
 
 
 def dp_rank() -> int:

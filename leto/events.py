@@ -44,6 +44,8 @@ class Kind(str, Enum):
     RESUMED = "resumed"
     STEP_DONE = "step_done"
     MODEL_WARMED = "model_warmed"
+    FIRST_ITERATION = "first_iteration"
+    """A promoted trainer's first iteration, by phase (reported by the training script)."""
     DIGEST = "digest"
     FAULT_INJECTED = "fault_injected"
     OOM_RETRY = "oom_retry"

@@ -43,6 +43,7 @@ def _state(board: HeartbeatBoard, grad_sync: GradSync) -> SimpleNamespace:
     state = SimpleNamespace(
         marker=SimpleNamespace(step=STEP), device=torch.device("cpu"), restarts=0,
         ctx=SimpleNamespace(rank=0, preinit=guard, grad_sync=grad_sync),
+        _lend=False, _lender=None,  # nothing lent on CPU (leto.pool.lend)
     )
     state._restart_compute = lambda: setattr(state, "restarts", state.restarts + 1)
     return state
