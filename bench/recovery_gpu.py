@@ -51,11 +51,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int, consistency: str,
-             **env: str) -> list[dict]:
+             extra: tuple[str, ...] = (), **env: str) -> list[dict]:
     events = tmp / "leto.jsonl"
     events.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard",
-           "--events", str(events), "--consistency", consistency]
+           "--events", str(events), "--consistency", consistency, *extra]
     for rank, step, phase in kills:
         cmd += ["--inject-fault", f"rank={rank},step={step},phase={phase}"]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
@@ -170,6 +170,18 @@ def iteration_only(args: argparse.Namespace) -> None:
         def steady(events: list[dict]) -> float:
             return statistics.median(e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5)
 
+        if args.no_shadows_only:  # diagnostic: leto-run without shadows on the GPU, and torchrun
+            timed = {"leto-run, no shadows": median_phases(run_leto(
+                tmp, args.steps, [], args.nproc, args.consistency, ("--recovery", "restart"), LETO_PHASE_TIMES="1")),
+                "torchrun (deterministic)": median_phases(run_torchrun(
+                    tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det_phases", args.nproc,
+                    deterministic=True, LETO_PHASE_TIMES="1"))}
+            for name, ph in timed.items():
+                print(f"{name} phases, synchronised (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()),
+                      flush=True)
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "phases_s": timed}, indent=2))
+            return
         leto_events = run_leto(tmp, args.steps, [], args.nproc, args.consistency)
         leto_all = steady(leto_events)
         leto, quiet_steps = after_shadows_settled(leto_events)
@@ -215,6 +227,9 @@ def main() -> None:
                    help="leto's update consistency (rmu: the product default)")
     p.add_argument("--phase-times", action="store_true",
                    help="with --iteration-only: a second leto-run, each step's phases timed (LETO_PHASE_TIMES=1)")
+    p.add_argument("--no-shadows-only", action="store_true",
+                   help="with --iteration-only: only leto-run without shadows (--recovery restart) and torchrun, "
+                        "both timed by phase (is the shadow on the GPU what slows the compute phase?)")
     p.add_argument("--iteration-only", action="store_true",
                    help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call")
     p.add_argument("--profile-from", type=Path, metavar="RESULT_JSON",
