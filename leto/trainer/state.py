@@ -422,6 +422,7 @@ class RetainedState:
         self._phases.mark("compute")
         if self._lender is not None:  # the update is about to write the lent memory
             self._lender.check_returned()
+        self._phases.mark("lend_check")
         self._check_grads_bound()
         self.ctx.injector.point("sync")
         self._allreduce_grads()
