@@ -185,7 +185,8 @@ class LetoConfig:
     """rmu on a GPU: the compute phase's activations borrow the undo buffer (it is needed
     only after backward), so the update adds no peak device memory (``leto.pool.lend``;
     needs a C compiler once, to build its allocator). None: on with rmu on a CUDA device
-    (on CPU there is nothing to lend, and the setting has no effect). A
+    (on CPU there is nothing to lend, and the setting has no effect; without a C compiler
+    or ``torch.cuda.MemPool``, None warns and does not lend, True fails the job). A
     tensor made in the compute phase and kept past it, if it sits in the lent memory, stops
     the step with an error rather than being overwritten."""
     shadow_level: Literal[1, 2, 3] = 3

@@ -157,6 +157,8 @@ class ActivationLender:
     def __init__(self, device: torch.device, regions: dict[str, torch.Tensor]) -> None:
         if device.type != "cuda":
             raise LetoError("lending activation memory needs a CUDA device")
+        if not hasattr(torch.cuda, "MemPool"):
+            raise LetoError(f"lending activation memory needs torch.cuda.MemPool (torch {torch.__version__} has none)")
         self.device = device
         self.regions = {name: (t.data_ptr(), t.numel() * t.element_size()) for name, t in regions.items()}
         for name, (ptr, nbytes) in self.regions.items():  # its segments would overlap its own blocks

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from leto.erasure import padded_bytes
-from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
+from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import Kind
 from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
@@ -384,7 +384,13 @@ class RetainedState:
         """
         step = self.marker.step
         if self._lend and self._lender is None:
-            self._lender = ActivationLender(self.device, self._lent)
+            try:
+                self._lender = ActivationLender(self.device, self._lent)
+            except LetoError as e:  # no C compiler, a torch without MemPool: lend only if asked to
+                if self.ctx.env.lend_activations:
+                    raise
+                logger.warning("[rank %d] not lending the undo buffer to activations: %s", self.ctx.rank, e)
+                self._lend = False
         while True:
             try:
                 with self._lender.lending() if self._lender is not None else contextlib.nullcontext():

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from leto.errors import LetoError
 from leto.events import EventLog
 from leto.health import Heartbeat, HeartbeatBoard
 from leto.preinit import PreinitConfig, ShadowLevel
@@ -43,7 +44,7 @@ def _state(board: HeartbeatBoard, grad_sync: GradSync) -> SimpleNamespace:
     state = SimpleNamespace(
         marker=SimpleNamespace(step=STEP), device=torch.device("cpu"), restarts=0,
         ctx=SimpleNamespace(rank=0, preinit=guard, grad_sync=grad_sync),
-        _lend=False, _lender=None,  # nothing lent on CPU (leto.pool.lend)
+        _lend=False, _lender=None, _lent={},  # nothing lent on CPU (leto.pool.lend)
     )
     state._restart_compute = lambda: setattr(state, "restarts", state.restarts + 1)
     return state
@@ -100,3 +101,25 @@ def test_model_parallel_oom_propagates_and_leaves_the_shadows(board) -> None:
     notes = getattr(raised.value, "__notes__", [])
     assert any("model-parallel forward runs collectives" in note for note in notes), notes
     assert ctrl.state is ShadowState.LIVE and state.ctx.preinit.shadow_level() == 3
+
+
+@pytest.mark.parametrize("asked", [None, True])
+def test_a_lender_that_cannot_be_built_is_skipped_unless_asked_for(board, monkeypatch, asked) -> None:
+    """``leto.lend_activation_memory``: left to its default (None), a lender that cannot be
+    built (no C compiler, no ``torch.cuda.MemPool``) is skipped with a warning and the step
+    runs; asked for (True), the step fails. The CUDA lending itself: tests/gpu/test_lend_gpu.py."""
+    import leto.trainer.state as state_module
+
+    def refuse(*_):
+        raise LetoError("no C compiler")
+
+    monkeypatch.setattr(state_module, "ActivationLender", refuse)
+    state = _state(board, GradSync())
+    state._lend = True
+    state.ctx.env = SimpleNamespace(lend_activations=asked)
+    if asked:
+        with pytest.raises(LetoError, match="no C compiler"):
+            RetainedState.compute(state, lambda: 1)  # type: ignore[arg-type]
+    else:
+        assert RetainedState.compute(state, lambda: 1) == 1  # type: ignore[arg-type]
+        assert state._lend is False and state._lender is None
