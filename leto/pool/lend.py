@@ -68,13 +68,17 @@ def library_path() -> Path:
     if cc is None:
         raise LetoError("leto.lend_activation_memory needs a C compiler (cc, gcc or clang) to build its "
                         "allocator; install one or set lend_activation_memory: false")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl", "-lpthread"],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode:
-        raise LetoError(f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    os.replace(tmp, out)  # atomic: ranks compiling at once each install a whole file
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl", "-lpthread"],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise LetoError(f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        os.replace(tmp, out)  # atomic: ranks compiling at once each install a whole file
+    except OSError as e:  # an unwritable cache directory, a compiler that cannot run
+        raise LetoError(f"building the lending allocator in {out.parent} failed ({e}); set {ENV_CACHE_DIR} "
+                        "to a writable directory") from None
     return out
 
 

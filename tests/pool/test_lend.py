@@ -15,7 +15,8 @@ import shutil
 import pytest
 
 from leto.config import LetoConfig
-from leto.errors import ConfigError
+from leto.errors import ConfigError, LetoError
+from leto.pool import lend
 from leto.pool.lend import MIN_LENT_BYTES, Arena, library_path
 
 MIB = 1 << 20
@@ -64,3 +65,16 @@ def test_lending_needs_the_rmu() -> None:
     with pytest.raises(ConfigError, match="lend_activation_memory"):
         LetoConfig(consistency="snapshot", lend_activation_memory=True)
     assert LetoConfig().lend_activation_memory is None  # auto: on with rmu on a CUDA device
+
+
+def test_an_unwritable_cache_directory_is_a_leto_error(tmp_path, monkeypatch) -> None:
+    """What lets the trainer fall back to no lending when left to its default."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(lend.ENV_CACHE_DIR, str(blocker / "sub"))  # a directory under a file
+    lend.library_path.cache_clear()
+    try:
+        with pytest.raises(LetoError, match="LETO_CACHE_DIR"):
+            lend.library_path()
+    finally:
+        lend.library_path.cache_clear()
