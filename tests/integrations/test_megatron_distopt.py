@@ -43,7 +43,7 @@ from leto.config import FaultSpec
 from leto.errors import ProtocolError
 from tests.integrations.megatron_jobs import SCRIPT, MegatronJobs
 from tests.integrations.test_megatron_ddp import _gpt
-from tests.launcher.harness import _env, digests, run_leto
+from tests.launcher.harness import _env, assert_recovered, digests, run_leto
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
@@ -171,17 +171,9 @@ def test_megatron_distopt_recovery_is_bit_exact(tmp_path):
     assert set(clean) == {(r, s) for r in range(2) for s in range(1, STEPS + 1)}
     assert all(len(d) == 1 for d in clean.values())
     proc, events = JOBS.run(tmp_path, nproc=2, steps=STEPS, script_args=DISTOPT, faults=FAULTS, timeout_s=300)
-    injected = [e for e in events if e["kind"] == "fault_injected"]
-    assert [(e["rank"], e["step"], e["point"]) for e in injected] == [(f.rank, f.step, f.point) for f in FAULTS]
-    resumed = [e for e in events if e["kind"] == "resumed"]
-    assert len(resumed) == 2 * len(FAULTS)
     # forward/backward kills re-run their step; kills inside the update finish it; a kill in
     # the all-gather leaves every rank committed, the gather at resume completes it
-    assert sorted({e["step"] for e in resumed}) == [3, 6, 10, 13, 16]
-    faulty = digests(events)
-    assert set(faulty) == set(clean)
-    for key, want in clean.items():
-        assert faulty[key] == want, f"rank {key[0]} step {key[1]}: {faulty[key]} != {want}"
+    assert_recovered(clean, events, FAULTS, nproc=2, resumed_at=[3, 6, 10, 13, 16], fields=("rank", "step", "point"))
     erased = {e["region"] for e in events if e["kind"] == "pages_erased"}
     assert {"state", "state.p1", "ddp.params.float32", "ddp.grads.float32"} <= erased
     rebuilt = [e for e in events if e["kind"] == "pages_rebuilt" and e["rank"] == 1

@@ -31,7 +31,7 @@ import re
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import REPO, assert_exact, digests, run_leto
+from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
@@ -74,13 +74,7 @@ def _assert_exact_recovery(tmp_path, *, ep: int, steps: int, faults: list[FaultS
     held = {0: [0, 1], 1: [2, 3]} if ep > 1 else {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
     for rank, experts in held.items():
         assert f"megatron_gpt: rank {rank} experts {experts}, gradient regions {regions}" in proc.stdout
-    injected = [e for e in events if e["kind"] == "fault_injected"]
-    assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
-    resumed = [e for e in events if e["kind"] == "resumed"]
-    assert len(resumed) == 2 * len(faults)
-    # kills in forward, backward and at the sync re-run their step; a kill inside the update finishes it
-    assert sorted({e["step"] for e in resumed}) == resumed_at
-    assert_exact(clean, events)
+    assert_recovered(clean, events, faults, nproc=2, resumed_at=resumed_at)
     assert _dense(proc.stdout) == dense, "the recovered run's dense parameters differ from the fault-free run's"
 
 

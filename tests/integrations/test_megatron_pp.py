@@ -34,7 +34,7 @@ import pytest
 
 from leto.config import FaultSpec
 from tests.integrations.megatron_jobs import MegatronJobs
-from tests.launcher.harness import assert_exact, digests
+from tests.launcher.harness import assert_recovered, digests
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
@@ -84,13 +84,7 @@ def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[Fau
         assert all(isinstance(x, float) and math.isfinite(x) for x in losses[last])
     proc, events = _run(tmp_path, nproc=nproc, steps=steps, faults=faults, script_args=script_args,
                         timeout_s=timeout_s)
-    injected = [e for e in events if e["kind"] == "fault_injected"]
-    assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
-    resumed = [e for e in events if e["kind"] == "resumed"]
-    assert len(resumed) == nproc * len(faults)
-    # kills in forward, backward and at the sync re-run their step; a kill inside the update finishes it
-    assert sorted({e["step"] for e in resumed}) == resumed_at
-    assert_exact(clean, events)
+    assert_recovered(clean, events, faults, nproc=nproc, resumed_at=resumed_at)
     assert _tied(proc.stdout) == tied, "the recovered run's tied embedding differs from the fault-free run's"
 
 

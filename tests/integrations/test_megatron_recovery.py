@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.launcher.harness import REPO, digests, run_leto
+from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
@@ -57,16 +57,8 @@ def test_megatron_recovery_is_bit_exact(tmp_path):
     assert set(clean) == {(r, s) for r in range(2) for s in range(1, STEPS + 1)}
     assert all(len(d) == 1 for d in clean.values())
     events = _run(tmp_path, FAULTS)
-    injected = [e for e in events if e["kind"] == "fault_injected"]
-    assert [(e["rank"], e["step"]) for e in injected] == [(f.rank, f.step) for f in FAULTS]
-    resumed = [e for e in events if e["kind"] == "resumed"]
-    assert len(resumed) == 2 * len(FAULTS)
     # forward/backward kills re-run their step; a kill inside the update finishes it
-    assert sorted({e["step"] for e in resumed}) == [6, 12, 19, 22]
-    faulty = digests(events)
-    assert set(faulty) == set(clean)
-    for key, want in clean.items():
-        assert faulty[key] == want, f"rank {key[0]} step {key[1]}: {faulty[key]} != {want}"
+    assert_recovered(clean, events, FAULTS, nproc=2, resumed_at=[6, 12, 19, 22], fields=("rank", "step"))
     erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "ddp.grads.float32"]
     assert len(erased) == 1 and len(erased[0]["pages"]) >= 12  # 12 per protection group
     rebuilt = [e for e in events if e["kind"] == "pages_rebuilt" and e["rank"] == 0 and e["lost"].get(

@@ -25,7 +25,7 @@ import pytest
 
 from leto.config import FaultSpec
 from tests.integrations.megatron_jobs import MegatronJobs
-from tests.launcher.harness import assert_exact, fault_free_digests
+from tests.launcher.harness import assert_recovered, fault_free_digests
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
@@ -63,13 +63,7 @@ def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[Fau
                            script_args: list[str], timeout_s: float) -> None:
     clean = fault_free_digests(tmp_path, steps=steps, nproc=nproc, **_job(script_args=script_args, timeout_s=timeout_s))
     _, events = _run(tmp_path, nproc=nproc, steps=steps, faults=faults, script_args=script_args, timeout_s=timeout_s)
-    injected = [e for e in events if e["kind"] == "fault_injected"]
-    assert [(e["rank"], e["step"], e["phase"]) for e in injected] == [(f.rank, f.step, f.phase) for f in faults]
-    resumed = [e for e in events if e["kind"] == "resumed"]
-    assert len(resumed) == nproc * len(faults)
-    # forward/backward kills re-run their step; a kill inside the update finishes it
-    assert sorted({e["step"] for e in resumed}) == resumed_at
-    assert_exact(clean, events)
+    assert_recovered(clean, events, faults, nproc=nproc, resumed_at=resumed_at)
 
 
 @pytest.mark.timeout(500)

@@ -83,6 +83,19 @@ def assert_exact(reference: dict[tuple[int, int], set[str]], events: list[dict])
         assert values == reference.get(key), f"rank {key[0]} step {key[1]} diverged from the fault-free run"
 
 
+def assert_recovered(reference: dict[tuple[int, int], set[str]], events: list[dict], faults: list[FaultSpec], *,
+                     nproc: int, resumed_at: list[int], fields: tuple[str, ...] = ("rank", "step", "phase")) -> None:
+    """The faults fired as scheduled (compared on ``fields``), every rank resumed once per
+    fault, at the steps ``resumed_at`` (a kill before the update re-runs its step, one inside
+    it finishes it), and every digest equals the fault-free run's (:func:`assert_exact`)."""
+    injected = [e for e in events if e["kind"] == "fault_injected"]
+    assert [tuple(e[k] for k in fields) for e in injected] == [tuple(getattr(f, k) for k in fields) for f in faults]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert len(resumed) == nproc * len(faults)
+    assert sorted({e["step"] for e in resumed}) == resumed_at
+    assert_exact(reference, events)
+
+
 def random_schedule(seed: int, steps: int, count: int, min_gap: int, first: int = 4) -> list[FaultSpec]:
     """``count`` kills at random (step, rank, phase), at least ``min_gap`` steps apart."""
     rng = random.Random(seed)
