@@ -157,6 +157,18 @@ def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]
     return {**phases, "total": statistics.median(e["iter_s"] for e in timed)}
 
 
+def torchrun_phases(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
+    """:func:`median_phases` of a torchrun run on leto-run's deterministic kernels."""
+    return median_phases(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det_phases",
+                                      args.nproc, deterministic=True, LETO_PHASE_TIMES="1"))
+
+
+def print_phases(timed: dict[str, dict[str, float]]) -> None:
+    for name, phases in timed.items():
+        print(f"{name} phases, synchronised (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()),
+              flush=True)
+
+
 def iteration_only(args: argparse.Namespace) -> None:
     """Steady-state iteration of leto-run (its default protection, ``--consistency``) and of
     plain torchrun on the same model, one after the other; the first 5 steps left out, and
@@ -173,12 +185,8 @@ def iteration_only(args: argparse.Namespace) -> None:
         if args.no_shadows_only:  # diagnostic: leto-run without shadows on the GPU, and torchrun
             timed = {"leto-run, no shadows": median_phases(run_leto(
                 tmp, args.steps, [], args.nproc, args.consistency, ("--recovery", "restart"), LETO_PHASE_TIMES="1")),
-                "torchrun (deterministic)": median_phases(run_torchrun(
-                    tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det_phases", args.nproc,
-                    deterministic=True, LETO_PHASE_TIMES="1"))}
-            for name, ph in timed.items():
-                print(f"{name} phases, synchronised (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()),
-                      flush=True)
+                "torchrun (deterministic)": torchrun_phases(tmp, args)}
+            print_phases(timed)
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "phases_s": timed}, indent=2))
             return
@@ -193,12 +201,8 @@ def iteration_only(args: argparse.Namespace) -> None:
                                   deterministic=True)
         det = steady(det_events)
         if args.phase_times:
-            phases = {"leto-run": phases, "torchrun (deterministic)": median_phases(run_torchrun(
-                tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det_phases", args.nproc,
-                deterministic=True, LETO_PHASE_TIMES="1"))}
-            for name, ph in phases.items():
-                print(f"{name} phases, synchronised (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()),
-                      flush=True)
+            phases = {"leto-run": phases, "torchrun (deterministic)": torchrun_phases(tmp, args)}
+            print_phases(phases)
         fast = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc))
     result = {"date": time.strftime("%Y-%m-%d"), "nproc": args.nproc, "consistency": args.consistency,
               "leto_iteration_s": leto, "leto_steps_after_shadows_settled": quiet_steps,

@@ -165,9 +165,9 @@ class ActivationLender:
             raise LetoError(f"lending activation memory needs torch.cuda.MemPool (torch {torch.__version__} has none)")
         self.device = device
         self.regions = {name: (t.data_ptr(), t.numel() * t.element_size()) for name, t in regions.items()}
+        owned = [(int(seg["address"]), int(seg["total_size"])) for seg in torch.cuda.memory_snapshot()]
         for name, (ptr, nbytes) in self.regions.items():  # its segments would overlap its own blocks
-            for segment in torch.cuda.memory_snapshot():
-                start, size = int(segment["address"]), int(segment["total_size"])
+            for start, size in owned:
                 if start < ptr + nbytes and ptr < start + size:
                     raise LetoError(f"{name} lies in the caching allocator's own memory: only memory mapped "
                                     "outside it (the pool's CUDA VMM regions) can be lent")
