@@ -34,17 +34,70 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+KEYS = ("block", "num_warps", "acc", "depth", "split", "stages")
+DEFAULT = (32, 1, 4, 1, 0, 0)
+"""The launch shape of session 4 (``gf16_syndrome.TUNING`` before this sweep)."""
+SWEEP = (
+    DEFAULT,
+    (32, 1, 4, 2, 0, 0),  # two pages of loads in flight, in registers
+    (32, 1, 4, 1, 0, 3),  # Triton's pipeliner: the loads in flight live in shared memory
+    (32, 1, 4, 1, 0, 4),
+    (32, 1, 8, 1, 0, 2),  # halves: each delta read twice from L2 instead of four times
+    (32, 1, 8, 1, 0, 3),
+    (64, 2, 8, 1, 0, 3),
+    (32, 1, 4, 1, 32, 3),  # the run split over programs of 32 pages (no wave tail; atomic XOR)
+    (32, 1, 8, 1, 32, 3),
+    (32, 1, 8, 1, 16, 3),
+)
+DIAG = (DEFAULT, (32, 1, 4, 1, 0, 3), (32, 1, 8, 1, 0, 3))
+"""Variants also timed with ``--diag`` (loads and one XOR, no multiply)."""
+SWEEP_KS = (32, 128, 1024)
+
+
+def fmt(v: tuple) -> str:
+    return "x".join(str(x) for x in v)
+
+
+def fold_run(gf16_syndrome, sc, d: int, kk: int, pb: int, h: int, new, old, q_in, q_out, v: tuple,
+             math: bool = True) -> None:
+    """Fold the group's chunks of ``kk`` pages out of place (``q_out = q_in ^ fold``) with launch shape ``v``."""
+    for j0 in range(0, d - kk + 1, kk):
+        gf16_syndrome.syndrome_update(sc, j0, kk, new.view(torch.int32)[j0 * pb // 4 :], pb // 4,
+                                      old.view(torch.int32)[j0 * pb // 4 :], pb // 4, q_in.view(torch.int32),
+                                      q_out.view(torch.int32), 0, pb // 4, h, pb // 2048,
+                                      **dict(zip(KEYS, v)), math=math)
+
+
+def warm(variant: str, diag: bool) -> None:
+    """Compile one launch shape at the benchmark's sizes (a 2-page fold), to fill Triton's
+    cache from a parallel process before the timed run (``--warm 32x1x8x1x0x3``)."""
+    from triton_kernels import gf16_syndrome
+
+    v = tuple(int(x) for x in variant.split("x"))
+    pb, d, h, dev = 2 << 20, 1024, 16, torch.device("cuda")
+    ks = (2, v[4] + 2) if v[4] else (2,)  # a split shape launches in both forms: one program per column range, and atomic
+    bufs = [torch.zeros(n // 4, dtype=torch.int32, device=dev) for n in (ks[-1] * pb, ks[-1] * pb, h * pb, h * pb)]
+    sc = gf16_syndrome.scale_table(d, dev)
+    for math in (True, False) if diag else (True,):
+        for kk in ks:
+            fold_run(gf16_syndrome, sc, kk, kk, pb, h, bufs[0], bufs[1], bufs[2], bufs[3], v, math)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU dry run in Triton's interpreter")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time launch shapes (block x warps x accumulators) at k=64")
+    ap.add_argument("--sweep", action="store_true", help="also time the launch shapes of SWEEP at k = 32, 128, 1024")
     ap.add_argument("--diag", action="store_true",
                     help="also time the kernel without its multiplications (loads alone) per launch shape")
     ap.add_argument("--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)")
-    ap.add_argument("--ncu", action="store_true", help="one k=64 syndrome fold and exit (run under ncu)")
+    ap.add_argument("--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)")
+    ap.add_argument("--warm", default=None, help="compile one launch shape (BLOCKxWARPSxACCxDEPTHxSPLITxSTAGES) and exit")
     args = ap.parse_args()
+    if args.warm:
+        return warm(args.warm, args.diag)
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from bench.erasure_gpu import timeit
@@ -74,7 +127,7 @@ def main() -> None:
                  "page_bytes": pb, "data_pages": d, "tier1": h, "date": time.strftime("%Y-%m-%d")}
 
     if args.ncu:
-        kk = min(64, d)
+        kk = min(128, d)
         syn.update_pages(q[1], 0, kk, 0, data.view(d, pb)[:kk], new.view(d, pb)[:kk], parity_in=q[0])
         if cuda:
             torch.cuda.synchronize()
@@ -142,32 +195,31 @@ def main() -> None:
     out["folds"] = rows
     if args.sweep or args.diag:
         sc = gf16_syndrome.scale_table(d, dev)
-        kk, sweep = min(64, d), []
-        want = None
-        shapes = ((32, 1, 4), (32, 1, 8), (64, 2, 4), (64, 2, 8), (64, 1, 4)) if args.sweep else ((32, 1, 4),)
-        variants = [(b, w, a, m) for b, w, a in shapes for m in ((True, False) if args.diag else (True,))]
-        for block, warps, acc, math in variants:
-            def run(block: int = block, warps: int = warps, acc: int = acc, math: bool = math) -> None:
-                for j0 in range(0, d, kk):
-                    gf16_syndrome.syndrome_update(sc, j0, kk, new.view(torch.int32)[j0 * pb // 4 :], pb // 4,
-                                                  data.view(torch.int32)[j0 * pb // 4 :], pb // 4,
-                                                  q[0].view(torch.int32), q[1].view(torch.int32), 0, pb // 4, h,
-                                                  pb // TILE_BYTES, block=block, num_warps=warps, acc=acc,
-                                                  math=math)
-            try:
-                run()
-                ok = not math or want is None or torch.equal(q[1], want)
-                if math and want is None:
-                    want = q[1].clone()
-                t = timeit(run, dev, min(reps, 3), warmup=1) / d
-            except Exception as e:  # noqa: BLE001 - a shape that does not compile is reported
-                print(f"sweep {block}x{warps}x{acc}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            sweep.append({"block": block, "num_warps": warps, "acc": acc, "math": math, "us_per_page": 1e6 * t,
-                          "ok": ok})
-            print(f"sweep block {block:4d} warps {warps} acc {acc} {'full' if math else 'loads only'}: {1e6 * t:8.2f} us/page "
-                  f"(k={kk}){'' if ok else '  WRONG'}", flush=True)
+        sweep, want = [], {}
+        variants = [(v, m) for v in (SWEEP if args.sweep else (DEFAULT,))
+                    for m in ((True, False) if args.diag and v in DIAG else (True,))]
+        for v, math in variants:
+            for kk in SWEEP_KS if d >= max(SWEEP_KS) else (min(4, d),):
+                def run(v: tuple = v, math: bool = math, kk: int = kk) -> None:
+                    fold_run(gf16_syndrome, sc, d, kk, pb, h, new, data, q[0], q[1], v, math)
+                try:
+                    run()
+                    ok = not math or kk not in want or torch.equal(q[1], want[kk])
+                    if math and kk not in want:
+                        want[kk] = q[1].clone()
+                    t = timeit(run, dev, min(reps, 3), warmup=1) / (d // kk)
+                except Exception as e:  # noqa: BLE001 - a shape that does not compile is reported
+                    print(f"sweep {fmt(v)}: failed {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    break
+                moved = 2 * kk * pb + 2 * h * pb
+                row = {"variant": dict(zip(KEYS, v)), "math": math, "k": kk, "us_per_chunk": 1e6 * t,
+                       "us_per_page": 1e6 * t / kk, "vs_copy": moved / t / copy_rate, "ok": ok}
+                sweep.append(row)
+                print(f"sweep {fmt(v)} {'full' if math else 'loads only'} k={kk:5d}: {1e6 * t / kk:7.2f} us/page "
+                      f"{row['vs_copy']:5.2f}x copy{'' if ok else '  WRONG'}", flush=True)
         out["sweep"] = sweep
+        if not all(r["ok"] for r in sweep):
+            print("sweep: a variant's syndromes differ from the first variant's", flush=True)
     t_to = timeit(lambda: syn.syndromes_of(p_of, back), dev, reps, warmup=1)
     t_from = timeit(lambda: syn.parity_of(q[0], p_of), dev, reps, warmup=1)
     out["conversions_ms"] = {"syndromes_of": 1e3 * t_to, "parity_of": 1e3 * t_from}

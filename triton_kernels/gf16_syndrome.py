@@ -54,12 +54,11 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 32, "num_warps": 1, "acc": 4}
+TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0}
 """Columns (32-symbol words) per program and warps per program (one column per thread at
-32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS`` overrides it (bench/syndrome_gpu.py --sweep)."""
+32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGES]`` overrides it (bench/syndrome_gpu.py --sweep)."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
-    _t = [int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x")]
-    TUNING = {"block": _t[0], "num_warps": _t[1], "acc": _t[2] if len(_t) > 2 else 4}
+    TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))
 MAX_PARITY = 16
 """Syndromes per launch: four quarters of 4 accumulators."""
 _SCALE_WORDS = tl.constexpr(MAX_PARITY)
@@ -103,11 +102,21 @@ def _load_planes(ptr, off, ok):
 
 
 @triton.jit
-def _delta(new_ptr, old_ptr, page, new_stride, old_stride, off, ok, HAS_OLD: tl.constexpr):
+def _fetch(new_ptr, old_ptr, page, new_stride, old_stride, off, ok, HAS_OLD: tl.constexpr):
+    """Issue the loads of one page's delta and return them unreduced (``(new, old)``), so
+    that the XOR, the first use, sits in a later iteration and the loads stay in flight
+    across the loop's back edge."""
+    x = _load_planes(new_ptr + page * new_stride, off, ok)
     if HAS_OLD:
-        return _xor(_load_planes(new_ptr + page * new_stride, off, ok),
-                    _load_planes(old_ptr + page * old_stride, off, ok))
-    return _load_planes(new_ptr + page * new_stride, off, ok)  # an encode: the pages themselves
+        return (x, _load_planes(old_ptr + page * old_stride, off, ok))
+    return (x, x)  # an encode: the pages themselves (one type for both branches, Triton 3.6)
+
+
+@triton.jit
+def _reduce(raw, HAS_OLD: tl.constexpr):
+    if HAS_OLD:
+        return _xor(raw[0], raw[1])
+    return raw[0]
 
 
 @triton.jit
@@ -118,7 +127,7 @@ def _and(a, m):
 
 @triton.jit
 def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok,
-                 HAS_QIN: tl.constexpr):
+                 HAS_QIN: tl.constexpr, ATOMIC: tl.constexpr):
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
     Shift and add over the 16 bits of ``c_p`` (``c * x = sum_b c_b a^b x``): a rolled loop of
@@ -137,7 +146,9 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
                 x = _times_alpha(x)
         base = q_base + p * q_stride
         for i in tl.static_range(16):
-            if HAS_QIN:
+            if ATOMIC:  # other programs fold other pages of the run into the same words
+                tl.atomic_xor(q_out + base + off + i * 32, y[i], mask=ok, sem="relaxed")
+            elif HAS_QIN:
                 q = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
                 tl.store(q_out + base + off + i * 32, q ^ y[i], mask=ok)
             else:
@@ -147,7 +158,8 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 @triton.jit
 def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
              n_par, off, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
-             HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr):
+             HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr,
+             ATOMIC: tl.constexpr):
     """Syndromes ``P0 .. P0 + ACC - 1`` (ACC = 4 or 8) of the program's columns: Horner over
     the k pages."""
     z = tl.zeros([BLOCK], dtype=tl.int32)
@@ -159,11 +171,26 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
     a5 = a0
     a6 = a0
     a7 = a0
-    # Horner from the last page; software-pipelined: page r+1's delta loads while page r folds
-    d = _delta(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
-    for r in range(k):
-        nxt = tl.cast(tl.maximum(k - 2 - r, 0), tl.int64)  # clamped: a redundant load at the end
-        dn = _delta(new_ptr, old_ptr, nxt, new_stride, old_stride, off, ok, HAS_OLD)
+    # Horner from the last page, software-pipelined DEPTH pages deep: the loads of page
+    # r + DEPTH are issued while page r folds (indices clamped: redundant loads at the end)
+    f1 = _fetch(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
+    f2 = f1
+    if DEPTH == 2 and STAGES == 0:
+        f2 = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 2, 0), tl.int64), new_stride, old_stride, off, ok,
+                    HAS_OLD)
+    for r in tl.range(0, k, num_stages=STAGES if STAGES > 0 else 1):
+        if STAGES > 0:  # Triton's pipeliner prefetches, through shared memory
+            f1 = _fetch(new_ptr, old_ptr, tl.cast(k - 1 - r, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
+        d = _reduce(f1, HAS_OLD)
+        if STAGES > 0:
+            pass
+        elif DEPTH == 2:
+            f1 = f2
+            f2 = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 3 - r, 0), tl.int64), new_stride, old_stride, off,
+                        ok, HAS_OLD)
+        else:
+            f1 = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 2 - r, 0), tl.int64), new_stride, old_stride, off,
+                        ok, HAS_OLD)
         if MATH:
             a0 = _xor(_times_alpha_pow(a0, P0 + 0), d)
             a1 = _xor(_times_alpha_pow(a1, P0 + 1), d)
@@ -184,42 +211,47 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
                 a5 = _xor(a5, d)
                 a6 = _xor(a6, d)
                 a7 = _xor(a7, d)
-        d = dn
-    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
     if ACC == 8:
-        _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-        _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-        _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-        _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
 
 
-@triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
-def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
+@triton.jit(do_not_specialize=["k", "q_base", "scale_first", "seg"])
+def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, seg, scale_ptr, scale_first,
                      q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
                      MATH: tl.constexpr = True, ACC: tl.constexpr = 4, HAS_OLD: tl.constexpr = True,
-                     HAS_QIN: tl.constexpr = True):
+                     HAS_QIN: tl.constexpr = True, DEPTH: tl.constexpr = 1, STAGES: tl.constexpr = 0,
+                     ATOMIC: tl.constexpr = False):
     part = tl.program_id(0)  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     # word offset of plane 0 of each column within a page range (2 KiB tiles of 16 x 32 words)
     off = (cols // 32) * 512 + cols % 32
-    scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
+    # this program's pages of the run: [lo, lo + k) (all of them unless the run is split)
+    lo = tl.program_id(2) * seg
+    k = tl.minimum(k - lo, seg)
+    new_ptr += tl.cast(lo, tl.int64) * new_stride
+    old_ptr += tl.cast(lo, tl.int64) * old_stride
+    scale = scale_ptr + tl.cast(scale_first + lo, tl.int64) * _SCALE_WORDS
     if part == 0:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
+                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
     elif part == 1:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, ACC, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
+                 n_par, off, ok, ACC, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
     elif ACC == 4:
         if part == 2:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 8, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
+                     n_par, off, ok, 8, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
         else:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 12, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN)
+                     n_par, off, ok, 12, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
 
 
 @functools.lru_cache(maxsize=8)
@@ -281,11 +313,23 @@ def syndrome_update(
         return None
     n_cols = n_tiles * 32
     block, warps = launch.get("block", TUNING["block"]), launch.get("num_warps", TUNING["num_warps"])
-    acc = launch.get("acc", TUNING["acc"])
+    acc, depth = launch.get("acc", TUNING["acc"]), launch.get("depth", TUNING["depth"])
     if acc not in (4, 8):
         raise ValueError(f"the syndrome kernel holds 4 or 8 accumulators per program, got {acc}")
-    grid = (triton.cdiv(n_parity, acc), triton.cdiv(n_cols, block))
-    return _syndrome_kernel[grid](new, new if old is None else old, new_stride, old_stride, k, scale, first_page,
+    if depth not in (1, 2):
+        raise ValueError(f"the syndrome kernel prefetches 1 or 2 pages ahead, got {depth}")
+    seg = launch.get("split", TUNING["split"]) or k
+    n_seg = triton.cdiv(k, seg)
+    if n_seg > 1:  # programs of one column range fold disjoint page runs and XOR their sums in
+        words = torch.as_strided(q_out, (n_parity, n_tiles * 512), (q_stride, 1), q_out.storage_offset() + q_base)
+        if q_in is None:
+            words.zero_()
+        elif q_in.data_ptr() != q_out.data_ptr():
+            words.copy_(torch.as_strided(q_in, words.shape, words.stride(), q_in.storage_offset() + q_base))
+        q_in = q_out
+    grid = (triton.cdiv(n_parity, acc), triton.cdiv(n_cols, block), n_seg)
+    return _syndrome_kernel[grid](new, new if old is None else old, new_stride, old_stride, k, seg, scale, first_page,
                                   q_out if q_in is None else q_in, q_out, q_base, q_stride, n_parity, n_cols,
                                   BLOCK=block, MATH=launch.get("math", True), ACC=acc,
-                                  HAS_OLD=old is not None, HAS_QIN=q_in is not None, num_warps=warps)
+                                  HAS_OLD=old is not None, HAS_QIN=q_in is not None, DEPTH=depth,
+                                  STAGES=launch.get("stages", TUNING["stages"]), ATOMIC=n_seg > 1, num_warps=warps)
