@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0}
+TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0, "balanced": 0}
 """Columns (32-symbol words) per program and warps per program (one column per thread at
-32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGES]`` overrides it (bench/syndrome_gpu.py --sweep)."""
+32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGESxBALANCED]`` overrides it (bench/syndrome_gpu.py --sweep)."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))
 MAX_PARITY = 16
@@ -157,11 +157,33 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 
 @triton.jit
 def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-             n_par, off, ok, P0: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
+             n_par, off, ok, PART: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
              HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr,
-             ATOMIC: tl.constexpr):
-    """Syndromes ``P0 .. P0 + ACC - 1`` (ACC = 4 or 8) of the program's columns: Horner over
-    the k pages."""
+             ATOMIC: tl.constexpr, BAL: tl.constexpr):
+    """Syndromes ``S0 .. S(ACC-1)`` (ACC = 4 or 8) of the program's columns: Horner over the
+    k pages. Part ``PART`` takes syndromes ``PART * ACC ...`` in order, or with ``BAL`` (all
+    16 syndromes launched) mirrored pairs ``G*b + PART, G*b + G-1-PART`` (``G = 32 / ACC``),
+    so every part does the same number of XORs (multiplying by ``a^p`` costs ~3p) and the
+    parts reading one delta stay in step, the later ones finding it in L2."""
+    G: tl.constexpr = 32 // ACC
+    if BAL:
+        S0: tl.constexpr = PART
+        S1: tl.constexpr = G - 1 - PART
+        S2: tl.constexpr = G + PART
+        S3: tl.constexpr = 2 * G - 1 - PART
+        S4: tl.constexpr = 2 * G + PART
+        S5: tl.constexpr = 3 * G - 1 - PART
+        S6: tl.constexpr = 3 * G + PART
+        S7: tl.constexpr = 4 * G - 1 - PART
+    else:
+        S0: tl.constexpr = PART * ACC
+        S1: tl.constexpr = PART * ACC + 1
+        S2: tl.constexpr = PART * ACC + 2
+        S3: tl.constexpr = PART * ACC + 3
+        S4: tl.constexpr = PART * ACC + 4
+        S5: tl.constexpr = PART * ACC + 5
+        S6: tl.constexpr = PART * ACC + 6
+        S7: tl.constexpr = PART * ACC + 7
     z = tl.zeros([BLOCK], dtype=tl.int32)
     a0 = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
     a1 = a0
@@ -192,15 +214,15 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
             f1 = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 2 - r, 0), tl.int64), new_stride, old_stride, off,
                         ok, HAS_OLD)
         if MATH:
-            a0 = _xor(_times_alpha_pow(a0, P0 + 0), d)
-            a1 = _xor(_times_alpha_pow(a1, P0 + 1), d)
-            a2 = _xor(_times_alpha_pow(a2, P0 + 2), d)
-            a3 = _xor(_times_alpha_pow(a3, P0 + 3), d)
+            a0 = _xor(_times_alpha_pow(a0, S0), d)
+            a1 = _xor(_times_alpha_pow(a1, S1), d)
+            a2 = _xor(_times_alpha_pow(a2, S2), d)
+            a3 = _xor(_times_alpha_pow(a3, S3), d)
             if ACC == 8:
-                a4 = _xor(_times_alpha_pow(a4, P0 + 4), d)
-                a5 = _xor(_times_alpha_pow(a5, P0 + 5), d)
-                a6 = _xor(_times_alpha_pow(a6, P0 + 6), d)
-                a7 = _xor(_times_alpha_pow(a7, P0 + 7), d)
+                a4 = _xor(_times_alpha_pow(a4, S4), d)
+                a5 = _xor(_times_alpha_pow(a5, S5), d)
+                a6 = _xor(_times_alpha_pow(a6, S6), d)
+                a7 = _xor(_times_alpha_pow(a7, S7), d)
         else:  # diagnostic (bench/syndrome_gpu.py --diag): the loads and one XOR, no multiply
             a0 = _xor(a0, d)
             a1 = _xor(a1, d)
@@ -211,15 +233,15 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
                 a5 = _xor(a5, d)
                 a6 = _xor(a6, d)
                 a7 = _xor(a7, d)
-    _scale_store(a0, P0 + 0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-    _scale_store(a1, P0 + 1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-    _scale_store(a2, P0 + 2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-    _scale_store(a3, P0 + 3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a0, S0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a1, S1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a2, S2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a3, S3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
     if ACC == 8:
-        _scale_store(a4, P0 + 4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-        _scale_store(a5, P0 + 5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-        _scale_store(a6, P0 + 6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-        _scale_store(a7, P0 + 7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a4, S4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a5, S5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a6, S6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a7, S7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first", "seg"])
@@ -227,7 +249,7 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, seg, scale_ptr
                      q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
                      MATH: tl.constexpr = True, ACC: tl.constexpr = 4, HAS_OLD: tl.constexpr = True,
                      HAS_QIN: tl.constexpr = True, DEPTH: tl.constexpr = 1, STAGES: tl.constexpr = 0,
-                     ATOMIC: tl.constexpr = False):
+                     ATOMIC: tl.constexpr = False, BAL: tl.constexpr = False):
     part = tl.program_id(0)  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -241,17 +263,17 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, seg, scale_ptr
     scale = scale_ptr + tl.cast(scale_first + lo, tl.int64) * _SCALE_WORDS
     if part == 0:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
+                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
     elif part == 1:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, ACC, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
+                 n_par, off, ok, 1, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
     elif ACC == 4:
         if part == 2:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 8, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
+                     n_par, off, ok, 2, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
         else:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 12, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC)
+                     n_par, off, ok, 3, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
 
 
 @functools.lru_cache(maxsize=8)
@@ -332,4 +354,6 @@ def syndrome_update(
                                   q_out if q_in is None else q_in, q_out, q_base, q_stride, n_parity, n_cols,
                                   BLOCK=block, MATH=launch.get("math", True), ACC=acc,
                                   HAS_OLD=old is not None, HAS_QIN=q_in is not None, DEPTH=depth,
-                                  STAGES=launch.get("stages", TUNING["stages"]), ATOMIC=n_seg > 1, num_warps=warps)
+                                  STAGES=launch.get("stages", TUNING["stages"]), ATOMIC=n_seg > 1,
+                                  BAL=bool(launch.get("balanced", TUNING["balanced"])) and n_parity == MAX_PARITY,
+                                  num_warps=warps)
