@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0, "balanced": 0}
+TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0, "balanced": 0, "scale": 0}
 """Columns (32-symbol words) per program and warps per program (one column per thread at
-32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGESxBALANCED]`` overrides it (bench/syndrome_gpu.py --sweep)."""
+32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGESxBALANCEDxSCALE]`` overrides it (bench/syndrome_gpu.py --sweep)."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))
 MAX_PARITY = 16
@@ -127,16 +127,24 @@ def _and(a, m):
 
 @triton.jit
 def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok,
-                 HAS_QIN: tl.constexpr, ATOMIC: tl.constexpr):
+                 HAS_QIN: tl.constexpr, ATOMIC: tl.constexpr, SCALE: tl.constexpr):
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
-    Shift and add over the 16 bits of ``c_p`` (``c * x = sum_b c_b a^b x``): a rolled loop of
-    one multiply by ``a`` (3 XORs) and 16 masked XORs per bit, so the epilogue is a few
-    dozen instructions per syndrome instead of 256 unrolled mask loads (that form took
-    Triton + ptxas minutes to compile)."""
+    ``SCALE == 1``: Horner over the bits of ``c_p`` from the top (``y = a y``, then
+    ``y ^= acc`` where the bit is set): the bit is the same in every thread, so it is a
+    branch, not a mask; 3 XORs per bit plus 16 per set bit, ~176 per syndrome and column.
+    ``SCALE == 0`` (session 4): shift and add with the bit as a mask, 35 per bit, ~560. Both
+    are rolled loops: the unrolled form (256 mask loads) took minutes to compile."""
     if p < n_par:
         if p == 0:  # a^0 = 1
             y = acc
+        elif SCALE == 1:
+            c = tl.load(scale_ptr + p)
+            y = _and(acc, 0)
+            for b in tl.range(0, 16, loop_unroll_factor=1):
+                y = _times_alpha(y)
+                if ((c >> (15 - b)) & 1) != 0:
+                    y = _xor(y, acc)
         else:
             c = tl.load(scale_ptr + p)
             x = acc
@@ -159,7 +167,7 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
              n_par, off, ok, PART: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
              HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr,
-             ATOMIC: tl.constexpr, BAL: tl.constexpr):
+             ATOMIC: tl.constexpr, BAL: tl.constexpr, SCALE: tl.constexpr):
     """Syndromes ``S0 .. S(ACC-1)`` (ACC = 4 or 8) of the program's columns: Horner over the
     k pages. Part ``PART`` takes syndromes ``PART * ACC ...`` in order, or with ``BAL`` (all
     16 syndromes launched) mirrored pairs ``G*b + PART, G*b + G-1-PART`` (``G = 32 / ACC``),
@@ -233,15 +241,15 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
                 a5 = _xor(a5, d)
                 a6 = _xor(a6, d)
                 a7 = _xor(a7, d)
-    _scale_store(a0, S0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-    _scale_store(a1, S1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-    _scale_store(a2, S2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-    _scale_store(a3, S3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+    _scale_store(a0, S0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+    _scale_store(a1, S1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+    _scale_store(a2, S2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+    _scale_store(a3, S3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
     if ACC == 8:
-        _scale_store(a4, S4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-        _scale_store(a5, S5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-        _scale_store(a6, S6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
-        _scale_store(a7, S7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC)
+        _scale_store(a4, S4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+        _scale_store(a5, S5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+        _scale_store(a6, S6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+        _scale_store(a7, S7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first", "seg"])
@@ -249,7 +257,8 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, seg, scale_ptr
                      q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
                      MATH: tl.constexpr = True, ACC: tl.constexpr = 4, HAS_OLD: tl.constexpr = True,
                      HAS_QIN: tl.constexpr = True, DEPTH: tl.constexpr = 1, STAGES: tl.constexpr = 0,
-                     ATOMIC: tl.constexpr = False, BAL: tl.constexpr = False):
+                     ATOMIC: tl.constexpr = False, BAL: tl.constexpr = False,
+                     SCALE: tl.constexpr = 0):
     part = tl.program_id(0)  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -263,17 +272,17 @@ def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, seg, scale_ptr
     scale = scale_ptr + tl.cast(scale_first + lo, tl.int64) * _SCALE_WORDS
     if part == 0:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
+                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
     elif part == 1:
         _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 1, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
+                 n_par, off, ok, 1, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
     elif ACC == 4:
         if part == 2:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 2, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
+                     n_par, off, ok, 2, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
         else:
             _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 3, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL)
+                     n_par, off, ok, 3, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
 
 
 @functools.lru_cache(maxsize=8)
@@ -356,4 +365,5 @@ def syndrome_update(
                                   HAS_OLD=old is not None, HAS_QIN=q_in is not None, DEPTH=depth,
                                   STAGES=launch.get("stages", TUNING["stages"]), ATOMIC=n_seg > 1,
                                   BAL=bool(launch.get("balanced", TUNING["balanced"])) and n_parity == MAX_PARITY,
+                                  SCALE=launch.get("scale", TUNING["scale"]),
                                   num_warps=warps)

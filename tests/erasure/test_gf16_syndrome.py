@@ -22,15 +22,16 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @settings(max_examples=24, deadline=None)
 @given(st.integers(1, 40), st.sampled_from([1, 3, 8, 9, 16, 16]), st.integers(1, 5), st.integers(1, 2),
        st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from([4, 8]), st.sampled_from([1, 2]),
-       st.sampled_from([0, 1, 2]), st.booleans())
-@example(20, 16, 5, 1, 1, False, 4, 1, 2, True)  # balanced parts, always tried, with both part sizes
-@example(20, 16, 5, 1, 2, True, 8, 1, 0, True)
+       st.sampled_from([0, 1, 2]), st.booleans(), st.sampled_from([0, 1]))
+@example(20, 16, 5, 1, 1, False, 4, 1, 2, True, 1)  # balanced parts, always tried, with both part sizes
+@example(20, 16, 5, 1, 2, True, 8, 1, 0, True, 0)
 def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, seed: int, in_place: bool,
-                                          acc: int, depth: int, split: int, balanced: bool) -> None:
+                                          acc: int, depth: int, split: int, balanced: bool,
+                                          scale: int) -> None:
     """Any D, H, run and range, in place or not, 4 or 8 syndromes per program, loads 1 or 2
     pages ahead, the run folded by one program per column range or split over programs
     that XOR their sums in (``split`` pages each), syndromes assigned to parts in order or
-    balanced (applies when H = 16)."""
+    balanced (applies when H = 16), the chunk's scale by either epilogue."""
     from triton_kernels.gf16_syndrome import scale_table, syndrome_update
 
     g = torch.Generator().manual_seed(seed)
@@ -54,7 +55,7 @@ def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, se
     syndrome_update(scale_table(d, DEV), j0, k, new.to(DEV).view(torch.int32), (n + pad) // 4,
                     old.to(DEV).view(torch.int32), (n + pad) // 4, q_dev.view(torch.int32), q_out.view(torch.int32),
                     pad // 4, (n + pad) // 4, h, tiles, acc=acc, depth=depth, split=split,
-                    balanced=balanced)
+                    balanced=balanced, scale=scale)
     assert torch.equal(q_out.cpu(), ref)
 
 
