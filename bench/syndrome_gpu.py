@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-KEYS = ("block", "num_warps", "acc", "depth", "split", "stages", "balanced", "scale")
+KEYS = ("block", "num_warps", "acc", "depth", "split", "stages", "balanced", "epilogue")
 DEFAULT = (32, 1, 4, 1, 0, 0, 0, 0)
 """The launch shape of session 4 (``gf16_syndrome.TUNING`` before this sweep)."""
 SWEEP = (

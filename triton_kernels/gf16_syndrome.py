@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0, "balanced": 0, "scale": 0}
+TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0, "balanced": 0, "epilogue": 0}
 """Columns (32-symbol words) per program and warps per program (one column per thread at
-32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGESxBALANCEDxSCALE]`` overrides it (bench/syndrome_gpu.py --sweep)."""
+32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGESxBALANCEDxEPILOGUE]`` overrides it (bench/syndrome_gpu.py --sweep)."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))
 MAX_PARITY = 16
@@ -130,7 +130,7 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
                  HAS_QIN: tl.constexpr, ATOMIC: tl.constexpr, SCALE: tl.constexpr):
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
-    ``SCALE == 1``: Horner over the bits of ``c_p`` from the top (``y = a y``, then
+    ``SCALE == 1`` (launch option ``epilogue=1``): Horner over the bits of ``c_p`` from the top (``y = a y``, then
     ``y ^= acc`` where the bit is set): the bit is the same in every thread, so it is a
     branch, not a mask; 3 XORs per bit plus 16 per set bit, ~176 per syndrome and column.
     ``SCALE == 0`` (session 4): shift and add with the bit as a mask, 35 per bit, ~560. Both
@@ -365,5 +365,5 @@ def syndrome_update(
                                   HAS_OLD=old is not None, HAS_QIN=q_in is not None, DEPTH=depth,
                                   STAGES=launch.get("stages", TUNING["stages"]), ATOMIC=n_seg > 1,
                                   BAL=bool(launch.get("balanced", TUNING["balanced"])) and n_parity == MAX_PARITY,
-                                  SCALE=launch.get("scale", TUNING["scale"]),
+                                  SCALE=launch.get("epilogue", TUNING["epilogue"]),
                                   num_warps=warps)

@@ -55,7 +55,7 @@ def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, se
     syndrome_update(scale_table(d, DEV), j0, k, new.to(DEV).view(torch.int32), (n + pad) // 4,
                     old.to(DEV).view(torch.int32), (n + pad) // 4, q_dev.view(torch.int32), q_out.view(torch.int32),
                     pad // 4, (n + pad) // 4, h, tiles, acc=acc, depth=depth, split=split,
-                    balanced=balanced, scale=scale)
+                    balanced=balanced, epilogue=scale)
     assert torch.equal(q_out.cpu(), ref)
 
 
