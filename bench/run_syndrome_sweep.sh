@@ -15,7 +15,7 @@ wait
 echo "warm: $(( $(date +%s) - t0 )) s"; grep -l -i error "$OUT"/warm_*.log && tail -5 "$OUT"/warm_*.log
 python3 bench/syndrome_gpu.py --sweep --diag --ks 8,32,128,1024 --json "$OUT/syndrome_sweep.json" 2>&1 | tee "$OUT/syndrome_sweep.log"
 echo "sweep done: $(( $(date +%s) - t0 )) s"
-for v in 32x1x8x1x0x0x1x1 32x1x8x1x32x0x1x1; do
+for v in 32x1x8x1x0x0x1x2; do
   LETO_SYNDROME_TUNING=$v timeout 150 ncu --clock-control none -k regex:syndrome -c 1 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
     python3 bench/syndrome_gpu.py --ncu > "$OUT/ncu_$v.log" 2>&1

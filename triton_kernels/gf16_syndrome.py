@@ -133,12 +133,16 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
     ``SCALE == 1`` (launch option ``epilogue=1``): Horner over the bits of ``c_p`` from the top (``y = a y``, then
     ``y ^= acc`` where the bit is set): the bit is the same in every thread, so it is a
     branch, not a mask; 3 XORs per bit plus 16 per set bit, ~176 per syndrome and column.
-    ``SCALE == 0`` (session 4): shift and add with the bit as a mask, 35 per bit, ~560. Both
+    ``SCALE == 2``: the same, with the 16 loads of ``q_in[p]`` issued before the loop rather
+    than after it. ``SCALE == 0`` (session 4): shift and add with the bit as a mask, 35 per bit, ~560. Both
     are rolled loops: the unrolled form (256 mask loads) took minutes to compile."""
+    base = q_base + p * q_stride
     if p < n_par:
+        if SCALE == 2 and HAS_QIN and not ATOMIC:  # the parity's loads in flight during the scale's loop
+            q = _load_planes(q_in + base, off, ok)
         if p == 0:  # a^0 = 1
             y = acc
-        elif SCALE == 1:
+        elif SCALE >= 1:
             c = tl.load(scale_ptr + p)
             y = _and(acc, 0)
             for b in tl.range(0, 16, loop_unroll_factor=1):
@@ -152,10 +156,11 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
             for b in tl.range(0, 16, loop_unroll_factor=1):
                 y = _xor(y, _and(x, -((c >> b) & 1)))
                 x = _times_alpha(x)
-        base = q_base + p * q_stride
         for i in tl.static_range(16):
             if ATOMIC:  # other programs fold other pages of the run into the same words
                 tl.atomic_xor(q_out + base + off + i * 32, y[i], mask=ok, sem="relaxed")
+            elif SCALE == 2 and HAS_QIN:
+                tl.store(q_out + base + off + i * 32, q[i] ^ y[i], mask=ok)
             elif HAS_QIN:
                 q = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
                 tl.store(q_out + base + off + i * 32, q ^ y[i], mask=ok)

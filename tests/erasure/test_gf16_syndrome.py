@@ -22,9 +22,10 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @settings(max_examples=24, deadline=None)
 @given(st.integers(1, 40), st.sampled_from([1, 3, 8, 9, 16, 16]), st.integers(1, 5), st.integers(1, 2),
        st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from([4, 8]), st.sampled_from([1, 2]),
-       st.sampled_from([0, 1, 2]), st.booleans(), st.sampled_from([0, 1]))
+       st.sampled_from([0, 1, 2]), st.booleans(), st.sampled_from([0, 1, 2]))
 @example(20, 16, 5, 1, 1, False, 4, 1, 2, True, 1)  # balanced parts, always tried, with both part sizes
-@example(20, 16, 5, 1, 2, True, 8, 1, 0, True, 0)
+@example(20, 16, 5, 1, 2, True, 8, 1, 0, True, 2)
+@example(20, 16, 5, 1, 3, False, 8, 1, 0, True, 2)
 def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, seed: int, in_place: bool,
                                           acc: int, depth: int, split: int, balanced: bool,
                                           scale: int) -> None:
