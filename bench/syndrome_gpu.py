@@ -34,23 +34,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-KEYS = ("block", "num_warps", "acc", "depth", "split", "stages", "balanced", "epilogue")
-DEFAULT = (32, 1, 4, 1, 0, 0, 0, 0)
-"""The launch shape of session 4 (``gf16_syndrome.TUNING`` before this sweep)."""
-SWEEP = (
-    DEFAULT,
-    (32, 1, 8, 1, 0, 0, 1, 1),  # halves, balanced, the scale by Horner over its bits: session 6's best
-    (32, 1, 8, 1, 0, 0, 1, 2),  # + the parity's loads issued before the scale's loop
-    (32, 1, 8, 2, 0, 0, 1, 2),  # + two pages of loads in flight
-    (32, 1, 8, 1, 64, 0, 1, 1),  # the run split over programs of 64 pages (atomic XOR, no parity loads)
-    (32, 1, 4, 1, 0, 0, 1, 2),  # quarters
-)
-"""Session 6 (2026-12-01), ``s6_syndrome_sweep*.log``. First sweep: two pages in flight in
-registers (depth 2, quarters), Triton's pipeliner with quarters, splits of 16 pages: slower
-at every k. Second: balanced halves 1.58 us/page at k = 1024 (0.64x copy) against 2.18 for
-session 4's shape. Third: the cheaper scale (``epilogue=1``) changed nothing; every shape
-fits ``T(k) = a + b k`` with a ~115 us per launch (halves) that is not the scale's XORs."""
-DIAG = ((32, 1, 8, 1, 0, 0, 1, 2),)
+KEYS = ("block", "num_warps", "acc")
+DEFAULT = (32, 1, 8)
+"""``gf16_syndrome.TUNING`` since session 6: halves, one column per thread."""
+SWEEP = (DEFAULT, (32, 1, 4), (64, 2, 8), (64, 2, 4))
+"""Launch shapes of the kernel as it is. Session 6 (2026-12-01) swept the kernel's earlier
+forms and options (``bench/results/s6_syndrome_sweep*.log``, commits c3e6254..); what won
+is now the kernel, see the docstring of ``triton_kernels/gf16_syndrome.py``."""
+DIAG = (DEFAULT,)
 """Variants also timed with ``--diag`` (loads and one XOR, no multiply)."""
 SWEEP_KS = (4, 32, 128, 1024)
 
@@ -71,18 +62,15 @@ def fold_run(gf16_syndrome, sc, d: int, kk: int, pb: int, h: int, new, old, q_in
 
 def warm(variant: str, diag: bool) -> None:
     """Compile one launch shape at the benchmark's sizes (a 2-page fold), to fill Triton's
-    cache from a parallel process before the timed run (``--warm 32x1x8x1x0x3``)."""
+    cache from a parallel process before the timed run (``--warm 32x1x8``)."""
     from triton_kernels import gf16_syndrome
 
     v = tuple(int(x) for x in variant.split("x"))
     pb, d, h, dev = 2 << 20, 1024, 16, torch.device("cuda")
-    v = v + DEFAULT[len(v):]
-    ks = (2, v[4] + 2) if v[4] else (2,)  # a split shape launches in both forms: one program per column range, and atomic
-    bufs = [torch.zeros(n // 4, dtype=torch.int32, device=dev) for n in (ks[-1] * pb, ks[-1] * pb, h * pb, h * pb)]
+    bufs = [torch.zeros(n // 4, dtype=torch.int32, device=dev) for n in (2 * pb, 2 * pb, h * pb, h * pb)]
     sc = gf16_syndrome.scale_table(d, dev)
     for math in (True, False) if diag else (True,):
-        for kk in ks:
-            fold_run(gf16_syndrome, sc, kk, kk, pb, h, bufs[0], bufs[1], bufs[2], bufs[3], v, math)
+        fold_run(gf16_syndrome, sc, 2, 2, pb, h, bufs[0], bufs[1], bufs[2], bufs[3], v, math)
     torch.cuda.synchronize()
 
 
@@ -96,7 +84,7 @@ def main() -> None:
                     help="also time the kernel without its multiplications (loads alone) per launch shape")
     ap.add_argument("--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)")
     ap.add_argument("--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)")
-    ap.add_argument("--warm", default=None, help="compile one launch shape (BLOCKxWARPSxACCxDEPTHxSPLITxSTAGESxBALANCED) and exit")
+    ap.add_argument("--warm", default=None, help="compile one launch shape (BLOCKxWARPSxACC) and exit")
     args = ap.parse_args()
     if args.warm:
         return warm(args.warm, args.diag)

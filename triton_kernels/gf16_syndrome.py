@@ -15,13 +15,33 @@ the multiplier of the Horner step is the *compile-time* constant ``a^p``, and in
 bit-sliced layout multiplying by ``a`` is a rotation of the 16 planes plus three XORs
 (``x^16 = x^12 + x^3 + x + 1``). So a page costs ``sum_p (3p + 16)`` = 616 XORs per 32
 symbols for H = 16 (about 10 lane-ops per changed byte instead of 64), and the generic
-product is paid once per chunk, for the scale ``a^(p j0)``: shift and add over the 16 bits
-of that runtime constant (one scalar per syndrome from a ``[D, 16]`` table), a rolled loop.
+product is paid once per chunk, for the scale ``a^(p j0)``: Horner over the 16 bits of that
+runtime constant (one scalar per syndrome from a ``[D, 16]`` table), a rolled loop.
 
-Four accumulators per program, not eight: with eight (16 planes each, 128 registers)
-the H200's ptxas spilled in the page loop (ncu: 1.57 M local-memory requests per launch,
-L1 72 % busy, DRAM 3 %) and the kernel ran at 57 us per 2 MiB page, 3.7x slower than the
-generic kernel. Quarters read each delta four times, from L2 (DRAM was 3 % busy).
+Layout of the work: each program holds 8 syndromes ("halves", 16 planes each: 128
+registers of accumulators) for one column of 32 symbols per thread, and H = 16 runs as two
+halves in one launch, the half being the fastest grid axis so both read a delta while it
+is in L2; 4 per program (quarters) is the other choice. What the H200 showed
+(bench/syndrome_gpu.py --sweep, BENCHMARKS.md sessions 4 and 6; one 2 GiB group, D = 1024,
+H = 16, out of place):
+
+* The parts must be *balanced*. Multiplying by ``a^p`` costs ~3p XORs, so with syndromes
+  in order the parts' page loops cost 98 / 152 / 194 / 260 XORs and the cheap parts ran
+  ahead: the later ones read each delta from DRAM again (L2 hit rate 21-41 %). Mirrored
+  pairs (:func:`_part`) cost 184 / 172 / 170 / 172: halves went from 2.2 to 1.58 us per page.
+* The parity's loads must be in flight before the scale's loop (:func:`_scale_store`): all
+  programs reach the epilogue together, and waiting on them there cost a fixed ~60 us per
+  launch, half of a 128-page chunk's time.
+* No gain, so not kept (session 6, logs ``bench/results/s6_syndrome_sweep*.log``): two
+  pages of loads in flight in registers, Triton's shared-memory pipeliner over the page
+  loop (slower by 0.2-1.7 us per page), a run split over several programs that XOR their
+  sums in atomically (slower at every k), a cheaper scale alone.
+
+Result (session 6): 1.58 us per 2 MiB page for a whole group (0.65x the copy rate for the
+bytes it must move), 1.97 at 128 pages (0.57x), 2.80 at 32 pages (0.54x); the loads alone
+run at 0.90x, so the fold is now bound by its XORs at about half the issue rate (8 warps
+per SM, 228 registers, no spills). Session 4's shape (quarters in order): 2.2-5.0 us per
+page, 0.30-0.46x.
 
 How the constant multiply compiles: the 16 planes are a tuple of 1-D ``[BLOCK]`` tensors
 and :func:`_times_alpha` renames them and XORs the top plane into the feedback taps, so it
@@ -29,19 +49,9 @@ is three XORs by construction, whatever layout Triton picks. (A first form held 
 planes as one ``[16, BLOCK]`` tensor and relied on LLVM folding constant masks: PyPI's
 Triton kept the plane axis in one thread and folded it, but the GPU image's Triton spread
 the axis across threads and turned every multiply into shuffles and shared-memory layout
-conversions, 8x slower than the loads; docs/ERASURE.md.) Local AOT check with Triton 3.6
-for sm_90: the page loops are 98 / 146 / 194 / 243 XORs per page (quarters 0-3), no shuffles
-or barriers. Compile time: the first form of the scale (256 mask loads per syndrome,
-unrolled: 60 k lines of PTX) took 3 min to compile here and ran the GPU bench past its
-limit before it printed anything; the rolled shift-and-add takes 25 s (10 k lines).
-
-Measured on an H200 (bench/syndrome_gpu.py, BENCHMARKS.md "GPU session 4"): a 2 GiB group
-(D = 1024, H = 16) in 2.38 ms against 17.7 ms for the generic kernel; 3.46 us per page at
-k = 64 with loads alone 2.60; 148 registers, no spills.
-
-Each program holds 4 parity accumulators of 16 planes (one column of 32 symbols per
-thread); H > 4 runs as up to four quarters in one launch (the quarter is the fastest grid
-axis, so they read the same deltas from L2).
+conversions, 8x slower than the loads; docs/ERASURE.md.) Compile time: a first form of the
+scale (256 mask loads per syndrome, unrolled: 60 k lines of PTX) took 3 min to compile and
+ran a GPU bench past its limit; the rolled loop takes ~25 s.
 """
 
 from __future__ import annotations
@@ -54,13 +64,16 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 32, "num_warps": 1, "acc": 4, "depth": 1, "split": 0, "stages": 0, "balanced": 0, "epilogue": 0}
-"""Columns (32-symbol words) per program and warps per program (one column per thread at
-32/1: 32/1 beat 64/2 on an H200, 23.7 vs 57.0 us per page with 8 accumulators). ``LETO_SYNDROME_TUNING=BLOCKxWARPS[xACCxDEPTHxSPLITxSTAGESxBALANCEDxEPILOGUE]`` overrides it (bench/syndrome_gpu.py --sweep)."""
+TUNING = {"block": 32, "num_warps": 1, "acc": 8}
+"""Columns (32-symbol words) per program, warps per program (one column per thread) and
+syndromes per program (8: halves; 4: quarters), from bench/syndrome_gpu.py --sweep on an
+H200 (BENCHMARKS.md, session 6): halves read each delta twice from L2 instead of four
+times, at 217 registers (8 warps per SM) without spills. ``LETO_SYNDROME_TUNING=BLOCKxWARPSxACC``
+overrides it."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))
 MAX_PARITY = 16
-"""Syndromes per launch: four quarters of 4 accumulators."""
+"""Syndromes per launch: two halves of 8 accumulators, or four quarters of 4."""
 _SCALE_WORDS = tl.constexpr(MAX_PARITY)
 """Constants per ``j0`` in the scale table (``a^(p j0)`` for 16 syndromes)."""
 
@@ -127,57 +140,46 @@ def _and(a, m):
 
 @triton.jit
 def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok,
-                 HAS_QIN: tl.constexpr, ATOMIC: tl.constexpr, SCALE: tl.constexpr):
+                 HAS_QIN: tl.constexpr):
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
-    ``SCALE == 1`` (launch option ``epilogue=1``): Horner over the bits of ``c_p`` from the top (``y = a y``, then
-    ``y ^= acc`` where the bit is set): the bit is the same in every thread, so it is a
-    branch, not a mask; 3 XORs per bit plus 16 per set bit, ~176 per syndrome and column.
-    ``SCALE == 2``: the same, with the 16 loads of ``q_in[p]`` issued before the loop rather
-    than after it. ``SCALE == 0`` (session 4): shift and add with the bit as a mask, 35 per bit, ~560. Both
-    are rolled loops: the unrolled form (256 mask loads) took minutes to compile."""
+    The 16 loads of ``q_in[p]`` are issued first, so they are in flight during the multiply
+    (issued after it, every program of the launch waited on them in step: a fixed ~60 us
+    per launch on an H200, half the cost of a 128-page chunk). The multiply is Horner over
+    the bits of ``c_p`` from the top (``y = a y``, then ``y ^= acc`` where the bit is set):
+    the bit is the same in every thread, so it is a branch, not a mask, ~176 XORs per
+    syndrome and column; a rolled loop (the unrolled form, 256 mask loads, took minutes to
+    compile)."""
     base = q_base + p * q_stride
     if p < n_par:
-        if SCALE == 2 and HAS_QIN and not ATOMIC:  # the parity's loads in flight during the scale's loop
+        if HAS_QIN:
             q = _load_planes(q_in + base, off, ok)
         if p == 0:  # a^0 = 1
             y = acc
-        elif SCALE >= 1:
+        else:
             c = tl.load(scale_ptr + p)
             y = _and(acc, 0)
             for b in tl.range(0, 16, loop_unroll_factor=1):
                 y = _times_alpha(y)
                 if ((c >> (15 - b)) & 1) != 0:
                     y = _xor(y, acc)
-        else:
-            c = tl.load(scale_ptr + p)
-            x = acc
-            y = _and(acc, 0)
-            for b in tl.range(0, 16, loop_unroll_factor=1):
-                y = _xor(y, _and(x, -((c >> b) & 1)))
-                x = _times_alpha(x)
+        if HAS_QIN:
+            y = _xor(y, q)
         for i in tl.static_range(16):
-            if ATOMIC:  # other programs fold other pages of the run into the same words
-                tl.atomic_xor(q_out + base + off + i * 32, y[i], mask=ok, sem="relaxed")
-            elif SCALE == 2 and HAS_QIN:
-                tl.store(q_out + base + off + i * 32, q[i] ^ y[i], mask=ok)
-            elif HAS_QIN:
-                q = tl.load(q_in + base + off + i * 32, mask=ok, other=0)
-                tl.store(q_out + base + off + i * 32, q ^ y[i], mask=ok)
-            else:
-                tl.store(q_out + base + off + i * 32, y[i], mask=ok)
+            tl.store(q_out + base + off + i * 32, y[i], mask=ok)
 
 
 @triton.jit
-def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-             n_par, off, ok, PART: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
-             HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr,
-             ATOMIC: tl.constexpr, BAL: tl.constexpr, SCALE: tl.constexpr):
+def _part(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
+          n_par, off, ok, PART: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
+          HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr, BAL: tl.constexpr):
     """Syndromes ``S0 .. S(ACC-1)`` (ACC = 4 or 8) of the program's columns: Horner over the
     k pages. Part ``PART`` takes syndromes ``PART * ACC ...`` in order, or with ``BAL`` (all
-    16 syndromes launched) mirrored pairs ``G*b + PART, G*b + G-1-PART`` (``G = 32 / ACC``),
-    so every part does the same number of XORs (multiplying by ``a^p`` costs ~3p) and the
-    parts reading one delta stay in step, the later ones finding it in L2."""
+    16 syndromes launched) mirrored pairs ``G*b + PART, G*b + G-1-PART`` (``G = 32 / ACC``):
+    multiplying by ``a^p`` costs about 3p XORs, so in order the parts do 98 / 152 / 194 / 260
+    XORs per page and column (quarters) and drift apart, the later ones reading each delta
+    from DRAM again; balanced, 184 / 172 / 170 / 172, and they read it in step (halves:
+    0.64x against 0.46x the copy rate for a group on an H200)."""
     G: tl.constexpr = 32 // ACC
     if BAL:
         S0: tl.constexpr = PART
@@ -206,26 +208,14 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
     a5 = a0
     a6 = a0
     a7 = a0
-    # Horner from the last page, software-pipelined DEPTH pages deep: the loads of page
-    # r + DEPTH are issued while page r folds (indices clamped: redundant loads at the end)
-    f1 = _fetch(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
-    f2 = f1
-    if DEPTH == 2 and STAGES == 0:
-        f2 = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 2, 0), tl.int64), new_stride, old_stride, off, ok,
-                    HAS_OLD)
-    for r in tl.range(0, k, num_stages=STAGES if STAGES > 0 else 1):
-        if STAGES > 0:  # Triton's pipeliner prefetches, through shared memory
-            f1 = _fetch(new_ptr, old_ptr, tl.cast(k - 1 - r, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
-        d = _reduce(f1, HAS_OLD)
-        if STAGES > 0:
-            pass
-        elif DEPTH == 2:
-            f1 = f2
-            f2 = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 3 - r, 0), tl.int64), new_stride, old_stride, off,
-                        ok, HAS_OLD)
-        else:
-            f1 = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 2 - r, 0), tl.int64), new_stride, old_stride, off,
-                        ok, HAS_OLD)
+    # Horner from the last page, software-pipelined: page r+1's loads are issued while page r
+    # folds (index clamped: a redundant load at the end). Two pages in flight (254 registers
+    # with halves) or Triton's shared-memory pipeliner measured no faster or slower.
+    f = _fetch(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
+    for r in range(k):
+        d = _reduce(f, HAS_OLD)
+        f = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 2 - r, 0), tl.int64), new_stride, old_stride, off, ok,
+                   HAS_OLD)
         if MATH:
             a0 = _xor(_times_alpha_pow(a0, S0), d)
             a1 = _xor(_times_alpha_pow(a1, S1), d)
@@ -246,48 +236,41 @@ def _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out
                 a5 = _xor(a5, d)
                 a6 = _xor(a6, d)
                 a7 = _xor(a7, d)
-    _scale_store(a0, S0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
-    _scale_store(a1, S1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
-    _scale_store(a2, S2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
-    _scale_store(a3, S3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+    _scale_store(a0, S0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a1, S1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a2, S2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a3, S3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
     if ACC == 8:
-        _scale_store(a4, S4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
-        _scale_store(a5, S5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
-        _scale_store(a6, S6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
-        _scale_store(a7, S7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, ATOMIC, SCALE)
+        _scale_store(a4, S4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a5, S5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a6, S6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a7, S7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
 
 
-@triton.jit(do_not_specialize=["k", "q_base", "scale_first", "seg"])
-def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, seg, scale_ptr, scale_first,
+@triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
+def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
                      q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
-                     MATH: tl.constexpr = True, ACC: tl.constexpr = 4, HAS_OLD: tl.constexpr = True,
-                     HAS_QIN: tl.constexpr = True, DEPTH: tl.constexpr = 1, STAGES: tl.constexpr = 0,
-                     ATOMIC: tl.constexpr = False, BAL: tl.constexpr = False,
-                     SCALE: tl.constexpr = 0):
+                     MATH: tl.constexpr = True, ACC: tl.constexpr = 8, HAS_OLD: tl.constexpr = True,
+                     HAS_QIN: tl.constexpr = True, BAL: tl.constexpr = False):
     part = tl.program_id(0)  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     # word offset of plane 0 of each column within a page range (2 KiB tiles of 16 x 32 words)
     off = (cols // 32) * 512 + cols % 32
-    # this program's pages of the run: [lo, lo + k) (all of them unless the run is split)
-    lo = tl.program_id(2) * seg
-    k = tl.minimum(k - lo, seg)
-    new_ptr += tl.cast(lo, tl.int64) * new_stride
-    old_ptr += tl.cast(lo, tl.int64) * old_stride
-    scale = scale_ptr + tl.cast(scale_first + lo, tl.int64) * _SCALE_WORDS
+    scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
     if part == 0:
-        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
+        _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+              n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
     elif part == 1:
-        _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                 n_par, off, ok, 1, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
+        _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+              n_par, off, ok, 1, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
     elif ACC == 4:
         if part == 2:
-            _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 2, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
+            _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                  n_par, off, ok, 2, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
         else:
-            _quarter(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                     n_par, off, ok, 3, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, DEPTH, STAGES, ATOMIC, BAL, SCALE)
+            _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
+                  n_par, off, ok, 3, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
 
 
 @functools.lru_cache(maxsize=8)
@@ -333,7 +316,7 @@ def syndrome_update(
     syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
     tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
     :func:`scale_table` of the code's D. int32 views on one device; one launch. ``launch``
-    may override ``block`` and ``num_warps``; ``math=False`` (diagnostic: wrong bytes) skips
+    may override ``block``, ``num_warps`` and ``acc`` (anything else is refused); ``math=False`` (diagnostic: wrong bytes) skips
     the multiplications to time the loads alone. ``old=None`` folds the pages themselves
     (an encode: the syndromes of the data), ``q_in=None`` writes ``q_out`` without reading
     it. Returns Triton's compiled-kernel handle (None under the interpreter).
@@ -347,28 +330,17 @@ def syndrome_update(
             raise TypeError(f"page buffers must be int32 views, got {t.dtype}")
     if k == 0 or n_tiles == 0:
         return None
+    unknown = set(launch) - {"block", "num_warps", "acc", "math"}
+    if unknown:
+        raise TypeError(f"unknown launch options of the syndrome kernel: {sorted(unknown)}")
     n_cols = n_tiles * 32
     block, warps = launch.get("block", TUNING["block"]), launch.get("num_warps", TUNING["num_warps"])
-    acc, depth = launch.get("acc", TUNING["acc"]), launch.get("depth", TUNING["depth"])
+    acc = launch.get("acc", TUNING["acc"])
     if acc not in (4, 8):
         raise ValueError(f"the syndrome kernel holds 4 or 8 accumulators per program, got {acc}")
-    if depth not in (1, 2):
-        raise ValueError(f"the syndrome kernel prefetches 1 or 2 pages ahead, got {depth}")
-    seg = launch.get("split", TUNING["split"]) or k
-    n_seg = triton.cdiv(k, seg)
-    if n_seg > 1:  # programs of one column range fold disjoint page runs and XOR their sums in
-        words = torch.as_strided(q_out, (n_parity, n_tiles * 512), (q_stride, 1), q_out.storage_offset() + q_base)
-        if q_in is None:
-            words.zero_()
-        elif q_in.data_ptr() != q_out.data_ptr():
-            words.copy_(torch.as_strided(q_in, words.shape, words.stride(), q_in.storage_offset() + q_base))
-        q_in = q_out
-    grid = (triton.cdiv(n_parity, acc), triton.cdiv(n_cols, block), n_seg)
-    return _syndrome_kernel[grid](new, new if old is None else old, new_stride, old_stride, k, seg, scale, first_page,
+    grid = (triton.cdiv(n_parity, acc), triton.cdiv(n_cols, block))
+    return _syndrome_kernel[grid](new, new if old is None else old, new_stride, old_stride, k, scale, first_page,
                                   q_out if q_in is None else q_in, q_out, q_base, q_stride, n_parity, n_cols,
                                   BLOCK=block, MATH=launch.get("math", True), ACC=acc,
-                                  HAS_OLD=old is not None, HAS_QIN=q_in is not None, DEPTH=depth,
-                                  STAGES=launch.get("stages", TUNING["stages"]), ATOMIC=n_seg > 1,
-                                  BAL=bool(launch.get("balanced", TUNING["balanced"])) and n_parity == MAX_PARITY,
-                                  SCALE=launch.get("epilogue", TUNING["epilogue"]),
+                                  HAS_OLD=old is not None, HAS_QIN=q_in is not None, BAL=n_parity == MAX_PARITY,
                                   num_warps=warps)
