@@ -57,18 +57,18 @@ def to_symbols(x: torch.Tensor) -> torch.Tensor:
     """Decode a uint8 page range into its GF(2^16) symbols (int64, in symbol order)."""
     words = _tiles(x).view(torch.int32).view(-1, PLANES, WORDS_PER_PLANE).to(torch.int64)
     words &= 0xFFFFFFFF
-    lanes = torch.arange(32, dtype=torch.int64)
+    lanes = torch.arange(32, dtype=torch.int64, device=x.device)
     bits = (words.unsqueeze(-1) >> lanes) & 1  # [tiles, plane, column, lane]
-    weights = (1 << torch.arange(PLANES, dtype=torch.int64)).view(1, PLANES, 1, 1)
+    weights = (1 << torch.arange(PLANES, dtype=torch.int64, device=x.device)).view(1, PLANES, 1, 1)
     return (bits * weights).sum(dim=1).reshape(-1)
 
 
 def from_symbols(sym: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_symbols`: pack symbols (any int dtype) back into page bytes."""
     s = sym.to(torch.int64).view(-1, WORDS_PER_PLANE, 32)  # [tiles, column, lane]
-    planes = torch.arange(PLANES, dtype=torch.int64).view(1, PLANES, 1, 1)
+    planes = torch.arange(PLANES, dtype=torch.int64, device=sym.device).view(1, PLANES, 1, 1)
     bits = (s.unsqueeze(1) >> planes) & 1  # [tiles, plane, column, lane]
-    words = (bits << torch.arange(32, dtype=torch.int64)).sum(dim=-1)
+    words = (bits << torch.arange(32, dtype=torch.int64, device=sym.device)).sum(dim=-1)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     return words.reshape(-1).view(torch.uint8)
 
@@ -92,7 +92,7 @@ def _tables(x: torch.Tensor) -> torch.Tensor:
     is the XOR of planes ``4 g + k`` for the bits ``k`` of ``m``."""
     nt = x.shape[0]
     xg = x.view(nt, 4, 4, -1)
-    t = torch.empty(nt, 4, 16, x.shape[-1], dtype=x.dtype)
+    t = torch.empty(nt, 4, 16, x.shape[-1], dtype=x.dtype, device=x.device)
     t[:, :, 0] = 0
     for k in range(4):
         torch.bitwise_xor(t[:, :, : 1 << k], xg[:, :, k : k + 1], out=t[:, :, 1 << k : 2 << k])
@@ -109,8 +109,9 @@ def mac_pages(
 ) -> None:
     """``outs[o] (^)= sum_j coef[o][j] * (srcs[j] ^ srcs_xor[j])`` over GF(2^16), in place.
 
-    All tensors are flat uint8 CPU tensors of one length (a multiple of ``TILE_BYTES``),
-    in the bit-sliced layout. ``accumulate=False`` overwrites ``outs``. ``srcs_xor``
+    All tensors are flat uint8 tensors of one length (a multiple of ``TILE_BYTES``) on one
+    device (the CPU in production; a GPU in the tests that compare engines there), in the
+    bit-sliced layout. ``accumulate=False`` overwrites ``outs``. ``srcs_xor``
     (optional) is XORed into each source first: the incremental update passes the old
     and new contents of a range and multiplies their difference.
     """
@@ -127,10 +128,10 @@ def mac_pages(
     n_tiles = out_t[0].shape[0]
     if any(t.shape[0] != n_tiles for t in src_t + out_t + (xor_t or [])):
         raise ValueError("all page ranges passed to mac_pages must have the same length")
-    idx = _gather_index(key) if src_t else None
+    idx = _gather_index(key).to(out_t[0].device) if src_t else None
     for t0 in range(0, n_tiles, _BLOCK_TILES):
         t1 = min(t0 + _BLOCK_TILES, n_tiles)
-        acc = torch.zeros(t1 - t0, n_out, PLANES, WORDS_PER_PLANE // 2, dtype=torch.int64)
+        acc = torch.zeros(t1 - t0, n_out, PLANES, WORDS_PER_PLANE // 2, dtype=torch.int64, device=out_t[0].device)
         for j, s in enumerate(src_t):
             x = s[t0:t1]
             if xor_t is not None:
