@@ -109,9 +109,9 @@ def mac_pages(
 ) -> None:
     """``outs[o] (^)= sum_j coef[o][j] * (srcs[j] ^ srcs_xor[j])`` over GF(2^16), in place.
 
-    All tensors are flat uint8 tensors of one length (a multiple of ``TILE_BYTES``) on one
-    device (the CPU in production; a GPU in the tests that compare engines there), in the
-    bit-sliced layout. ``accumulate=False`` overwrites ``outs``. ``srcs_xor``
+    All tensors are flat uint8 tensors of one length (a multiple of ``TILE_BYTES``), in the
+    bit-sliced layout; the product runs on the sources' device (the CPU in production, a
+    GPU in the tests that compare engines there) and lands in outputs on any device. ``accumulate=False`` overwrites ``outs``. ``srcs_xor``
     (optional) is XORed into each source first: the incremental update passes the old
     and new contents of a range and multiplies their difference.
     """
@@ -128,10 +128,11 @@ def mac_pages(
     n_tiles = out_t[0].shape[0]
     if any(t.shape[0] != n_tiles for t in src_t + out_t + (xor_t or [])):
         raise ValueError("all page ranges passed to mac_pages must have the same length")
-    idx = _gather_index(key).to(out_t[0].device) if src_t else None
+    dev = src_t[0].device if src_t else out_t[0].device  # outputs may live elsewhere (host tiers)
+    idx = _gather_index(key).to(dev) if src_t else None
     for t0 in range(0, n_tiles, _BLOCK_TILES):
         t1 = min(t0 + _BLOCK_TILES, n_tiles)
-        acc = torch.zeros(t1 - t0, n_out, PLANES, WORDS_PER_PLANE // 2, dtype=torch.int64, device=out_t[0].device)
+        acc = torch.zeros(t1 - t0, n_out, PLANES, WORDS_PER_PLANE // 2, dtype=torch.int64, device=dev)
         for j, s in enumerate(src_t):
             x = s[t0:t1]
             if xor_t is not None:
@@ -139,10 +140,11 @@ def mac_pages(
             g = _tables(x).index_select(1, idx[j]).view(t1 - t0, n_out, PLANES, 4, -1)
             acc ^= g[:, :, :, 0] ^ g[:, :, :, 1] ^ g[:, :, :, 2] ^ g[:, :, :, 3]
         for o, out in enumerate(out_t):
+            part = acc[:, o].to(out.device)
             if accumulate:
-                out[t0:t1] ^= acc[:, o]
+                out[t0:t1] ^= part
             else:
-                out[t0:t1] = acc[:, o]
+                out[t0:t1] = part
 
 
 def plane_masks_tensor(coef: torch.Tensor) -> torch.Tensor:
