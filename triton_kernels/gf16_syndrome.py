@@ -37,11 +37,12 @@ H = 16, out of place):
   loop (slower by 0.2-1.7 us per page), a run split over several programs that XOR their
   sums in atomically (slower at every k), a cheaper scale alone.
 
-Result (session 6): 1.58 us per 2 MiB page for a whole group (0.65x the copy rate for the
-bytes it must move), 1.97 at 128 pages (0.57x), 2.80 at 32 pages (0.54x); the loads alone
-run at 0.90x, so the fold is now bound by its XORs at about half the issue rate (8 warps
-per SM, 228 registers, no spills). Session 4's shape (quarters in order): 2.2-5.0 us per
-page, 0.30-0.46x.
+Result (session 6, final form, ``s6_syndrome_gpu.log``): 1.50 us per 2 MiB page for a whole
+group (0.67x the device-copy rate for the bytes it must move), 1.93 at 128 pages (0.58x),
+2.84 at 32 (0.53x), 5.9 at 8 (0.51x, through ``update_pages``); the loads alone run at
+0.96x, so the fold is now bound by its XORs at about half the issue rate (8 warps per SM,
+215 registers, no spills). Session 4's shape (quarters in order): 2.2-5.0 us per page,
+0.30-0.46x.
 
 How the constant multiply compiles: the 16 planes are a tuple of 1-D ``[BLOCK]`` tensors
 and :func:`_times_alpha` renames them and XORs the top plane into the feedback taps, so it

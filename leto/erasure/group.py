@@ -31,13 +31,14 @@ logger = logging.getLogger(__name__)
 SYNDROME_KERNEL = os.environ.get("LETO_SYNDROME_KERNEL", "1") == "1"
 """Fold syndrome-form chunks on CUDA with the Horner kernel (``triton_kernels.gf16_syndrome``)
 instead of the generic kernel on the syndrome matrix (same bytes). On an H200 (BENCHMARKS.md,
-GPU session 4) it folds a 2 GiB group in 2.38 ms against 17.7 ms (k = 1024 pages per call),
-157 vs 500 us per 32-page chunk, and takes the fused RMU's overhead from +60 % to +11 %
-(256 MiB chunks). ``LETO_SYNDROME_KERNEL=0`` selects the generic kernel (bench/syndrome_gpu.py
+GPU session 6) it folds a 2 GiB group in 1.54 ms against 18.0 ms (k = 1024 pages per call),
+91 vs 515 us per 32-page chunk, 47 vs 152 us per 8-page chunk. ``LETO_SYNDROME_KERNEL=0`` selects the generic kernel (bench/syndrome_gpu.py
 compares both)."""
 SYNDROME_MIN_PAGES = 4
-"""Shorter runs go to the generic kernel: the Horner kernel's fixed cost (the scale by
-``a^(p j0)``, about 18 pages' worth of folding) loses below ~4 pages (k = 1: 72 vs 37 us)."""
+"""Shorter runs go to the generic kernel, whose 1-page fold (33 us on an H200) beats the Horner
+kernel's fixed cost per launch (session 4: 72 us at k = 1; session 6's form: ~35 us,
+inferred from 41 us at k = 4 and 47 at k = 8, so 2-3 page runs probably belong to it too;
+not measured)."""
 
 
 @dataclass(frozen=True, slots=True)
