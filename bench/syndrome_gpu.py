@@ -83,11 +83,19 @@ def main() -> None:
     ap.add_argument("--diag", action="store_true",
                     help="also time the kernel without its multiplications (loads alone) per launch shape")
     ap.add_argument("--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)")
+    ap.add_argument("--sweep-ks", default=None, help="comma-separated chunk lengths of the sweep (default 4,32,128,1024)")
+    ap.add_argument("--syndrome-min-pages", type=int, default=None,
+                    help="fold runs of at least this many pages with the Horner kernel (default: leto.erasure.group's)")
     ap.add_argument("--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)")
     ap.add_argument("--warm", default=None, help="compile one launch shape (BLOCKxWARPSxACC) and exit")
     args = ap.parse_args()
     if args.warm:
         return warm(args.warm, args.diag)
+    if args.syndrome_min_pages is not None:
+        import leto.erasure.group as erasure_group
+
+        erasure_group.SYNDROME_MIN_PAGES = args.syndrome_min_pages
+    sweep_ks = tuple(int(x) for x in args.sweep_ks.split(",")) if args.sweep_ks else SWEEP_KS
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from bench.erasure_gpu import timeit
@@ -189,7 +197,7 @@ def main() -> None:
         variants = [(v, m) for v in (SWEEP if args.sweep else (DEFAULT,))
                     for m in ((True, False) if args.diag and v in DIAG else (True,))]
         for v, math in variants:
-            for kk in SWEEP_KS if d >= max(SWEEP_KS) else (min(4, d),):
+            for kk in sweep_ks if d >= max(sweep_ks) else (min(4, d),):
                 def run(v: tuple = v, math: bool = math, kk: int = kk) -> None:
                     fold_run(gf16_syndrome, sc, d, kk, pb, h, new, data, q[0], q[1], v, math)
                 try:
