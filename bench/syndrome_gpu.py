@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 
 KEYS = ("block", "num_warps", "acc")
-DEFAULT = (32, 1, 8)
-"""``gf16_syndrome.TUNING`` since session 6: halves, one column per thread."""
+DEFAULT = (64, 2, 8)
+"""``gf16_syndrome.TUNING`` since session 6: halves, one column per thread, two warps."""
 SWEEP = (DEFAULT, (32, 1, 4), (64, 2, 8), (64, 2, 4))
 """Launch shapes of the kernel as it is. Session 6 (2026-12-01) swept the kernel's earlier
 forms and options (``bench/results/s6_syndrome_sweep*.log``, commits c3e6254..); what won

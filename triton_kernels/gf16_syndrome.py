@@ -65,11 +65,13 @@ import torch
 import triton
 import triton.language as tl
 
-TUNING = {"block": 32, "num_warps": 1, "acc": 8}
+TUNING = {"block": 64, "num_warps": 2, "acc": 8}
 """Columns (32-symbol words) per program, warps per program (one column per thread) and
 syndromes per program (8: halves; 4: quarters), from bench/syndrome_gpu.py --sweep on an
 H200 (BENCHMARKS.md, session 6): halves read each delta twice from L2 instead of four
-times, at 217 registers (8 warps per SM) without spills. ``LETO_SYNDROME_TUNING=BLOCKxWARPSxACC``
+times, at 215 registers (8 warps per SM) without spills; 64 columns on 2 warps were as fast
+as or 1-10 % faster than 32 on 1 at every run length from 2 to 1024 pages (quarters win
+only at 3-4 pages, by 2-4 %). ``LETO_SYNDROME_TUNING=BLOCKxWARPSxACC``
 overrides it."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))

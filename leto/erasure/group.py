@@ -34,11 +34,12 @@ instead of the generic kernel on the syndrome matrix (same bytes). On an H200 (B
 GPU session 6) it folds a 2 GiB group in 1.54 ms against 18.0 ms (k = 1024 pages per call),
 91 vs 515 us per 32-page chunk, 47 vs 152 us per 8-page chunk. ``LETO_SYNDROME_KERNEL=0`` selects the generic kernel (bench/syndrome_gpu.py
 compares both)."""
-SYNDROME_MIN_PAGES = 4
-"""Shorter runs go to the generic kernel, whose 1-page fold (33 us on an H200) beats the Horner
-kernel's fixed cost per launch (session 4: 72 us at k = 1; session 6's form: ~35 us,
-inferred from 41 us at k = 4 and 47 at k = 8, so 2-3 page runs probably belong to it too;
-not measured)."""
+SYNDROME_MIN_PAGES = 2
+"""Single pages go to the generic kernel (out of place, the Horner kernel's 1-page fold was
+50.6 against 48.2 us in place for the generic one through ``update_pages`` on an H200);
+from 2 pages the Horner kernel wins (2: 44.3 vs 70.5 us, 3: 44.2 vs 73.1, 4: 45.1 vs 88.6;
+session 6, ``bench/syndrome_gpu.py --ks 1,2,3,4,8 --syndrome-min-pages 1``). Session 4's form
+of the kernel lost below 4 pages (72 us at k = 1)."""
 
 
 @dataclass(frozen=True, slots=True)
