@@ -31,7 +31,7 @@ H = 16, out of place):
   pairs (:func:`_part`) cost 184 / 172 / 170 / 172: halves went from 2.2 to 1.58 us per page.
 * The parity's loads must be in flight before the scale's loop (:func:`_scale_store`): all
   programs reach the epilogue together, and waiting on them there cost a fixed ~60 us per
-  launch, half of a 128-page chunk's time.
+  launch (a 128-page chunk 302 -> 252 us, a 32-page one 161 -> 90 us).
 * No gain, so not kept (session 6, logs ``bench/results/s6_syndrome_sweep*.log``): two
   pages of loads in flight in registers, Triton's shared-memory pipeliner over the page
   loop (slower by 0.2-1.7 us per page), a run split over several programs that XOR their
@@ -148,7 +148,7 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 
     The 16 loads of ``q_in[p]`` are issued first, so they are in flight during the multiply
     (issued after it, every program of the launch waited on them in step: a fixed ~60 us
-    per launch on an H200, half the cost of a 128-page chunk). The multiply is Horner over
+    per launch on an H200, a fifth of a 128-page chunk's time before). The multiply is Horner over
     the bits of ``c_p`` from the top (``y = a y``, then ``y ^= acc`` where the bit is set):
     the bit is the same in every thread, so it is a branch, not a mask, ~176 XORs per
     syndrome and column; a rolled loop (the unrolled form, 256 mask loads, took minutes to
