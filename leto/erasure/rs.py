@@ -56,6 +56,29 @@ class DecodePlan:
     """``coef`` as an int64 ``[outputs, sources]`` array (what the GPU path uploads)."""
 
 
+@dataclass(frozen=True, slots=True)
+class SyndromeDecode:
+    """Erasure decoding of a :class:`GRSCode` through its syndromes (the GPU rebuild).
+
+    With the erased pages zeroed, the first ``rows`` syndromes of what survives are
+    ``R = V[:rows] d + parity_coef . parity[parity_sources]`` (``V d`` by the Horner kernel
+    over the data pages, the rest a small product); they equal ``M c`` over the erased pages
+    ``c`` (``M[p][x] = a^(p pos_x)``, a Vandermonde matrix on distinct points), so
+    ``c = inverse . R``. No ``H x D`` composition: the planning is one ``e x e`` inverse.
+    """
+
+    outputs: tuple[PageRef, ...]
+    """The erased pages, in the order of ``inverse``'s rows."""
+    rows: int
+    """How many syndromes the solve needs (the number of erasures)."""
+    parity_sources: tuple[int, ...]
+    """The surviving parity pages that enter ``R`` (tier-1 parity, or the stored syndromes)."""
+    parity_coef: np.ndarray
+    """int64 ``[rows, len(parity_sources)]``."""
+    inverse: np.ndarray
+    """int64 ``[rows, rows]``: ``M^-1``."""
+
+
 def _check_shape(data_pages: int, parity_pages: int, points: int) -> None:
     if data_pages < 1 or parity_pages < 0:
         raise ConfigError(f"need data_pages >= 1 and parity_pages >= 0, "
@@ -99,18 +122,8 @@ class SystematicCode:
         rest are logical zero pages (a short last group) and are neither sources nor lost.
         Raises :class:`UnrecoverableStateError` when the erasures exceed the tolerance.
         """
-        d = self.data_pages if present_data is None else present_data
-        ld = sorted(set(lost_data))
-        lp = sorted(set(lost_parity))
-        if any(not 0 <= j < d for j in ld) or any(not 0 <= p < self.parity_pages for p in lp):
-            raise ValueError(f"lost pages out of range: data {ld} (of {d}), parity {lp} "
-                             f"(of {self.parity_pages})")
-        if len(ld) + len(lp) > self.parity_pages:
-            raise UnrecoverableStateError(
-                f"{len(ld)} data and {len(lp)} parity pages lost, but the code tolerates "
-                f"{self.parity_pages} erasures per group; restore from the checkpoint"
-            )
-        return _decode_plan(self._matrix, d, ld, lp)
+        ld, lp = _checked_erasures(self, lost_data, lost_parity, present_data)
+        return _decode_plan(self._matrix, self.data_pages if present_data is None else present_data, ld, lp)
 
 
 class CauchyCode(SystematicCode):
@@ -151,6 +164,21 @@ class GRSCode(SystematicCode):
         """The syndrome form ``S = V d`` of this code (the updater's working parity)."""
         return SyndromeCode(self)
 
+    def syndrome_decode(self, lost_data: list[int], lost_parity: list[int], *,
+                        present_data: int | None = None) -> SyndromeDecode:
+        """:class:`SyndromeDecode` of these erasures: the parity check ``V d = W P`` (char 2)
+        makes the syndromes of the survivors those of the erased pages. Same checks and
+        errors as :meth:`decode_plan`."""
+        ld, lp = _checked_erasures(self, lost_data, lost_parity, present_data)
+        e = len(ld) + len(lp)
+        pos = np.array(ld + [self.data_pages + q for q in lp], dtype=np.int64)
+        surv = tuple(q for q in range(self.parity_pages) if q not in set(lp))
+        return SyndromeDecode(
+            outputs=tuple(PageRef("data", j) for j in ld) + tuple(PageRef("parity", q) for q in lp),
+            rows=e, parity_sources=surv, parity_coef=self.to_syndromes[:e][:, list(surv)],
+            inverse=_vandermonde_inverse(pos, e))
+
+
 
 class SyndromeCode(SystematicCode):
     """Syndromes ``S_p = sum_j a^(p j) d_j`` of a :class:`GRSCode` as "parity pages".
@@ -170,12 +198,49 @@ class SyndromeCode(SystematicCode):
         *, present_data: int | None = None,
     ) -> DecodePlan:
         """Rebuild lost data pages from the survivors and the syndromes (none may be lost)."""
-        if lost_parity:
-            raise UnrecoverableStateError(
-                f"syndrome pages {sorted(set(lost_parity))} of the working parity were lost; "
-                "restore from the checkpoint"
-            )
+        _refuse_lost_syndromes(lost_parity)
         return super().decode_plan(lost_data, (), present_data=present_data)
+
+    def syndrome_decode(self, lost_data: list[int], lost_parity: list[int], *,
+                        present_data: int | None = None) -> SyndromeDecode:
+        """:class:`SyndromeDecode` of lost data pages: the stored syndromes enter ``R``
+        directly (``parity_coef`` selects the first ``e``). Lost syndrome pages are refused."""
+        _refuse_lost_syndromes(lost_parity)
+        ld, _ = _checked_erasures(self, lost_data, [], present_data)
+        e = len(ld)
+        return SyndromeDecode(
+            outputs=tuple(PageRef("data", j) for j in ld), rows=e, parity_sources=tuple(range(e)),
+            parity_coef=np.eye(e, dtype=np.int64), inverse=_vandermonde_inverse(np.array(ld, dtype=np.int64), e))
+
+
+def _refuse_lost_syndromes(lost: set[int] | list[int]) -> None:
+    if lost:
+        raise UnrecoverableStateError(
+            f"syndrome pages {sorted(set(lost))} of the working parity were lost; restore from the checkpoint"
+        )
+
+
+def _checked_erasures(code: SystematicCode, lost_data: list[int], lost_parity: list[int],
+                      present_data: int | None) -> tuple[list[int], list[int]]:
+    """Sorted erasures, checked as :meth:`SystematicCode.decode_plan` checks them."""
+    d = code.data_pages if present_data is None else present_data
+    ld, lp = sorted(set(lost_data)), sorted(set(lost_parity))
+    if any(not 0 <= j < d for j in ld) or any(not 0 <= p < code.parity_pages for p in lp):
+        raise ValueError(f"lost pages out of range: data {ld} (of {d}), parity {lp} (of {code.parity_pages})")
+    if len(ld) + len(lp) > code.parity_pages:
+        raise UnrecoverableStateError(
+            f"{len(ld)} data and {len(lp)} parity pages lost, but the code tolerates "
+            f"{code.parity_pages} erasures per group; restore from the checkpoint"
+        )
+    return ld, lp
+
+
+def _vandermonde_inverse(positions: np.ndarray, rows: int) -> np.ndarray:
+    """``M^-1`` for ``M[p][x] = a^(p positions[x])``, ``p < rows = len(positions)``."""
+    if rows == 0:
+        return np.zeros((0, 0), dtype=np.int64)
+    m = gf16.EXP_NP[(np.arange(rows, dtype=np.int64)[:, None] * positions[None, :]) % (gf16.ORDER - 1)]
+    return np.array(gf16.mat_inv(m.tolist()), dtype=np.int64)
 
 
 def _decode_plan(c_all: np.ndarray, d: int, ld: list[int], lp: list[int]) -> DecodePlan:

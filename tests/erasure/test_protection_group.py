@@ -21,14 +21,14 @@ from leto.erasure.bitslice import TILE_BYTES
 from leto.errors import ConfigError, UnrecoverableStateError
 
 
-def make_group(d: int, h1: int, h2: int, tiles: int, present: int, seed: int):
+def make_group(d: int, h1: int, h2: int, tiles: int, present: int, seed: int, backend: str = "torch"):
     pb = tiles * TILE_BYTES
     cfg = ErasureConfig(page_bytes=pb, data_pages=d, tier1_parity=h1, tier2_parity=h2)
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (present * pb,), dtype=torch.uint8, generator=g)
     t1 = torch.empty(h1 * pb, dtype=torch.uint8)
     t2 = torch.empty(h2 * pb, dtype=torch.uint8)
-    grp = ProtectionGroup(cfg, data, t1, t2, backend="torch")
+    grp = ProtectionGroup(cfg, data, t1, t2, backend=backend)
     grp.encode_all()
     return grp
 
@@ -57,9 +57,28 @@ groups = st.tuples(
 def test_decode_any_pattern_within_tolerance(shape, data) -> None:
     """Any <= H1 erased pages (data and tier-1 parity mixed), plus tier-2 losses, rebuild
     bit-exactly."""
+    decode_any_pattern(shape, data, "torch")
+
+
+@settings(max_examples=12, deadline=None)
+@given(groups, st.data())
+def test_decode_by_syndromes_any_pattern_within_tolerance(shape, data) -> None:
+    """The device engine's rebuild (the Horner kernel's syndromes of the survivors, then
+    ``M^-1 R``; Triton's interpreter on CPU) restores any pattern the one-pass plan does."""
+    calls: list[int] = []
+    real = ProtectionGroup._rebuild_t1_by_syndromes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ProtectionGroup, "_rebuild_t1_by_syndromes",
+                   lambda self, plan: calls.append(plan.rows) or real(self, plan))
+        ld, l1, via_tier2 = decode_any_pattern(shape, data, "triton")
+    t1_erasures = [] if via_tier2 else l1
+    assert calls == ([len(ld) + len(t1_erasures)] if ld or t1_erasures else [])  # the path under test ran
+
+
+def decode_any_pattern(shape, data, backend: str) -> tuple[list[int], list[int], bool]:
     d, h1, h2, tiles, seed = shape
     present = data.draw(st.integers(1, d), label="present pages")
-    grp = make_group(d, h1, h2, tiles, present, seed)
+    grp = make_group(d, h1, h2, tiles, present, seed, backend)
     want = snapshot(grp)
     n_lost = data.draw(st.integers(1, min(h1, present + h1)), label="erasures")
     pool = [("d", j) for j in range(present)] + [("p", p) for p in range(h1)]
@@ -78,6 +97,7 @@ def test_decode_any_pattern_within_tolerance(shape, data) -> None:
     report = grp.rebuild(ld, l1, lost2)
     assert report.data_pages == tuple(sorted(ld))
     assert_state(grp, want)
+    return ld, l1, bool(l1 or lost2) and len(l1) + len(lost2) <= h2
 
 
 @settings(max_examples=25, deadline=None)
@@ -115,12 +135,14 @@ def test_update_into_then_commit_equals_reencode() -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(groups, st.data())
-def test_beyond_tolerance_raises_and_touches_nothing(shape, data) -> None:
+@given(groups, st.data(), st.sampled_from(["torch", "triton"]))
+def test_beyond_tolerance_raises_and_touches_nothing(shape, data, backend: str) -> None:
+    """Both engines' rebuilds (the one-pass plan; the syndromes of the survivors) refuse
+    more than H1 erasures before writing a byte."""
     d, h1, h2, tiles, seed = shape
     if d <= h1:
         d = h1 + 1
-    grp = make_group(d, h1, h2, tiles, d, seed)
+    grp = make_group(d, h1, h2, tiles, d, seed, backend)
     n_data = data.draw(st.integers(h1 + 1, d), label="lost data pages")
     ld = random.Random(seed).sample(range(d), n_data)
     for j in ld:
@@ -131,10 +153,11 @@ def test_beyond_tolerance_raises_and_touches_nothing(shape, data) -> None:
     assert_state(grp, before)
 
 
-def test_tier1_and_tier2_lost_together_falls_back_to_tier1() -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tier1_and_tier2_lost_together_falls_back_to_tier1(backend: str) -> None:
     """More tier-1 + tier-2 losses than tier 2 covers: tier 1 rebuilds its own pages from
     the data when it has the budget, and tier 2 is re-encoded."""
-    grp = make_group(8, 4, 1, 1, 8, 3)
+    grp = make_group(8, 4, 1, 1, 8, 3, backend)
     want = snapshot(grp)
     grp.data_page(2).zero_()
     grp.tier1_page(0).zero_()
