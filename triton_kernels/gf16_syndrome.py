@@ -18,6 +18,10 @@ symbols for H = 16 (about 10 lane-ops per changed byte instead of 64), and the g
 product is paid once per chunk, for the scale ``a^(p j0)``: Horner over the 16 bits of that
 runtime constant (one scalar per syndrome from a ``[D, 16]`` table), a rolled loop.
 
+The same kernel encodes (``old=None``: the syndromes of the pages themselves, then
+``P = W^-1 S``) and gives the survivors' syndromes for the device rebuild
+(``leto.erasure.group.ProtectionGroup._rebuild_t1_by_syndromes``).
+
 Layout of the work: each program holds 8 syndromes ("halves", 16 planes each: 128
 registers of accumulators) for one column of 32 symbols per thread, and H = 16 runs as two
 halves in one launch, the half being the fastest grid axis so both read a delta while it
