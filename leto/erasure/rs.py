@@ -172,12 +172,12 @@ class GRSCode(SystematicCode):
         ld, lp = _checked_erasures(self, lost_data, lost_parity, present_data)
         e = len(ld) + len(lp)
         pos = np.array(ld + [self.data_pages + q for q in lp], dtype=np.int64)
-        surv = tuple(q for q in range(self.parity_pages) if q not in set(lp))
+        gone = set(lp)
+        surv = tuple(q for q in range(self.parity_pages) if q not in gone)
         return SyndromeDecode(
             outputs=tuple(PageRef("data", j) for j in ld) + tuple(PageRef("parity", q) for q in lp),
             rows=e, parity_sources=surv, parity_coef=self.to_syndromes[:e][:, list(surv)],
             inverse=_vandermonde_inverse(pos, e))
-
 
 
 class SyndromeCode(SystematicCode):
