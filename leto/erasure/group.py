@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -428,6 +428,25 @@ class ProtectionGroup:
                                             "seconds": report.seconds})
         return report
 
+    def _tier1_to_device(self, pages: Sequence[int], out: torch.Tensor) -> torch.cuda.Stream | None:
+        """Start copying tier-1 ``pages`` into consecutive pages of the device buffer ``out``
+        (host -> device, async when tier 1 is pinned) on a side stream, so the copies overlap
+        the kernel that reads the data; the caller waits on the returned stream (None: the
+        copies were synchronous, or there were none)."""
+        pb, dev = self.config.page_bytes, out.device
+        side = torch.cuda.Stream(device=dev) if dev.type == "cuda" and pages else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+            out.record_stream(side)
+        with torch.cuda.stream(side) if side is not None else _nullctx():
+            for k, q in enumerate(pages):
+                out[k * pb : (k + 1) * pb].copy_(self.tier1_page(q), non_blocking=True)
+        return side
+
+    def _words_from_data(self, t: torch.Tensor) -> int:
+        """``t``'s start in int32 words from the data's (the kernels address scratch that way)."""
+        return (t.data_ptr() - self.data.data_ptr()) // 4
+
     def _syndrome_kernel_applies(self) -> bool:
         """The Horner kernel serves this group's tier 1 (the device engine, H1 <= 16)."""
         return SYNDROME_KERNEL and self._on_device() and self.config.tier1_parity <= 16
@@ -455,14 +474,7 @@ class ProtectionGroup:
         n_in = len(plan.parity_sources)
         buf = torch.empty((e + n_in + max(len(lost_par), 1)) * pb, dtype=torch.uint8, device=dev)
         syn, par_in, par_out = buf[: e * pb], buf[e * pb : (e + n_in) * pb], buf[(e + n_in) * pb :]
-        cuda = dev.type == "cuda"
-        side = torch.cuda.Stream(device=dev) if cuda and n_in else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-            buf.record_stream(side)
-        with torch.cuda.stream(side) if side is not None else _nullctx():
-            for k, q in enumerate(plan.parity_sources):
-                par_in[k * pb : (k + 1) * pb].copy_(self.tier1_page(q), non_blocking=True)
+        side = self._tier1_to_device(plan.parity_sources, par_in)
         base = self.data.view(torch.int32)
         syndrome_update(scale_table(self.config.data_pages, dev), 0, self.num_pages, base, pw, None, pw, None,
                         syn.view(torch.int32), 0, pw, e, n_tiles)
@@ -470,8 +482,7 @@ class ProtectionGroup:
             torch.cuda.current_stream(dev).wait_stream(side)
 
         def offsets(t: torch.Tensor, n: int) -> list[int]:  # pages of t, in words from the data's start
-            first = (t.data_ptr() - self.data.data_ptr()) // 4
-            return [first + k * pw for k in range(n)]
+            return [self._words_from_data(t) + k * pw for k in range(n)]
 
         syn_off = torch.tensor(offsets(syn, e), dtype=torch.int64, device=dev)
         if n_in:
@@ -509,20 +520,10 @@ class ProtectionGroup:
         lost_par = [r.index for r in plan.outputs if r.kind == "parity"]
         par_in = torch.empty(max(len(used), 1) * pb, dtype=torch.uint8, device=dev)
         par_out = torch.empty(max(len(lost_par), 1) * pb, dtype=torch.uint8, device=dev)
-        cuda = dev.type == "cuda"
-        side = torch.cuda.Stream(device=dev) if cuda and used else None
-        if used:
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream(dev))
-                par_in.record_stream(side)
-            with torch.cuda.stream(side) if side is not None else _nullctx():
-                for k, p in enumerate(used):
-                    par_in[k * pb : (k + 1) * pb].copy_(self.tier1_page(p), non_blocking=True)
+        side = self._tier1_to_device(used, par_in)
         matrix = plan.matrix if plan.matrix is not None else np.array(plan.coef, np.int64)
         masks = plane_masks_tensor(torch.from_numpy(matrix).to(dev))  # [n_src, 16, n_out*16]
-
-        def rel(t: torch.Tensor) -> int:
-            return (t.data_ptr() - self.data.data_ptr()) // 4
+        rel = self._words_from_data
 
         dst, kp = [], 0
         for r in plan.outputs:
