@@ -122,8 +122,8 @@ class SystematicCode:
         rest are logical zero pages (a short last group) and are neither sources nor lost.
         Raises :class:`UnrecoverableStateError` when the erasures exceed the tolerance.
         """
-        ld, lp = _checked_erasures(self, lost_data, lost_parity, present_data)
-        return _decode_plan(self._matrix, self.data_pages if present_data is None else present_data, ld, lp)
+        d, ld, lp = _checked_erasures(self, lost_data, lost_parity, present_data)
+        return _decode_plan(self._matrix, d, ld, lp)
 
 
 class CauchyCode(SystematicCode):
@@ -169,7 +169,7 @@ class GRSCode(SystematicCode):
         """:class:`SyndromeDecode` of these erasures: the parity check ``V d = W P`` (char 2)
         makes the syndromes of the survivors those of the erased pages. Same checks and
         errors as :meth:`decode_plan`."""
-        ld, lp = _checked_erasures(self, lost_data, lost_parity, present_data)
+        _, ld, lp = _checked_erasures(self, lost_data, lost_parity, present_data)
         e = len(ld) + len(lp)
         pos = np.array(ld + [self.data_pages + q for q in lp], dtype=np.int64)
         gone = set(lp)
@@ -206,7 +206,7 @@ class SyndromeCode(SystematicCode):
         """:class:`SyndromeDecode` of lost data pages: the stored syndromes enter ``R``
         directly (``parity_coef`` selects the first ``e``). Lost syndrome pages are refused."""
         _refuse_lost_syndromes(lost_parity)
-        ld, _ = _checked_erasures(self, lost_data, [], present_data)
+        _, ld, _ = _checked_erasures(self, lost_data, [], present_data)
         e = len(ld)
         return SyndromeDecode(
             outputs=tuple(PageRef("data", j) for j in ld), rows=e, parity_sources=tuple(range(e)),
@@ -221,8 +221,8 @@ def _refuse_lost_syndromes(lost: set[int] | list[int]) -> None:
 
 
 def _checked_erasures(code: SystematicCode, lost_data: list[int], lost_parity: list[int],
-                      present_data: int | None) -> tuple[list[int], list[int]]:
-    """Sorted erasures, checked as :meth:`SystematicCode.decode_plan` checks them."""
+                      present_data: int | None) -> tuple[int, list[int], list[int]]:
+    """The data pages present and the sorted erasures, checked for every decode."""
     d = code.data_pages if present_data is None else present_data
     ld, lp = sorted(set(lost_data)), sorted(set(lost_parity))
     if any(not 0 <= j < d for j in ld) or any(not 0 <= p < code.parity_pages for p in lp):
@@ -232,7 +232,7 @@ def _checked_erasures(code: SystematicCode, lost_data: list[int], lost_parity: l
             f"{len(ld)} data and {len(lp)} parity pages lost, but the code tolerates "
             f"{code.parity_pages} erasures per group; restore from the checkpoint"
         )
-    return ld, lp
+    return d, ld, lp
 
 
 def _vandermonde_inverse(positions: np.ndarray, rows: int) -> np.ndarray:
