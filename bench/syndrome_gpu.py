@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 KEYS = ("block", "num_warps", "acc")
 DEFAULT = (64, 2, 8)
 """``gf16_syndrome.TUNING`` since session 6: halves, one column per thread, two warps."""
-SWEEP = (DEFAULT, (32, 1, 4), (64, 2, 8), (64, 2, 4))
+SWEEP = (DEFAULT, (32, 1, 8), (32, 1, 4), (64, 2, 4))
 """Launch shapes of the kernel as it is. Session 6 (2026-12-01) swept the kernel's earlier
 forms and options (``bench/results/s6_syndrome_sweep*.log``, commits c3e6254..); what won
 is now the kernel, see the docstring of ``triton_kernels/gf16_syndrome.py``."""
@@ -53,10 +53,12 @@ def fmt(v: tuple) -> str:
 def fold_run(gf16_syndrome, sc, d: int, kk: int, pb: int, h: int, new, old, q_in, q_out, v: tuple,
              math: bool = True) -> None:
     """Fold the group's chunks of ``kk`` pages out of place (``q_out = q_in ^ fold``) with launch shape ``v``."""
+    from leto.erasure.bitslice import TILE_BYTES
+
     for j0 in range(0, d - kk + 1, kk):
         gf16_syndrome.syndrome_update(sc, j0, kk, new.view(torch.int32)[j0 * pb // 4 :], pb // 4,
                                       old.view(torch.int32)[j0 * pb // 4 :], pb // 4, q_in.view(torch.int32),
-                                      q_out.view(torch.int32), 0, pb // 4, h, pb // 2048,
+                                      q_out.view(torch.int32), 0, pb // 4, h, pb // TILE_BYTES,
                                       **dict(zip(KEYS, v)), math=math)
 
 
@@ -79,11 +81,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run in Triton's interpreter")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time the launch shapes of SWEEP at k = 32, 128, 1024")
+    ap.add_argument("--sweep", action="store_true", help="also time the launch shapes of SWEEP at the --sweep-ks run lengths")
     ap.add_argument("--diag", action="store_true",
                     help="also time the kernel without its multiplications (loads alone) per launch shape")
     ap.add_argument("--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)")
-    ap.add_argument("--sweep-ks", default=None, help="comma-separated chunk lengths of the sweep (default 4,32,128,1024)")
+    ap.add_argument("--sweep-ks", default=None,
+                    help="comma-separated chunk lengths of the sweep (default 4,32,128,1024)")
     ap.add_argument("--syndrome-min-pages", type=int, default=None,
                     help="fold runs of at least this many pages with the Horner kernel (default: leto.erasure.group's)")
     ap.add_argument("--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)")
