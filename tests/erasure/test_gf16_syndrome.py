@@ -54,6 +54,16 @@ def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, se
     assert torch.equal(q_out.cpu(), ref)
 
 
+def test_syndrome_kernel_refuses_unknown_launch_options() -> None:
+    """A misspelt or retired launch option (the session-6 sweep's ``depth``, ``split``) is an
+    error, not silently the default shape."""
+    from triton_kernels.gf16_syndrome import scale_table, syndrome_update
+
+    w = torch.zeros(TILE_BYTES // 4, dtype=torch.int32, device=DEV)
+    with pytest.raises(TypeError, match="split"):
+        syndrome_update(scale_table(4, DEV), 0, 1, w, 0, w, 0, w, w.clone(), 0, 0, 1, 1, split=2)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_syndrome_group_update_pages_and_conversions(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A syndrome-form group (the updater's working parity) updated chunk by chunk holds
