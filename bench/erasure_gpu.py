@@ -10,10 +10,10 @@ per-chunk update at each k both as CUDA-graph replays of the group's chunk launc
 included), and a copy of the same 2 GiB measured in the same run; (4) times the rebuild
 of 16 lost data pages of the group (tier 1 in pinned host memory) through the public
 ``rebuild`` (on the device: syndromes of the survivors, then ``M^-1 R``) and through the
-one-pass plan it replaced, and the CPU reference's rate; (5) times the updater's own path, the
-syndrome-form fold of ``gf16_syndrome`` through ``update_pages`` (out of place, eager), for
-chunks of 32, 128 and 1024 pages, checked against a fresh encode. Prints a table whose last line is the headline
-ratio and writes JSON. ``--profile`` runs one encode and one k=32 update only (for ncu).
+one-pass plan it replaced, and the CPU reference's rate; (5) times the updater's own
+path, the syndrome-form fold of ``gf16_syndrome`` through ``update_pages`` (out of place,
+eager), for chunks of 32, 128 and 1024 pages, checked against a fresh encode. Prints a
+table whose last line is the headline ratio and writes JSON. ``--profile`` runs one encode and one k=32 update only (for ncu).
 
     python bench/erasure_gpu.py --json $OUT/erasure_gpu.json
     TRITON_INTERPRET=1 python bench/erasure_gpu.py --tiny   # dry run of the script on CPU

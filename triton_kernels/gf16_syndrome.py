@@ -75,8 +75,7 @@ syndromes per program (8: halves; 4: quarters), from bench/syndrome_gpu.py --swe
 H200 (BENCHMARKS.md, session 6): halves read each delta twice from L2 instead of four
 times, at 215 registers (8 warps per SM) without spills; 64 columns on 2 warps were as fast
 as or 1-10 % faster than 32 on 1 at every run length from 2 to 1024 pages (quarters win
-only at 3-4 pages, by 2-4 %). ``LETO_SYNDROME_TUNING=BLOCKxWARPSxACC``
-overrides it."""
+only at 3-4 pages, by 2-4 %). ``LETO_SYNDROME_TUNING=BLOCKxWARPSxACC`` overrides it."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))
 MAX_PARITY = 16
@@ -323,8 +322,9 @@ def syndrome_update(
     syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
     tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
     :func:`scale_table` of the code's D. int32 views on one device; one launch. ``launch``
-    may override ``block``, ``num_warps`` and ``acc`` (anything else is refused); ``math=False`` (diagnostic: wrong bytes) skips
-    the multiplications to time the loads alone. ``old=None`` folds the pages themselves
+    may override ``block``, ``num_warps`` and ``acc`` (anything else is refused);
+    ``math=False`` (diagnostic: wrong bytes) skips the multiplications to time the loads
+    alone. ``old=None`` folds the pages themselves
     (an encode: the syndromes of the data), ``q_in=None`` writes ``q_out`` without reading
     it. Returns Triton's compiled-kernel handle (None under the interpreter).
     """

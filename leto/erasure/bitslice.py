@@ -111,9 +111,10 @@ def mac_pages(
 
     All tensors are flat uint8 tensors of one length (a multiple of ``TILE_BYTES``), in the
     bit-sliced layout; the product runs on the sources' device (the CPU in production, a
-    GPU in the tests that compare engines there) and lands in outputs on any device. ``accumulate=False`` overwrites ``outs``. ``srcs_xor``
-    (optional) is XORed into each source first: the incremental update passes the old
-    and new contents of a range and multiplies their difference.
+    GPU in the tests that compare engines there) and lands in outputs on any device.
+    ``accumulate=False`` overwrites ``outs``. ``srcs_xor`` (optional) is XORed into each
+    source first: the incremental update passes the old and new contents of a range and
+    multiplies their difference.
     """
     key = tuple(tuple(int(v) for v in row) for row in coef)
     n_out = len(key)

@@ -32,8 +32,8 @@ SYNDROME_KERNEL = os.environ.get("LETO_SYNDROME_KERNEL", "1") == "1"
 """Fold syndrome-form chunks on CUDA with the Horner kernel (``triton_kernels.gf16_syndrome``)
 instead of the generic kernel on the syndrome matrix (same bytes). On an H200 (BENCHMARKS.md,
 GPU session 6) it folds a 2 GiB group in 1.54 ms against 18.0 ms (k = 1024 pages per call),
-91 vs 515 us per 32-page chunk, 47 vs 152 us per 8-page chunk. ``LETO_SYNDROME_KERNEL=0`` selects the generic kernel (bench/syndrome_gpu.py
-compares both)."""
+91 vs 515 us per 32-page chunk, 47 vs 152 us per 8-page chunk. ``LETO_SYNDROME_KERNEL=0``
+selects the generic kernel (bench/syndrome_gpu.py compares both)."""
 SYNDROME_MIN_PAGES = 2
 """Single pages go to the generic kernel (out of place, the Horner kernel's 1-page fold was
 50.6 against 48.2 us in place for the generic one through ``update_pages`` on an H200);
