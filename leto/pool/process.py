@@ -1,17 +1,47 @@
-"""Start and stop the state manager as a child process of the agent."""
+"""Start and stop the state manager as a child process of the agent, and tell how it ended.
+
+The agent's monitor loop polls :meth:`StateManagerProcess.alive` (one ``waitpid(WNOHANG)``)
+and, once it is False, reads :meth:`StateManagerProcess.exit_status` for the cause.
+"""
 
 from __future__ import annotations
 
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from leto.errors import PoolError
 from leto.pool.client import PoolClient
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """How the state manager ended: an exit code, or the signal that killed it."""
+
+    code: int | None
+    """The exit code (0: a ``shutdown`` request or SIGTERM, i.e. stopped on purpose)."""
+    signal: signal.Signals | None
+    """The signal that killed it (SIGKILL: e.g. the OOM killer)."""
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> ExitStatus:
+        if returncode < 0:
+            return cls(code=None, signal=signal.Signals(-returncode))
+        return cls(code=returncode, signal=None)
+
+    @property
+    def stopped(self) -> bool:
+        """True when it ended on purpose (asked to), not by a crash or a kill."""
+        return self.code == 0
+
+    def __str__(self) -> str:
+        return f"killed by {self.signal.name}" if self.signal is not None else f"exited with code {self.code}"
 
 
 class StateManagerProcess:
@@ -39,8 +69,18 @@ class StateManagerProcess:
             raise PoolError(f"the state manager did not start within {timeout_s} s (got {line!r})")
         return cls(proc, socket_dir)
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def alive(self) -> bool:
+        """False once the process has ended (cheap: one non-blocking ``waitpid``)."""
         return self.proc.poll() is None
+
+    def exit_status(self) -> ExitStatus | None:
+        """How it ended; None while it runs. Every region it held is gone with it."""
+        code = self.proc.poll()
+        return None if code is None else ExitStatus.from_returncode(code)
 
     def client(self) -> PoolClient:
         return PoolClient(self.socket_path)

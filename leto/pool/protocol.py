@@ -2,12 +2,16 @@
 
 One request or reply per SOCK_SEQPACKET message: a UTF-8 JSON object, with file
 descriptors attached as SCM_RIGHTS ancillary data. Message boundaries are kept by the
-socket type, so there is no framing to get wrong. This module never imports torch.
+socket type, so there is no framing to get wrong. A message is at most
+``MAX_MESSAGE_BYTES`` long and nests at most ``MAX_DEPTH`` containers deep; anything else
+(truncated, not UTF-8, not JSON, not an object) is a ``ProtocolError`` whose received fds
+are already closed. This module never imports torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 from dataclasses import dataclass
@@ -17,6 +21,8 @@ from leto.errors import PoolError, ProtocolError
 from leto.pool.pagemap import SCM_MAX_FD
 
 MAX_MESSAGE_BYTES = 1 << 16
+MAX_DEPTH = 8
+"""Containers a message may nest (requests and replies use 3)."""
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 DTYPES = frozenset(
     {"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}
@@ -69,32 +75,59 @@ def recv(sock: socket.socket, max_fds: int = SCM_MAX_FD) -> tuple[dict[str, Any]
     is at its ``RLIMIT_NOFILE``, and flags MSG_CTRUNC) is an error, never a short list.
     """
     data, fds, flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, max_fds)
-    if flags & socket.MSG_CTRUNC:
-        for fd in fds:
-            _close_quietly(fd)
-        raise ProtocolError(
-            f"file descriptors of a message were dropped (MSG_CTRUNC, {len(fds)} arrived): "
-            "this process is at its open-file limit; raise `ulimit -n`"
-        )
-    if not data:
-        for fd in fds:
-            _close_quietly(fd)
-        return None, []
     try:
-        message = json.loads(data)
-    except json.JSONDecodeError as e:
-        for fd in fds:
-            _close_quietly(fd)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(
+                f"file descriptors of a message were dropped (MSG_CTRUNC, {len(fds)} arrived): "
+                "this process is at its open-file limit; raise `ulimit -n`"
+            )
+        if flags & socket.MSG_TRUNC:
+            raise ProtocolError(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
+        if not data:
+            close_all(fds)
+            return None, []
+        return decode(data), fds
+    except ProtocolError:
+        close_all(fds)
+        raise
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """One message's JSON object."""
+    try:
+        message = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ProtocolError("malformed message from peer: not UTF-8") from None
+    except RecursionError:
+        raise ProtocolError(f"message nests deeper than {MAX_DEPTH} containers") from None
+    except ValueError as e:
         raise ProtocolError(f"malformed message from peer: {e}") from None
     if not isinstance(message, dict):
-        raise ProtocolError("message must be a JSON object")
-    return message, fds
+        raise ProtocolError(f"message must be a JSON object, got {type(message).__name__}")
+    if _depth(message) > MAX_DEPTH:
+        raise ProtocolError(f"message nests deeper than {MAX_DEPTH} containers")
+    return message
 
 
-def _close_quietly(fd: int) -> None:
-    import os
+def _depth(value: Any) -> int:
+    """Nesting depth of containers (iterative: a deep value must not recurse here either)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH:
+            return deepest
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
 
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+
+def close_all(fds: list[int]) -> None:
+    """Close received fds, ignoring ones already gone."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -8,24 +8,40 @@ or reads the regions it owns (it must not touch potentially faulty pages) and ne
 imports torch, so it starts in milliseconds and stays small.
 
 Security: the socket lives in a 0700 directory made by the agent, and every peer's uid
-(SO_PEERCRED) must equal ours.
+(SO_PEERCRED) must equal ours. Robustness against those peers: a malformed request is
+answered with an error (and its connection closed), fds received and not kept are
+closed, only memfds (and, for CUDA regions, device handles) are accepted as deposits,
+deposits never take the last ``FD_RESERVE`` fds, and neither a failing ``accept()`` nor
+a failing connection ends the server: only SIGTERM or a ``shutdown`` request does.
+
+Identity: every region gets one when it is created, ``<instance>:<serial>`` (the server's
+random instance id, a creation counter), returned with every alloc, lookup, fetch and
+deposit. A region freed and made again is a new identity, so a trainer can tell retained
+memory from a fresh region of the same name (``leto.trainer.memory``). ``seal`` records a
+rank's initialised state (kept until ``reset``): a successor that finds the seal but no
+marker knows the marker region itself was lost.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import itertools
 import logging
 import os
 import resource
+import secrets
 import signal
 import socket
+import stat
 import struct
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from leto.errors import LetoError, PoolError
+from leto.errors import LetoError, PoolError, ProtocolError
 from leto.pool import localize, pagemap, protocol
 from leto.pool.protocol import RegionSpec
 
@@ -33,11 +49,22 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 DEFAULT_MAX_REGION_BYTES = 1 << 40
+LISTEN_BACKLOG = 4096
+"""Connections queued before accept (capped by ``net.core.somaxconn``): a node's trainers,
+shadows and agent all connect at once around a recovery."""
+ACCEPT_BACKOFF_S = 0.05
+"""Pause after an accept() that failed for lack of fds or memory (the listener stays
+readable, so retrying at once would spin)."""
+_ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_MEM_CHAR_MAJOR = 1
+"""Character devices of major 1 (/dev/null, /dev/zero, /dev/mem, ...) hold no memory to retain."""
 
 
 @dataclass(slots=True)
 class _Region:
     spec: RegionSpec
+    ident: str
+    """``<instance>:<serial>``, given when the region was created (never reused)."""
     fds: list[int | None]
     """One fd (memfd made here), or one per chunk of a deposited region (None: lost)."""
     chunk_bytes: int
@@ -70,18 +97,22 @@ class _Region:
             self.addr = localize.map_memfd(self.fd, self.spec.nbytes)
         return self.addr
 
-    def drop(self, chunks: list[int]) -> None:
-        """Close these chunks' fds: once no process maps them, their memory is gone."""
+    def drop(self, chunks: list[int]) -> int:
+        """Close these chunks' fds: once no process maps them, their memory is gone.
+        Returns the number of fds closed."""
+        closed = 0
         for i in chunks:
             fd, self.fds[i] = self.fds[i], None
             if fd is not None:
                 os.close(fd)
+                closed += 1
+        return closed
 
-    def close(self) -> None:
+    def close(self) -> int:
         if self.addr is not None:
             localize.unmap(self.addr, self.spec.nbytes)
             self.addr = None
-        self.drop(list(range(len(self.fds))))
+        return self.drop(list(range(len(self.fds))))
 
 
 class StateManager:
@@ -90,12 +121,24 @@ class StateManager:
     def __init__(self, max_region_bytes: int = DEFAULT_MAX_REGION_BYTES) -> None:
         self._max_region_bytes = max_region_bytes
         self._regions: dict[tuple[int, str], _Region] = {}
+        self._held = 0
+        """fds held for regions (the deposit budget's count)."""
+        self._sealed: dict[int, str] = {}
+        """rank -> the identity digest its trainer recorded when it initialised its state."""
         self._lock = threading.Lock()
+        self.instance = secrets.token_hex(8)
+        self._serial = itertools.count(1)
+
+    def _new_ident(self) -> str:
+        return f"{self.instance}:{next(self._serial)}"
 
     def handle(self, request: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
-        """Serve one request; returns the reply and the fds to attach to it.
+        """Serve one request; returns the reply and the fds to attach to it, which the
+        caller owns and closes after sending (duplicates, taken under the lock: a region
+        freed meanwhile can neither close them nor have their numbers reused).
 
-        Only ``deposit`` takes fds from the peer; any other fd sent is closed.
+        Only ``deposit`` takes fds from the peer; every fd received and not kept is
+        closed, whatever the outcome.
         """
         fds = list(fds or [])
         op = request.get("op")
@@ -103,13 +146,13 @@ class StateManager:
         try:
             if handler is None:
                 raise PoolError(f"unknown request op {op!r}")
+            if fds and op != "deposit":
+                raise PoolError(f"request {op!r} takes no file descriptors ({len(fds)} sent)")
             with self._lock:
-                if op == "deposit":
-                    return handler(request, fds)
-                return handler(request)
+                reply, held = handler(request, fds) if op == "deposit" else handler(request)
+                return reply, _dup_all(held)
         finally:
-            for fd in fds:
-                os.close(fd)
+            protocol.close_all(fds)
 
     def _op_deposit(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         """Retain chunks of a device region a trainer made (CUDA VMM or memfd, one fd each).
@@ -123,30 +166,41 @@ class StateManager:
         chunk_bytes, start, backing = request.get("chunk_bytes"), request.get("start", 0), request.get("backing")
         if backing not in ("cuda", "memfd-chunks"):
             raise PoolError(f"deposit of {spec.name!r}: backing {backing!r} is not cuda or memfd-chunks")
+        if not _is_int(chunk_bytes):
+            raise PoolError(f"deposit of {spec.name!r}: chunk_bytes {chunk_bytes!r} is not an int")
         try:
             table = pagemap.PageTable(spec.nbytes, chunk_bytes)
-        except (TypeError, ValueError) as e:
+        except ValueError as e:
             raise PoolError(f"deposit of {spec.name!r}: {e}") from None
-        if not fds or not isinstance(start, int) or not 0 <= start <= table.num_chunks - len(fds):
+        if not fds or not _is_int(start) or not 0 <= start <= table.num_chunks - len(fds):
             raise PoolError(f"deposit of {spec.name!r}: {len(fds)} fds from chunk {start!r} do not fit "
                             f"its {table.num_chunks} chunks")
         key = (spec.rank, spec.name)
         region = self._regions.get(key)
-        if region is None:
-            region = self._regions[key] = _Region(spec, [None] * table.num_chunks, chunk_bytes, backing=backing)
-        elif (region.spec, region.chunk_bytes, region.backing) != (spec, chunk_bytes, backing):
+        if region is not None and (region.spec, region.chunk_bytes, region.backing) != (spec, chunk_bytes, backing):
             raise PoolError(f"deposit does not match rank {spec.rank} region {spec.name!r}: retained "
                             f"{region.spec.nbytes} B in {region.chunk_bytes}-byte {region.backing} chunks")
         slots = range(start, start + len(fds))
-        if not request.get("replace") and any(region.fds[i] is not None for i in slots):
+        if region is not None and not request.get("replace") and any(region.fds[i] is not None for i in slots):
             raise PoolError(f"rank {spec.rank} region {spec.name!r}: chunks {start}..{slots[-1]} are already retained")
-        region.drop(list(slots))
+        for fd in fds:
+            _check_deposit_fd(fd, spec.name, backing, chunk_bytes)
+        added = len(fds) - (0 if region is None else sum(region.fds[i] is not None for i in slots))
+        if self._held + added > _fd_limit() - pagemap.FD_RESERVE:
+            raise PoolError(f"deposit of {spec.name!r}: {added} more fds would leave the state manager fewer than "
+                            f"{pagemap.FD_RESERVE} free of its open-file limit ({self._held} held); raise the hard "
+                            "`ulimit -n` of leto-run, or use larger chunks")
+        if region is None:
+            region = _Region(spec, self._new_ident(), [None] * table.num_chunks, chunk_bytes, backing=backing)
+            self._regions[key] = region
+        self._held -= region.drop(list(slots))
         for i in slots:
             region.fds[i] = fds.pop(0)
-        return {"ok": True}, []
+        self._held += len(slots)
+        return {"ok": True, "ident": region.ident}, []
 
     def _deposited(self, request: dict[str, Any]) -> _Region | None:
-        region = self._regions.get((request.get("rank"), request.get("name")))
+        region = self._regions.get(_key(request))
         if region is not None and not region.deposited:
             raise PoolError(f"region {region.spec.name!r} was allocated here (memfd): use lookup, not fetch")
         return region
@@ -161,12 +215,13 @@ class StateManager:
         if region is None:
             return {"ok": True, "found": False}, []
         start = request.get("start", 0)
-        if not isinstance(start, int) or not 0 <= start < len(region.fds):
+        if not _is_int(start) or not 0 <= start < len(region.fds):
             raise PoolError(f"fetch of {region.spec.name!r}: start {start!r} outside its {len(region.fds)} chunks")
         window = range(start, min(len(region.fds), start + pagemap.SCM_MAX_FD))
         indices = [i for i in window if region.fds[i] is not None]
-        reply = {"ok": True, "found": True, "spec": asdict(region.spec), "backing": region.backing,
-                 "chunk_bytes": region.chunk_bytes, "indices": indices, "end": window.stop}
+        reply = {"ok": True, "found": True, "spec": asdict(region.spec), "ident": region.ident,
+                 "backing": region.backing, "chunk_bytes": region.chunk_bytes, "indices": indices,
+                 "end": window.stop}
         return reply, [region.fds[i] for i in indices]  # type: ignore[misc]
 
     def _op_pagemap(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -187,7 +242,12 @@ class StateManager:
             )
         except KeyError as e:
             raise PoolError(f"alloc request lacks field {e.args[0]!r}") from None
-        spec.validate(self._max_region_bytes)
+        if isinstance(spec.rank, bool) or isinstance(spec.nbytes, bool):
+            raise PoolError(f"region {spec.name!r}: rank and nbytes must be ints")
+        try:
+            spec.validate(self._max_region_bytes)
+        except TypeError as e:  # (a dtype or tier that is not hashable)
+            raise PoolError(f"region {spec.name!r}: malformed field: {e}") from None
         return spec
 
     def _op_ping(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -205,31 +265,48 @@ class StateManager:
                     f"retained {region.spec.nbytes} B {region.spec.dtype} {region.spec.tier}, "
                     f"asked {spec.nbytes} B {spec.dtype} {spec.tier}"
                 )
-            return {"ok": True, "existing": True}, [region.fd]
+            return {"ok": True, "existing": True, "ident": region.ident}, [region.fd]
         fd = os.memfd_create(f"leto:r{spec.rank}:{spec.name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, spec.nbytes)
         except OSError:
             os.close(fd)
             raise
-        self._regions[key] = _Region(spec, [fd], spec.nbytes)
-        return {"ok": True, "existing": False}, [fd]
+        region = self._regions[key] = _Region(spec, self._new_ident(), [fd], spec.nbytes)
+        self._held += 1
+        return {"ok": True, "existing": False, "ident": region.ident}, [fd]
 
     def _op_lookup(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        region = self._regions.get((request.get("rank"), request.get("name")))
+        region = self._regions.get(_key(request))
         if region is None:
             return {"ok": True, "found": False}, []
-        return {"ok": True, "found": True, "spec": asdict(region.spec)}, [region.fd]
+        return {"ok": True, "found": True, "spec": asdict(region.spec), "ident": region.ident}, [region.fd]
 
     def _op_describe(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        region = self._regions.get((request.get("rank"), request.get("name")))
-        return {"ok": True, "spec": None if region is None else asdict(region.spec)}, []
+        region = self._regions.get(_key(request))
+        if region is None:
+            return {"ok": True, "spec": None}, []
+        return {"ok": True, "spec": asdict(region.spec), "ident": region.ident}, []
 
     def _op_free(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        region = self._regions.pop((request.get("rank"), request.get("name")), None)
+        region = self._regions.pop(_key(request), None)
         if region is not None:
-            region.close()
+            self._held -= region.close()
         return {"ok": True, "freed": region is not None}, []
+
+    def _op_identities(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Every region of a rank with its identity, and the rank's seal (None: unsealed)."""
+        rank = _rank(request)
+        regions = {name: region.ident for (r, name), region in self._regions.items() if r == rank}
+        return {"ok": True, "instance": self.instance, "regions": regions, "sealed": self._sealed.get(rank)}, []
+
+    def _op_seal(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Record that a rank's state was initialised over regions of this identity digest."""
+        rank, digest = _rank(request), request.get("digest")
+        if not isinstance(digest, str) or not 0 < len(digest) <= 64:
+            raise PoolError(f"seal: digest {digest!r} is not a short string")
+        self._sealed[rank] = digest
+        return {"ok": True}, []
 
     def _op_reset(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Drop every region (a group restart begins from a checkpoint, never stale state)."""
@@ -241,16 +318,15 @@ class StateManager:
         by_tier = {tier: 0 for tier in protocol.TIERS}
         for region in self._regions.values():
             by_tier[region.spec.tier] += region.spec.nbytes
-        fds = sum(fd is not None for region in self._regions.values() for fd in region.fds)
-        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        return {"ok": True, "regions": len(self._regions), "bytes": by_tier, "fds": fds, "fd_limit": fd_limit}, []
+        return {"ok": True, "regions": len(self._regions), "bytes": by_tier, "fds": self._held,
+                "fd_limit": _fd_limit()}, []
 
     def _paged_region(self, request: dict[str, Any]) -> tuple[_Region, int]:
-        region = self._regions.get((request.get("rank"), request.get("name")))
+        region = self._regions.get(_key(request))
         if region is None:
             raise PoolError(f"rank {request.get('rank')} has no region {request.get('name')!r}")
         page_bytes = request.get("page_bytes")
-        if not isinstance(page_bytes, int) or page_bytes <= 0 or region.spec.nbytes % page_bytes:
+        if not _is_int(page_bytes) or page_bytes <= 0 or region.spec.nbytes % page_bytes:
             raise PoolError(f"page_bytes {page_bytes!r} does not divide region {region.spec.name!r}")
         return region, page_bytes
 
@@ -278,14 +354,14 @@ class StateManager:
         region, page_bytes = self._paged_region(request)
         pages = request.get("pages")
         total = region.spec.nbytes // page_bytes
-        if not isinstance(pages, list) or not all(isinstance(p, int) and 0 <= p < total for p in pages):
+        if not isinstance(pages, list) or not all(_is_int(p) and 0 <= p < total for p in pages):
             raise PoolError(f"erase: pages must be indices below {total}")
         if region.deposited:
             try:
                 chunks = region.table.chunks_of(pages, page_bytes)
             except ValueError as e:
                 raise PoolError(f"erase: {e}") from None
-            region.drop(chunks)
+            self._held -= region.drop(chunks)
             return {"ok": True, "pages": region.table.pages_of(chunks, page_bytes)}, []
         addr = region.mapping()
         for p in pages:
@@ -297,6 +373,65 @@ class StateManager:
         for region in self._regions.values():
             region.close()
         self._regions.clear()
+        self._held = 0
+        self._sealed.clear()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rank(request: dict[str, Any]) -> int:
+    rank = request.get("rank")
+    if not _is_int(rank) or rank < 0:
+        raise PoolError(f"rank must be a non-negative int, got {rank!r}")
+    return rank
+
+
+def _key(request: dict[str, Any]) -> tuple[int, str]:
+    """(rank, name) of a request that names a region (types checked: the table's key)."""
+    name = request.get("name")
+    if not isinstance(name, str):
+        raise PoolError(f"region name must be a string, got {name!r}")
+    return _rank(request), name
+
+
+def _fd_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _dup_all(fds: list[int]) -> list[int]:
+    out: list[int] = []
+    try:
+        for fd in fds:
+            out.append(os.dup(fd))
+    except OSError:
+        protocol.close_all(out)
+        raise
+    return out
+
+
+def _check_deposit_fd(fd: int, name: str, backing: str, chunk_bytes: int) -> None:
+    """Accept only memory: a memfd of at least one chunk (memfd-chunks, or CUDA on CPU
+    tests), or for ``cuda`` a device handle (an anonymous inode or a driver's character
+    device): never a file, directory, socket, pipe, tty or /dev/null-like device."""
+    st = os.fstat(fd)
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        link = "?"
+    if stat.S_ISREG(st.st_mode) and link.startswith("/memfd:"):
+        if st.st_size < chunk_bytes:
+            raise PoolError(f"deposit of {name!r} refused: a memfd of {st.st_size} B cannot hold a "
+                            f"{chunk_bytes}-byte chunk")
+        return
+    kind = stat.S_IFMT(st.st_mode)
+    device_handle = kind == 0 or (  # anon_inode fds have no file type
+        kind == stat.S_IFCHR and os.major(st.st_rdev) != _MEM_CHAR_MAJOR and not os.isatty(fd))
+    if backing == "cuda" and device_handle:
+        return
+    what = "a memfd or a CUDA device handle" if backing == "cuda" else "a memfd"
+    raise PoolError(f"deposit of {name!r} refused: {link} is not {what}")
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -306,36 +441,68 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 def _serve_connection(manager: StateManager, conn: socket.socket) -> None:
-    with conn:
-        if _peer_uid(conn) != os.getuid():
-            logger.warning("rejected a peer with a foreign uid")
-            return
-        while True:
-            try:
-                request, fds = protocol.recv(conn)
-            except (OSError, LetoError):
+    """Requests of one peer until it hangs up; a malformed one is answered, then the
+    connection is closed. Nothing a peer sends ends more than its own connection."""
+    try:
+        with conn:
+            if _peer_uid(conn) != os.getuid():
+                logger.warning("rejected a peer with a foreign uid")
                 return
-            if request is None:
-                return
-            try:
-                reply, reply_fds = manager.handle(request, fds)
-            except (LetoError, OSError) as e:
-                reply, reply_fds = {"ok": False, "error": str(e)}, []
-            try:
-                protocol.send(conn, reply, reply_fds)
-            except OSError:
-                return
-            if request.get("op") == "shutdown":
-                return
+            while _serve_request(manager, conn):
+                pass
+    except Exception:  # a bug: cost this connection only, and say so once
+        logger.exception("state manager: a connection failed; closed it")
+
+
+def _serve_request(manager: StateManager, conn: socket.socket) -> bool:
+    """Serve one request; False when the connection should end."""
+    try:
+        request, fds = protocol.recv(conn)
+    except ProtocolError as e:
+        _send_error(conn, e)
+        return False
+    except OSError:
+        return False
+    if request is None:
+        return False
+    keep = request.get("op") != "shutdown"
+    try:
+        reply, reply_fds = manager.handle(request, fds)
+    except (LetoError, OSError) as e:
+        reply, reply_fds = {"ok": False, "error": str(e)}, []
+    except Exception as e:  # a request nobody foresaw: answer it, log it, close
+        logger.exception("state manager: request %r failed", request.get("op"))
+        reply, reply_fds, keep = {"ok": False, "error": f"state manager error: {type(e).__name__}: {e}"}, [], False
+    try:
+        protocol.send(conn, reply, reply_fds)
+    except ProtocolError as e:  # (a reply too large to send)
+        _send_error(conn, e)
+        return False
+    except OSError:
+        return False
+    finally:
+        protocol.close_all(reply_fds)
+    return keep
+
+
+def _send_error(conn: socket.socket, error: Exception) -> None:
+    try:
+        protocol.send(conn, {"ok": False, "error": str(error)})
+    except (OSError, LetoError):
+        pass
 
 
 def serve(socket_path: str, manager: StateManager | None = None) -> None:
-    """Accept connections until SIGTERM/SIGINT or a ``shutdown`` request."""
+    """Accept connections until SIGTERM/SIGINT or a ``shutdown`` request.
+
+    A failing accept() (out of fds or memory, an aborted connection) is logged and
+    retried, never the end: this loop's ``finally`` drops every region of the node.
+    """
     manager = manager or StateManager()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     os.chmod(socket_path, 0o600)
-    listener.listen(64)
+    listener.listen(LISTEN_BACKLOG)
     stop = threading.Event()
 
     def on_request_shutdown(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -345,14 +512,24 @@ def serve(socket_path: str, manager: StateManager | None = None) -> None:
     manager._op_shutdown = on_request_shutdown  # type: ignore[attr-defined]
     listener.settimeout(0.2)
     print("ready", flush=True)
+    failing: int | None = None  # the errno accept() last failed with, logged once per run of failures
     try:
         while not stop.is_set():
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
-            conn.settimeout(None)
-            threading.Thread(target=_serve_connection, args=(manager, conn), daemon=True).start()
+            except OSError as e:
+                if e.errno != failing:
+                    logger.warning("state manager: accept() failed (%s); retrying", os.strerror(e.errno or 0))
+                    failing = e.errno
+                if e.errno in _ACCEPT_RESOURCE_ERRORS:
+                    time.sleep(ACCEPT_BACKOFF_S)
+                continue
+            if failing is not None:
+                logger.warning("state manager: accepting connections again")
+                failing = None
+            _start_connection(manager, conn)
     finally:
         listener.close()
         manager.close()
@@ -361,6 +538,16 @@ def serve(socket_path: str, manager: StateManager | None = None) -> None:
             os.rmdir(os.path.dirname(socket_path))  # ours alone; also when the agent died
         except OSError:
             pass
+
+
+def _start_connection(manager: StateManager, conn: socket.socket) -> None:
+    try:
+        conn.settimeout(None)
+        threading.Thread(target=_serve_connection, args=(manager, conn), daemon=True).start()
+    except (OSError, RuntimeError) as e:  # RuntimeError: no thread can be started
+        logger.warning("state manager: cannot serve a connection (%s); closed it", e)
+        conn.close()
+        time.sleep(ACCEPT_BACKOFF_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     pagemap.raise_nofile_limit()  # one fd per device chunk of every local rank
+    logging.basicConfig(level=logging.WARNING, format="[leto state manager %(process)d] %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the agent, which stops us
     try:
