@@ -53,6 +53,8 @@ class Kind(str, Enum):
     DEVICE_UNHEALTHY = "device_unhealthy"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    """A checkpoint could not be written (rank, step, error): training goes on."""
     PAGES_ERASED = "pages_erased"
     PAGES_REBUILT = "pages_rebuilt"
     UNRECOVERABLE = "unrecoverable_state"

@@ -232,7 +232,7 @@ class Context:
         if config is not None:
             from leto.checkpoint import Checkpointer
 
-            self.checkpointer = Checkpointer(config, state)
+            self.checkpointer = Checkpointer.for_state(config, state)
             if not state.reattached:
                 self.checkpointer.restore()
         return state
@@ -242,7 +242,7 @@ class Context:
         if self.heartbeat is not None:
             self.heartbeat.stepped()
         if self.checkpointer is not None:
-            self.checkpointer.committed()
+            self.checkpointer.committed(state.marker.step)
             if self.heartbeat is not None:
                 self.heartbeat.beat()
 
@@ -263,6 +263,8 @@ class Context:
         """Called by ``RetainedState.steps()`` after the last step (exit may take a while)."""
         if self.heartbeat is not None:
             self.heartbeat.finished()
+        if self.checkpointer is not None:  # the job's last checkpoint completes before the exit
+            self.checkpointer.close()
         _CleanExit.arm()
 
     def _install_heartbeat(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
