@@ -80,6 +80,10 @@ class FaultSpec:
     heartbeat) until its shadow is pre-initialised, so the shadow maps the retained regions
     ahead and the marker moves on for n steps before the kill, as in a long job. Default 0:
     fire at once, ready shadow or not."""
+    drop_region: str | None = None
+    """With kind kill: just before the kill the state manager drops this retained region of
+    the rank (e.g. "state", "marker"; freed, its memory gone once no process maps it): a
+    region lost behind the marker's back, which the successor must refuse to resume on."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
@@ -108,6 +112,8 @@ class FaultSpec:
             raise ConfigError(f"fault kind {self.kind} erases no pages and takes no update point")
         if self.oom_bytes < 0 or (self.oom_bytes and self.kind != "oom"):
             raise ConfigError(f"fault oom_bytes needs kind: oom and must be >= 0, got {self.oom_bytes}")
+        if self.drop_region is not None and (self.kind != "kill" or not self.drop_region):
+            raise ConfigError(f"fault drop_region needs kind: kill and a region name, got {self.drop_region!r}")
 
     @property
     def erases(self) -> bool:

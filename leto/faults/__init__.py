@@ -23,6 +23,7 @@ from leto.pool.client import PoolClient
 
 ENV_FAULTS = "LETO_FAULTS"
 ENV_FAULTS_FIRED = "LETO_FAULTS_FIRED"  # ids that fired in an earlier group attempt
+ENV_POOL_SOCKET = "LETO_POOL_SOCKET"  # the node's state manager (set by the agent)
 
 
 def encode(faults: list[FaultSpec]) -> str:
@@ -67,6 +68,8 @@ class FaultInjector:
         """Returns once this rank's shadow is ready (faults with ``shadow_ready_steps_before``)."""
         self.kill_shadow: Callable[[], None] = lambda: None
         """Kills this rank's ready shadow, returns once the agent retracted it (``kind: kill_shadow``)."""
+        self.drop_region: Callable[[str], None] = self._drop_region
+        """Drops a retained region of this rank from the state manager (``drop_region``)."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -130,7 +133,16 @@ class FaultInjector:
                     self.report_fatal()
                 elif fault.kind == "device":
                     self.break_device()
+                if fault.drop_region is not None:
+                    self.drop_region(fault.drop_region)
                 os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+
+    def _drop_region(self, name: str) -> None:
+        pool = PoolClient(os.environ[ENV_POOL_SOCKET])
+        try:
+            pool.free(self.rank, name)
+        finally:
+            pool.close()
 
     def shadow_launched(self) -> None:
         """Called by a shadow during its pre-initialisation: a ``kind: shadow_crash`` fault of

@@ -19,6 +19,21 @@ from leto.pool import pagemap, protocol
 from leto.pool.protocol import RegionSpec, Tier
 
 
+@dataclass(frozen=True, slots=True)
+class RankIdentities:
+    """The state manager's view of one rank: every region's identity, and the rank's seal."""
+
+    instance: str
+    """The state manager instance (random per process: a restarted one holds nothing old)."""
+    regions: dict[str, str]
+    """Region name -> identity ``<instance>:<serial>``."""
+    sealed: str | None
+    """The identity digest recorded when the rank's state was initialised (None: never)."""
+
+    def digest(self) -> str:
+        return protocol.identity_digest(self.regions)
+
+
 @dataclass(slots=True)
 class MappedRegion:
     """A retained region mapped into this process."""
@@ -65,6 +80,19 @@ class PoolClient:
             self._sock.close()
             raise PoolError(f"cannot reach the state manager at {socket_path}: {e}") from None
         self._lock = threading.Lock()
+        self._seen: dict[tuple[int, str], str] = {}
+        """(rank, name) -> the identity of the region as this client last received it."""
+
+    def seen(self, rank: int) -> dict[str, str]:
+        """Identities of ``rank``'s regions as this client allocated, looked up, fetched or
+        deposited them (what this process maps, unless a region changed since)."""
+        return {name: ident for (r, name), ident in self._seen.items() if r == rank}
+
+    def _saw(self, rank: int, name: str, reply: dict[str, Any]) -> None:
+        ident = reply.get("ident")
+        if not isinstance(ident, str):
+            raise ProtocolError(f"the state manager's reply for region {name!r} carries no identity")
+        self._seen[(rank, name)] = ident
 
     def request(self, message: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
@@ -85,6 +113,7 @@ class PoolClient:
         """Allocate (first trainer) or reattach to (successor) the region ``name`` of ``rank``."""
         spec = RegionSpec(rank=rank, name=name, nbytes=nbytes, dtype=dtype, tier=tier)
         reply, fds = self.request({"op": "alloc", **_asdict(spec)})
+        self._saw(rank, name, reply)
         return MappedRegion(spec=spec, existing=bool(reply["existing"]), buffer=_map(fds, nbytes))
 
     def lookup(self, rank: int, name: str) -> MappedRegion | None:
@@ -92,6 +121,7 @@ class PoolClient:
         reply, fds = self.request({"op": "lookup", "rank": rank, "name": name})
         if not reply["found"]:
             return None
+        self._saw(rank, name, reply)
         spec = RegionSpec(**reply["spec"])
         return MappedRegion(spec=spec, existing=True, buffer=_map(fds, spec.nbytes))
 
@@ -103,8 +133,9 @@ class PoolClient:
         """
         spec = RegionSpec(rank=rank, name=name, nbytes=nbytes, dtype="uint8", tier="device")
         for offset, batch in pagemap.batches(fds):
-            self.request({"op": "deposit", **_asdict(spec), "chunk_bytes": chunk_bytes, "backing": backing,
-                          "start": start + offset, "replace": replace}, list(batch))
+            reply, _ = self.request({"op": "deposit", **_asdict(spec), "chunk_bytes": chunk_bytes,
+                                     "backing": backing, "start": start + offset, "replace": replace}, list(batch))
+            self._saw(rank, name, reply)
 
     def fetch(self, rank: int, name: str) -> FetchedRegion | None:
         """A deposited region's chunk fds, without mapping them; the caller owns the fds.
@@ -112,16 +143,18 @@ class PoolClient:
         One request per window of SCM_MAX_FD chunks; a chunk with no fd is lost.
         """
         found: FetchedRegion | None = None
-        start = 0
+        start, ident = 0, None
         while found is None or start < len(found.fds):
             reply, fds = self.request({"op": "fetch", "rank": rank, "name": name, "start": start})
             if found is None:
                 if not reply["found"]:
                     return None  # (a reply without the region carries no fds)
+                self._saw(rank, name, reply)
+                ident = reply["ident"]
                 spec = RegionSpec(**reply["spec"])
                 chunk_bytes = int(reply["chunk_bytes"])
                 found = FetchedRegion(spec, str(reply["backing"]), chunk_bytes, [None] * (spec.nbytes // chunk_bytes))
-            if not reply["found"] or len(fds) != len(reply["indices"]):
+            if not reply["found"] or reply.get("ident") != ident or len(fds) != len(reply["indices"]):
                 for fd in fds:
                     os.close(fd)
                 found.close()
@@ -149,6 +182,21 @@ class PoolClient:
         pages lost, which for a chunked region are all pages of the chunks that held them."""
         reply, _ = self.request({"op": "erase", "rank": rank, "name": name, "page_bytes": page_bytes, "pages": pages})
         return [int(p) for p in reply["pages"]]
+
+    def free(self, rank: int, name: str) -> bool:
+        """Drop a region (its memory is gone once no process maps it); False when none was held."""
+        self._seen.pop((rank, name), None)
+        return bool(self.request({"op": "free", "rank": rank, "name": name})[0]["freed"])
+
+    def identities(self, rank: int) -> RankIdentities:
+        """Every region of ``rank`` the state manager holds, with its identity, and the seal."""
+        reply = self.request({"op": "identities", "rank": rank})[0]
+        return RankIdentities(str(reply["instance"]), {str(k): str(v) for k, v in reply["regions"].items()},
+                              None if reply["sealed"] is None else str(reply["sealed"]))
+
+    def seal(self, rank: int, digest: str) -> None:
+        """Record that ``rank``'s state was initialised over regions of this identity digest."""
+        self.request({"op": "seal", "rank": rank, "digest": digest})
 
     def stats(self) -> dict[str, Any]:
         return self.request({"op": "stats"})[0]

@@ -10,6 +10,7 @@ are already closed. This module never imports torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -54,6 +55,18 @@ class RegionSpec:
             raise PoolError(f"region {self.name!r}: dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.tier not in TIERS:
             raise PoolError(f"region {self.name!r}: tier {self.tier!r} not in {TIERS}")
+
+
+def identity_digest(regions: dict[str, str]) -> str:
+    """64-bit digest (16 hex digits) of a rank's regions and their identities."""
+    text = "".join(f"{name}={ident}\n" for name, ident in sorted(regions.items()))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def ident_parts(ident: str) -> tuple[str, int]:
+    """(state manager instance, creation serial) of a region identity ``<instance>:<serial>``."""
+    instance, _, serial = ident.partition(":")
+    return instance, int(serial)
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:

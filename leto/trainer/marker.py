@@ -23,21 +23,54 @@ CHUNK_SAVED(t, j): the undo buffer holds chunk j's pre-update bytes; chunk j may
     partially updated; the parity buffer ``sel`` matches the data with chunk j undone.
 CHUNK_COMMITTED(t, j): chunks 0..j are updated; parity buffer ``sel`` matches the data.
 FLUSHING(t): every chunk is committed; parity buffer ``sel`` is being copied to host.
+
+Besides progress the marker keeps the identity of the state it describes: the layout
+digest and an :class:`IdentityRecord` of the rank's regions (which state manager made
+them, the newest creation serial, a digest of every region's identity), written once when
+the state is initialised and covered by a checksum. A successor compares it with what the
+state manager holds now (``leto.trainer.memory.RegionMemory.check_identity``), so a region
+freed, re-created or replaced since is found before anything resumes on it.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
+from dataclasses import dataclass
 
 import torch
 
 from leto.errors import InvalidTransitionError, UnrecoverableStateError
 
-MAGIC = 0x4C45544F_4D4B0002  # "LETO" "MK" v2 (chunk cursor in the state word)
+MAGIC = 0x4C45544F_4D4B0003  # "LETO" "MK" v3 (identity record)
 MARKER_BYTES = 4096
-_MAX_LR = (MARKER_BYTES // 8) - 4
+_WORDS = MARKER_BYTES // 8
+_IDENTITY = _WORDS - 4
+"""Words _IDENTITY .. _IDENTITY + 3: identity digest, instance, last serial, checksum."""
+_MAX_LR = _IDENTITY - 4
 MAX_CHUNKS = 1 << 23
+
+
+class RegionIdentityError(UnrecoverableStateError):
+    """A retained region is not the one the rank's state was initialised over."""
+
+    def __init__(self, region: str, message: str) -> None:
+        super().__init__(message)
+        self.region = region
+        """The region found lost, re-created or replaced (or "marker")."""
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityRecord:
+    """Which regions a rank's state was initialised over (kept in the marker)."""
+
+    digest: int
+    """64-bit digest of every (region name, identity) of the rank (``protocol.identity_digest``)."""
+    instance: int
+    """The state manager instance that made them (64-bit)."""
+    last_serial: int
+    """The newest region's creation serial: a region made later holds none of that state."""
 
 
 class Phase(enum.IntEnum):
@@ -105,11 +138,27 @@ class Marker:
     def layout_hash(self) -> int:
         return int(self._words[1])
 
-    def initialise(self, layout_hash: int, step: int = 0) -> None:
-        """Mark the state as fully initialised at ``step`` (0, or a loaded checkpoint's)."""
+    def initialise(self, layout_hash: int, step: int = 0, identity: IdentityRecord | None = None) -> None:
+        """Mark the state as fully initialised at ``step`` (0, or a loaded checkpoint's);
+        ``identity``: of its regions (None keeps the one recorded, e.g. at a checkpoint load)."""
+        if identity is None:
+            identity = self.identity(check=False)
+        words = (_signed(identity.digest), _signed(identity.instance), identity.last_serial)
         self._set(1, layout_hash)
+        for i, word in enumerate(words):
+            self._set(_IDENTITY + i, word)
+        self._set(_IDENTITY + 3, _checksum(layout_hash, *words))
         self._set(2, pack(step, Phase.IDLE))
         self._set(0, _signed(MAGIC))
+
+    def identity(self, check: bool = True) -> IdentityRecord:
+        """The identity record; with ``check``, a record failing its checksum is an error."""
+        words = [int(self._words[_IDENTITY + i]) for i in range(4)]
+        if check and words[3] != _checksum(self.layout_hash(), *words[:3]):
+            raise RegionIdentityError(
+                "marker", "the marker's identity record fails its checksum (the marker region was overwritten); "
+                "refusing to resume on it (restart the job from a checkpoint)")
+        return IdentityRecord(words[0] & _MASK64, words[1] & _MASK64, words[2])
 
     def check_layout(self, layout_hash: int) -> None:
         if self.layout_hash() != layout_hash:
@@ -183,3 +232,11 @@ def pack(step: int, phase: Phase, chunk: int = 0, sel: int = 0) -> int:
 
 def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _checksum(*words: int) -> int:
+    data = struct.pack(f"<{len(words)}q", *words)
+    return _signed(int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little"))

@@ -7,6 +7,11 @@ deposited with the state manager and mapped by successors; a lost chunk is found
 replaced on its own. Host regions are memfds the state manager allocates, wrapped with
 ``torch.frombuffer`` (zero copy) and, on GPU, page-locked with ``cudaHostRegister`` so
 device-to-host copies run at full speed.
+
+Every region carries the identity the state manager gave it when it was made; the
+rank's marker records them when its state is initialised, and :meth:`RegionMemory.check_identity`
+compares them with the state manager's before a successor resumes (a region freed,
+re-created or replaced since is an ``UnrecoverableStateError``, never fresh zeros).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import os
 import torch
 
 from leto.errors import PoolError
-from leto.pool import cuda_vmm, pagemap
+from leto.events import EventLog, Kind
+from leto.pool import cuda_vmm, pagemap, protocol
 from leto.pool.chunks import ChunkBackend, ChunkedRegion, MemfdChunks
-from leto.pool.client import PoolClient
+from leto.pool.client import PoolClient, RankIdentities
 from leto.pool.cuda_vmm import CudaChunks
+from leto.trainer.marker import IdentityRecord, Marker, RegionIdentityError
 
 _DIGEST_CHUNK = 1 << 26  # int64 words per chunk of the on-device digest
 
@@ -125,6 +132,39 @@ class RegionMemory:
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
+    # -- identity ----------------------------------------------------------------------------
+    def identity_record(self) -> IdentityRecord:
+        """The identities of every region of this rank, as the marker keeps them."""
+        return _record(self.pool.identities(self.rank))
+
+    def seal(self, record: IdentityRecord) -> None:
+        """Tell the state manager this rank's state is initialised (after the marker landed):
+        a successor that finds the seal but no marker knows the marker region was lost."""
+        self.fence()
+        self.pool.seal(self.rank, f"{record.digest:016x}")
+
+    def check_identity(self, marker: Marker, reattached: bool, events: EventLog) -> None:
+        """Refuse retained state whose regions are not the ones it was initialised over.
+
+        ``reattached``: the marker is valid. Then every region this process mapped must
+        still be held, unchanged, and the rank's regions must match the marker's record (none
+        made since). Otherwise no seal may exist (the marker itself was lost). A mismatch is
+        an ``unrecoverable_state`` event naming the region and a ``RegionIdentityError``.
+        """
+        now = self.pool.identities(self.rank)
+        if reattached:
+            problem = identity_problem(marker.identity(), now, self.pool.seen(self.rank))
+        elif now.sealed is not None:
+            problem = ("marker", "was lost, though the rank's state was initialised (the state manager holds its seal)")
+        else:
+            return
+        if problem is not None:
+            region, what = problem
+            error = (f"rank {self.rank}: retained region {region!r} {what}; refusing to resume on it "
+                     "(restart the job from a checkpoint)")
+            events.emit(Kind.UNRECOVERABLE, rank=self.rank, region=region, error=error)
+            raise RegionIdentityError(region, error)
+
     def digest(self, region: torch.Tensor) -> str:
         """A digest of a region's bytes (blake2b on CPU; two wrapping int64 sums on GPU)."""
         if not region.is_cuda:
@@ -138,3 +178,29 @@ class RegionMemory:
             plain += chunk.sum()
             weighted += (chunk * weights).sum()
         return f"{int(plain) & (2**64 - 1):016x}{int(weighted) & (2**64 - 1):016x}"
+
+
+def _record(ids: RankIdentities) -> IdentityRecord:
+    serials = [protocol.ident_parts(ident)[1] for ident in ids.regions.values()]
+    return IdentityRecord(int(ids.digest(), 16), int(ids.instance, 16), max(serials, default=0))
+
+
+def identity_problem(record: IdentityRecord, now: RankIdentities, seen: dict[str, str]) -> tuple[str, str] | None:
+    """(region, what is wrong) when the regions of a rank are not those its state was
+    initialised over (``record``), judged from the state manager's view ``now`` and the
+    identities this process received when it mapped them (``seen``); None when they are."""
+    for name, ident in sorted(seen.items()):
+        if name not in now.regions:
+            return name, "is no longer held by the state manager (freed or lost)"
+        if now.regions[name] != ident:
+            return name, "was replaced after this process mapped it"
+    if int(now.instance, 16) != record.instance:
+        return min(now.regions, default="marker"), "was made by another state manager (it was restarted)"
+    for name, ident in sorted(now.regions.items()):
+        if protocol.ident_parts(ident)[1] > record.last_serial:
+            return name, "was made after the rank's state was initialised (it holds none of that state)"
+    if int(now.digest(), 16) != record.digest:
+        return "regions", "differ from the marker's record of them (one was freed)"
+    if now.sealed is not None and now.sealed != f"{record.digest:016x}":
+        return "marker", "does not carry the identity the state manager sealed"
+    return None

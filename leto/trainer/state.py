@@ -118,6 +118,7 @@ class RetainedState:
             self.marker.reload()
         rank = ctx.rank
         self.reattached = self.marker.is_valid()
+        self.memory.check_identity(self.marker, self.reattached, ctx.events)  # no resume on a re-made region
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
             self._rebuild_lost_pages()
@@ -131,7 +132,9 @@ class RetainedState:
         if not self.reattached:
             self._rng.copy_(rng_blob(self.device))
             self._encode("state")
-            self.marker.initialise(self.layout.digest)
+            identity = self.memory.identity_record()
+            self.marker.initialise(self.layout.digest, identity=identity)
+            self.memory.seal(identity)
         self.attach_s = time.perf_counter() - t0
         self._committed_this_step = True
         self._announced = False
