@@ -3,10 +3,17 @@
 Recovery time follows the paper's §8.1: from the failure (the fault's kill, or its
 detection when the kill came from outside) until the interrupted step completes again on
 every rank — initialisation plus recomputation.
+
+:class:`Summary` reads the stream one event at a time and keeps aggregates only (per rank
+the step-time totals, per recovery its phase boundaries, the last shadow level, counts),
+so the agent's live view holds as much after a million steps as after ten. The functions
+below run it over a list of events (benchmarks and tests).
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,86 +31,206 @@ class Recovery:
     """Lost pages (model state, gradients, parity) rebuilt from parity by the promoted trainers."""
 
 
+@dataclass(slots=True)
+class _Tracker:
+    """One failure to be answered in place, collecting the boundaries of its phases.
+
+    Events count from the detection on (by time). The trainers' events of the promoted
+    generation may be written before the agent's ``shadows_promoted``: they are held,
+    tagged with their generation, and matched once it is known (a few per rank)."""
+
+    t_det: float
+    t0: float
+    failed_ranks: list[int]
+    step: int | None
+    gen: int | None = None
+    t_promote: float = 0.0
+    t_stopped: float | None = None
+    promoted: list[tuple[int, float]] = field(default_factory=list)
+    resumed: list[tuple[int | None, float, int]] = field(default_factory=list)
+    rebuilt: list[tuple[int | None, int]] = field(default_factory=list)
+    done: dict[str, float] = field(default_factory=dict)
+    """Per trainer: when it first completed the interrupted step (or a later one)."""
+
+    def add(self, e: dict[str, Any]) -> None:
+        kind, t = e["kind"], e["t"]
+        if t < self.t_det:
+            return
+        if kind == "step_done":
+            if self.gen is None or t < self.t_promote or e["src"] in self.done:
+                return
+            target = self.step if self.step is not None else self._resume_step()
+            if target is not None and e["step"] >= target:
+                self.done[e["src"]] = t
+        elif kind == "shadows_promoted":
+            if self.gen is None:
+                self.gen, self.t_promote = e["gen"], e.get("promote_t", t)
+        elif kind == "actives_stopped":
+            if self.t_stopped is None:
+                self.t_stopped = t
+        elif self.gen is not None and e.get("gen") != self.gen:
+            return  # a trainer's event of another generation
+        elif kind == "promoted":
+            self.promoted.append((e["gen"], t))
+        elif kind == "resumed":
+            self.resumed.append((e.get("gen"), t, e["step"]))
+        elif kind == "pages_rebuilt":
+            pages = sum(n for counts in e["lost"].values() for n in counts.values())
+            self.rebuilt.append((e.get("gen"), pages))
+
+    def _resume_step(self) -> int | None:
+        return min((s for g, _, s in self.resumed if g == self.gen), default=None)
+
+    def recovery(self) -> Recovery | None:
+        if self.gen is None:
+            return None
+        gen = self.gen
+        rec = Recovery(gen=gen, failed_ranks=self.failed_ranks, step=self.step)
+        rec.phases["detect"] = self.t_det - self.t0
+        rec.pages_rebuilt = sum(n for g, n in self.rebuilt if g == gen)
+        if self.t_stopped is not None:
+            rec.phases["stop"] = self.t_stopped - self.t_det
+            rec.phases["promote"] = self.t_promote - self.t_stopped
+        woke = [t for g, t in self.promoted if g == gen]
+        if woke:
+            rec.phases["wake"] = max(woke) - self.t_promote
+        resumed = [t for g, t, _ in self.resumed if g == gen]
+        if resumed:
+            start = max(woke) if woke else self.t_promote
+            rec.phases["attach+decide"] = max(resumed) - start
+            if self.done:
+                t_done = max(self.done.values())
+                rec.phases["first step"] = t_done - max(resumed)
+                rec.total_s = t_done - self.t0
+        return rec
+
+
+@dataclass(slots=True)
+class _StepTotals:
+    start: float
+    end: float
+    productive: float
+
+
+class Summary:
+    """Aggregates of an event stream, fed one event at a time (``add``).
+
+    ``keep_recoveries``: how many of the latest failures answered in place are kept (None:
+    all of them)."""
+
+    def __init__(self, keep_recoveries: int | None = None) -> None:
+        self._trackers: deque[_Tracker] = deque(maxlen=keep_recoveries)
+        self._faults: deque[tuple[float, int | None]] = deque(maxlen=64)
+        self._steps: dict[int, _StepTotals] = {}
+        self._level: dict[str, Any] | None = None
+        self._reclaims = 0
+        self._last_reclaim_t: float | None = None
+        self.restarts = 0
+        """Group restarts (torchrun's path, counted against --max-restarts)."""
+        self.promotions = 0
+        """In-place recoveries (shadow generations promoted)."""
+        self.worked = False
+        """Whether any step completed or any failure was seen (a summary is worth printing)."""
+
+    @classmethod
+    def of(cls, events: Iterable[dict[str, Any]]) -> Summary:
+        summary = cls()
+        for e in events:
+            summary.add(e)
+        return summary
+
+    def add(self, e: dict[str, Any]) -> None:
+        kind = e["kind"]
+        for tracker in self._trackers:
+            tracker.add(e)
+        if kind == "step_done":
+            self.worked = True
+            if "rank" in e:
+                self._step_done(e["rank"], e["t"], e["iter_s"])
+        elif kind == "failure_detected":
+            self.worked = True
+            if e.get("failure", "hof") == "hof":  # an FF or a script error restarts instead
+                self._detected(e)
+        elif kind == "fault_injected":
+            self._faults.append((e["t"], e.get("step")))
+        elif kind == "group_restart":
+            self.restarts += 1
+        elif kind == "shadows_promoted":
+            self.promotions += 1
+        elif kind == "shadow_level":
+            self._level = e
+        elif kind == "shadow_reclaimed":
+            self._reclaims += 1
+            self._last_reclaim_t = e["t"]
+
+    def _step_done(self, rank: int, t: float, iter_s: float) -> None:
+        totals = self._steps.get(rank)
+        if totals is None:
+            self._steps[rank] = _StepTotals(t - iter_s, t, iter_s)
+            return
+        totals.start = min(totals.start, t - iter_s)
+        totals.end = max(totals.end, t)
+        totals.productive += iter_s
+
+    def _detected(self, e: dict[str, Any]) -> None:
+        t_det = e.get("detected_t", e["t"])
+        fault = next((f for f in reversed(self._faults) if f[0] <= t_det), None)
+        tracker = _Tracker(
+            t_det=t_det,
+            t0=fault[0] if fault else t_det,
+            failed_ranks=sorted(int(r) for r in e.get("root_ranks", e["ranks"])),
+            step=fault[1] if fault else None,
+        )
+        self._trackers.append(tracker)
+
+    def recoveries(self) -> list[Recovery]:
+        """Each failure paired with the promotion and first steps that answered it."""
+        out = (t.recovery() for t in self._trackers)
+        return [r for r in out if r is not None]
+
+    def ettr(self, rank: int = 0) -> float | None:
+        """Productive step time over wall time, from the first step's start to the last
+        step's end."""
+        totals = self._steps.get(rank)
+        if totals is None or totals.end <= totals.start:
+            return None
+        return min(1.0, totals.productive / (totals.end - totals.start))
+
+    def restarts_and_recoveries(self) -> tuple[int, int]:
+        return self.restarts, self.promotions
+
+    def shadow_line(self) -> str | None:
+        """The pre-initialisation controller in one line: level now, why, reclaims so far."""
+        last = self._level
+        if last is None:
+            return None
+        line = f"shadows L{last['level']} ({last['reason']}"
+        if last.get("headroom_bytes") is not None:
+            line += f": headroom {_gib(last['headroom_bytes'])}, peak {_gib(last['peak_bytes'])}"
+        line += f") · reclaims {self._reclaims}"
+        if self._last_reclaim_t is not None and self._last_reclaim_t > last["t"]:
+            line += " · none now: relaunched once the retried step reports its memory"
+        return line
+
+
 def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
     """Pair each failure with the promotion and first steps that answered it."""
-    out: list[Recovery] = []
-    faults = [e for e in events if e["kind"] == "fault_injected"]
-    # Only failures answered in place; an FF or a script error restarts the group instead.
-    for det in (e for e in events if e["kind"] == "failure_detected" and e.get("failure", "hof") == "hof"):
-        t_det = det.get("detected_t", det["t"])
-        after = [e for e in events if e["t"] >= t_det]
-        prior_faults = [f for f in faults if f["t"] <= t_det]
-        fault = prior_faults[-1] if prior_faults else None
-        t0 = fault["t"] if fault else t_det
-        promoted = _first(after, "shadows_promoted")
-        if promoted is None:
-            continue
-        gen, t_promote = promoted["gen"], promoted.get("promote_t", promoted["t"])
-        rec = Recovery(gen=gen, failed_ranks=sorted(int(r) for r in det.get("root_ranks", det["ranks"])), step=fault["step"] if fault else None)
-        stopped = _first(after, "actives_stopped")
-        ranks_promoted = [e for e in after if e["kind"] == "promoted" and e["gen"] == gen]
-        resumed = [e for e in after if e["kind"] == "resumed" and e.get("gen") == gen]
-        rec.phases["detect"] = t_det - t0
-        rebuilt = [e for e in after if e["kind"] == "pages_rebuilt" and e.get("gen") == gen]
-        rec.pages_rebuilt = sum(n for e in rebuilt for counts in e["lost"].values() for n in counts.values())
-        if stopped:
-            rec.phases["stop"] = stopped["t"] - t_det
-            rec.phases["promote"] = t_promote - stopped["t"]
-        if ranks_promoted:
-            rec.phases["wake"] = max(e["t"] for e in ranks_promoted) - t_promote
-        if resumed:
-            resume_step = min(e["step"] for e in resumed)
-            start = max(e["t"] for e in ranks_promoted) if ranks_promoted else t_promote
-            rec.phases["attach+decide"] = max(e["t"] for e in resumed) - start
-            target = rec.step if rec.step is not None else resume_step
-            done = [e for e in after if e["kind"] == "step_done" and e["step"] >= target and e["t"] >= t_promote]
-            by_rank: dict[str, float] = {}
-            for e in done:
-                by_rank.setdefault(e["src"], e["t"])
-            if by_rank:
-                t_done = max(by_rank.values())
-                rec.phases["first step"] = t_done - max(e["t"] for e in resumed)
-                rec.total_s = t_done - t0
-        out.append(rec)
-    return out
+    return Summary.of(events).recoveries()
 
 
 def ettr(events: list[dict[str, Any]], rank: int = 0) -> float | None:
     """Productive step time over wall time, from the first step's start to the last step's end."""
-    steps = [e for e in events if e["kind"] == "step_done" and e.get("rank") == rank]
-    if not steps:
-        return None
-    start = min(e["t"] - e["iter_s"] for e in steps)
-    end = max(e["t"] for e in steps)
-    productive = sum(e["iter_s"] for e in steps)
-    return min(1.0, productive / (end - start)) if end > start else None
-
-
-def _first(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
-    return next((e for e in events if e["kind"] == kind), None)
+    return Summary.of(events).ettr(rank)
 
 
 def restarts_and_recoveries(events: list[dict[str, Any]]) -> tuple[int, int]:
     """Group restarts (torchrun's path, counted against --max-restarts) and in-place recoveries."""
-    restarts = sum(1 for e in events if e["kind"] == "group_restart")
-    recoveries = sum(1 for e in events if e["kind"] == "shadows_promoted")
-    return restarts, recoveries
+    return Summary.of(events).restarts_and_recoveries()
 
 
 def shadow_line(events: list[dict[str, Any]]) -> str | None:
     """The pre-initialisation controller in one line: level now, why, reclaims so far."""
-    levels = [e for e in events if e["kind"] == "shadow_level"]
-    if not levels:
-        return None
-    last = levels[-1]
-    reclaimed = [e["t"] for e in events if e["kind"] == "shadow_reclaimed"]
-    line = f"shadows L{last['level']} ({last['reason']}"
-    if last.get("headroom_bytes") is not None:
-        line += f": headroom {_gib(last['headroom_bytes'])}, peak {_gib(last['peak_bytes'])}"
-    line += f") · reclaims {len(reclaimed)}"
-    if reclaimed and reclaimed[-1] > last["t"]:
-        line += " · none now: relaunched once the retried step reports its memory"
-    return line
+    return Summary.of(events).shadow_line()
 
 
 def _gib(nbytes: int) -> str:

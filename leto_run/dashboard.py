@@ -1,7 +1,12 @@
-"""The live view of a job, rendered from the event stream (rich; plain lines off a TTY)."""
+"""The live view of a job, rendered from the event stream (rich; plain lines off a TTY).
+
+It lives in the agent for the whole job, so it keeps aggregates (``leto.summary.Summary``,
+the latest step of each rank), never the events themselves.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -12,7 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from leto import summary
+from leto.summary import Summary
 
 
 @dataclass(slots=True)
@@ -26,24 +31,51 @@ class _Rank:
 
 
 _PLAIN_KINDS = {
-    "workers_started", "shadows_spawned", "shadow_ready", "fault_injected", "failure_detected",
-    "actives_stopped", "shadows_promoted", "resumed", "recovery_done", "job_finished",
-    "pages_erased", "pages_rebuilt", "unrecoverable_state", "group_restart",
-    "epoch", "hang_detected", "checkpoint_loaded", "shadow_reclaimed", "shadow_level", "oom_retry",
+    "workers_started",
+    "shadows_spawned",
+    "shadow_ready",
+    "fault_injected",
+    "failure_detected",
+    "actives_stopped",
+    "shadows_promoted",
+    "resumed",
+    "recovery_done",
+    "job_finished",
+    "pages_erased",
+    "pages_rebuilt",
+    "unrecoverable_state",
+    "group_restart",
+    "epoch",
+    "hang_detected",
+    "checkpoint_loaded",
+    "checkpoint_failed",
+    "shadow_reclaimed",
+    "shadow_level",
+    "oom_retry",
 }
+_RECENT_RECOVERIES = 100
+"""Recoveries kept for the summary table (the counts cover all of them)."""
+_READ_BYTES = 1 << 18
 
 
 class Dashboard:
     """Tails the events file in a thread; prints the recovery summary at the end."""
 
-    def __init__(self, events_path: str, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        events_path: str,
+        enabled: bool = True,
+        console: Console | None = None,
+        offset: int = 0,
+    ) -> None:
+        """``offset``: where this job's events begin in the file (a reused file's end)."""
         self.path = events_path
         self.console = console or Console(stderr=False)
         self.live_mode = enabled and self.console.is_terminal
         self.plain_mode = not self.live_mode
-        self.events: list[dict[str, Any]] = []
+        self.summary = Summary(keep_recoveries=_RECENT_RECOVERIES)
         self.ranks: dict[int, _Rank] = {}
-        self._offset = 0
+        self._offset = offset
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -55,43 +87,51 @@ class Dashboard:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._poll()
+        self.poll()
         # The live view's last frame already holds the summary; plain mode prints it once.
-        if self.plain_mode and any(e["kind"] in ("step_done", "failure_detected") for e in self.events):
+        if self.plain_mode and self.summary.worked:
             self.console.print(self.summary_table())
 
     def _run(self) -> None:
         if not self.live_mode:
             while not self._stop.wait(0.2):
-                self._poll()
+                self.poll()
             return
-        with Live(self.render(), console=self.console, refresh_per_second=8, transient=False) as live:
+        with Live(
+            self.render(), console=self.console, refresh_per_second=8, transient=False
+        ) as live:
             while not self._stop.wait(0.125):
-                self._poll()
+                self.poll()
                 live.update(self.render())
-            self._poll()
+            self.poll()
             live.update(self.render())
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
+        """Take in the complete lines appended since the last call."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
-                data = f.read()
+                while True:
+                    data = f.read(_READ_BYTES)
+                    end = data.rfind(b"\n") + 1
+                    if not end:
+                        if len(data) == _READ_BYTES:  # no event is this long: skip it
+                            self._offset += len(data)
+                            continue
+                        return  # nothing, or one line still being written
+                    self._offset += end
+                    f.seek(self._offset)
+                    for line in data[:end].splitlines():
+                        try:
+                            event = json.loads(line)
+                        except ValueError:
+                            continue
+                        self._apply(event)
         except FileNotFoundError:
             return
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        import json
-
-        for line in data[:end].splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            self.events.append(event)
-            self._apply(event)
 
     def _apply(self, e: dict[str, Any]) -> None:
+        self.summary.add(e)
         kind, rank = e["kind"], e.get("rank")
         if rank is not None and isinstance(rank, int):
             r = self.ranks.setdefault(rank, _Rank())
@@ -111,7 +151,11 @@ class Dashboard:
                 r.shadow_level = "reclaimed"
         if self.plain_mode and kind in _PLAIN_KINDS:
             fields = {k: v for k, v in e.items() if k not in ("t", "kind", "src", "points")}
-            print(f"[leto {time.strftime('%H:%M:%S', time.localtime(e['t']))}] {kind} {fields}", file=sys.stderr, flush=True)
+            print(
+                f"[leto {time.strftime('%H:%M:%S', time.localtime(e['t']))}] {kind} {fields}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def render(self) -> Group:
         table = Table(title="leto-run", expand=False)
@@ -120,8 +164,13 @@ class Dashboard:
         for rank in sorted(self.ranks):
             r = self.ranks[rank]
             table.add_row(
-                str(rank), r.role, str(r.gen), r.shadow_level, str(r.step),
-                f"{r.iter_s * 1e3:.1f}", "-" if r.loss is None else f"{r.loss:.4f}",
+                str(rank),
+                r.role,
+                str(r.gen),
+                r.shadow_level,
+                str(r.step),
+                f"{r.iter_s * 1e3:.1f}",
+                "-" if r.loss is None else f"{r.loss:.4f}",
             )
         return Group(table, self.summary_table())
 
@@ -129,14 +178,21 @@ class Dashboard:
         table = Table(title="recoveries")
         for col in ("gen", "failed ranks", "step", "pages rebuilt", "phases (ms)", "total (ms)"):
             table.add_column(col)
-        for rec in summary.recoveries(self.events):
+        for rec in self.summary.recoveries():
             phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in rec.phases.items())
             total = "-" if rec.total_s is None else f"{rec.total_s * 1e3:.0f}"
-            table.add_row(str(rec.gen), str(rec.failed_ranks), str(rec.step), str(rec.pages_rebuilt), phases, total)
-        value = summary.ettr(self.events)
-        restarts, recoveries = summary.restarts_and_recoveries(self.events)
+            table.add_row(
+                str(rec.gen),
+                str(rec.failed_ranks),
+                str(rec.step),
+                str(rec.pages_rebuilt),
+                phases,
+                total,
+            )
+        value = self.summary.ettr()
+        restarts, recoveries = self.summary.restarts_and_recoveries()
         counts = f"in-place recoveries {recoveries} · group restarts {restarts}"
         caption = f"ETTR {value * 100:.1f} % · {counts}" if value is not None else counts
-        shadows = summary.shadow_line(self.events)
+        shadows = self.summary.shadow_line()
         table.caption = f"{caption}\n{shadows}" if shadows else caption
         return table

@@ -55,6 +55,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
         logs_specs.root_log_dir if logs_specs.root_log_dir != os.devnull else tempfile.gettempdir(),
         f"leto-events-{config.run_id}.jsonl",
     )
+    # A reused events file: this job's summary starts at its current end.
+    events_offset = os.path.getsize(events_path) if os.path.exists(events_path) else 0
     events = EventLog(events_path, source="agent")
     # Before any thread of ours exists: a fork server that has imported torch.
     forkserver = ForkServer() if leto.warm_restarts else None
@@ -90,7 +92,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
     events.emit(Kind.AGENT_STARTED, entrypoint=_get_entrypoint_name(entrypoint, args), nproc=config.nproc_per_node)
     from leto_run.dashboard import Dashboard
 
-    dashboard = Dashboard(events_path, enabled=leto.dashboard)
+    dashboard = Dashboard(events_path, enabled=leto.dashboard, offset=events_offset)
     shutdown_rdzv = True
     dashboard.start()
     try:
