@@ -18,8 +18,14 @@ from leto.preinit.config import PreinitConfig
 
 Phase = Literal["forward", "backward", "sync", "update"]
 PHASES: tuple[str, ...] = get_args(Phase)
+FaultPhase = Literal["forward", "backward", "sync", "update", "recovery"]
 UpdatePoint = Literal["boundary", "optimizer", "parity", "flush", "gather"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)
+RECOVERY_POINTS = ("attach", "rebuild")
+"""Kill points inside a promoted trainer's recovery (``phase: recovery``): attach (regions
+mapped, nothing read yet), rebuild (lost chunks replaced by fresh zeroed ones, not yet
+rebuilt)."""
+FaultPoint = Literal["boundary", "optimizer", "parity", "flush", "gather", "attach", "rebuild"]
 DEVICE_REGIONS = ("state", "grads", "rmu.undo", "rmu.parity")
 """Device regions a fault may erase pages of (besides a Megatron DDP buffer, ``ddp.grads.<dtype>``, or
 the distributed optimizer's full parameter buffer, ``ddp.params.<dtype>``)."""
@@ -35,8 +41,10 @@ class FaultSpec:
     """Global rank whose active trainer is killed."""
     step: int
     """Training step (0-based, as counted by ``leto``) at which the kill happens."""
-    phase: Phase = "forward"
-    """Phase of that step: forward, backward, sync (gradient all-reduce) or update (optimizer)."""
+    phase: FaultPhase = "forward"
+    """Phase of that step: forward, backward, sync (gradient all-reduce) or update (optimizer);
+    or recovery: inside a promoted trainer's attach, before it resumes at ``step`` (the
+    marker's step), at ``point`` attach or rebuild."""
     erase_device_pages: int = 0
     """At the recovery that follows, lose this many pages of the rank's model state per group."""
     erase_host_pages: int = 0
@@ -48,7 +56,7 @@ class FaultSpec:
     Megatron DDP buffer "ddp.grads.<dtype>"; protected by parity), or the updater's
     unprotected undo copy or working parity (a loss there in the middle of an update leaves
     nothing consistent to resume from: the job takes the checkpoint path)."""
-    point: UpdatePoint | None = None
+    point: FaultPoint | None = None
     """With ``phase: update`` under ``consistency: rmu``, where inside the update:
     boundary (a chunk boundary, before its undo copy), optimizer (mid-chunk: after the
     in-place update, before its parity update), parity (inside the chunk's parity update),
@@ -88,15 +96,19 @@ class FaultSpec:
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
             raise ConfigError(f"fault rank and step must be >= 0, got rank={self.rank} step={self.step}")
-        if self.phase not in PHASES:
-            raise ConfigError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}")
+        if self.phase not in (*PHASES, "recovery"):
+            raise ConfigError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}, recovery")
+        if (self.phase == "recovery") != (self.point in RECOVERY_POINTS):
+            raise ConfigError(f"fault phase recovery needs point {' or '.join(RECOVERY_POINTS)} (and those "
+                              f"points need phase recovery), got point {self.point!r}")
         if (self.erase_device_region not in DEVICE_REGIONS
                 and not self.erase_device_region.startswith(("ddp.grads.", "ddp.params."))):
             raise ConfigError(f"fault erase_device_region {self.erase_device_region!r} is not one of "
                               f"{', '.join(DEVICE_REGIONS)}, ddp.grads.<dtype> or ddp.params.<dtype>")
         if min(self.erase_device_pages, self.erase_host_pages) < 0:
             raise ConfigError("fault erase_device_pages / erase_host_pages must be >= 0")
-        if self.point is not None and (self.phase != "update" or self.point not in UPDATE_POINTS):
+        if self.point is not None and self.phase != "recovery" and (
+                self.phase != "update" or self.point not in UPDATE_POINTS):
             raise ConfigError(
                 f"fault point {self.point!r} needs phase: update and one of {', '.join(UPDATE_POINTS)}"
             )
@@ -225,7 +237,11 @@ class LetoConfig:
     checkpoint: CheckpointConfig | None = None
     """The checkpoint kept for fatal failures; None: none (an FF restarts from step 0)."""
     warm_restarts: bool = True
-    """Start the workers of a group restart from a fork server that has imported torch."""
+    """Start the workers of a group restart, and every shadow, from a fork server that has
+    imported torch."""
+    failure_loop_limit: int = 16
+    """Trainer failures in a row without any committed step after which the job stops
+    recovering in place and takes a group restart (a failure loop, not bad luck)."""
 
     def __post_init__(self) -> None:
         if self.lend_activation_memory and self.consistency != "rmu":
@@ -241,6 +257,8 @@ class LetoConfig:
                 "leto.hang_timeout_s must be > 0 and first_step_timeout_s >= hang_timeout_s, got "
                 f"{self.hang_timeout_s} and {self.first_step_timeout_s}"
             )
+        if self.failure_loop_limit < 1:
+            raise ConfigError(f"leto.failure_loop_limit must be >= 1, got {self.failure_loop_limit}")
         if self.peer_failure_grace_s < 0:
             raise ConfigError(f"leto.peer_failure_grace_s must be >= 0, got {self.peer_failure_grace_s}")
 

@@ -50,6 +50,9 @@ class EpochRecord:
     root_ranks: list[int] = field(default_factory=list)
     reason: str = ""
     detected_t: float = 0.0
+    cold: bool = False
+    """``in_place`` with a cold generation: every node closes the shadows it has and starts
+    fresh trainers that attach to the retained state at once (some node had no shadows)."""
 
 
 class EpochBoard:

@@ -29,6 +29,8 @@ class Kind(str, Enum):
     SHADOW_LEVEL = "shadow_level"
     SHADOW_DIED = "shadow_died"
     SHADOWS_GIVEN_UP = "shadows_given_up"
+    STATE_MANAGER_DIED = "state_manager_died"
+    """The node's state manager is gone (how it ended): in-place recovery is lost."""
     FAILURE_DETECTED = "failure_detected"
     EPOCH = "epoch"
     ACTIVES_STOPPED = "actives_stopped"

@@ -186,10 +186,17 @@ class HangWatch:
         self.first_step_timeout_s = first_step_timeout_s
         self._clock = clock
         self._seen: list[tuple[int, float]] = []
+        self._first_limit_s = first_step_timeout_s
         self.arm()
 
-    def arm(self) -> None:
-        """Start watching a new generation: counters zeroed, clocks restarted."""
+    def arm(self, *, warm: bool | None = None) -> None:
+        """Start watching a new generation: counters zeroed, clocks restarted.
+
+        ``warm``: the generation was pre-initialised (promoted shadows), so its first step
+        is held to ``hang_timeout_s``; False: a fresh start (imports, compilation, data
+        loading) gets ``first_step_timeout_s``; None keeps the current choice."""
+        if warm is not None:
+            self._first_limit_s = self.hang_timeout_s if warm else self.first_step_timeout_s
         self.board.reset()
         now = self._clock()
         self._seen = [(0, now)] * self.board.nslots
@@ -208,20 +215,33 @@ class HangWatch:
             if progress != last or steps & _FINISHED:
                 self._seen[slot] = (progress, now)
                 continue
-            limit = self.hang_timeout_s if steps > 0 else self.first_step_timeout_s
+            limit = self.hang_timeout_s if steps > 0 else self._first_limit_s
             if now - since > limit:
                 stalls.append(Stall(slot, now - since, limit))
         return sorted(stalls, key=lambda s: -s.idle_s)
 
-    def culprit(self, stalls: list[Stall], states: dict[int, str]) -> Stall | None:
-        """The stall to kill, given each stalled slot's process state letter, or None yet.
+    def idle(self, slot: int) -> Stall:
+        """How long ``slot`` has been idle, and its current limit (stalled or not)."""
+        progress, steps = self.board.read(slot)
+        limit = self.hang_timeout_s if steps > 0 else self._first_limit_s
+        return Stall(slot, self._clock() - self._seen[slot][1], limit)
 
-        Peers blocked in a collective with the hung rank stall too. A process that is
-        stopped or in uninterruptible sleep is the culprit; short of one, a verdict needs
-        every watched rank stalled: while one still makes progress, the stalled ones are
-        waiting for it (a slow peer, not a hang). Then the longest idle is blamed.
+    def culprit(self, stalls: list[Stall], states: dict[int, str]) -> Stall | None:
+        """The stall to kill, given every watched slot's process state letter, or None yet.
+
+        Peers blocked in a collective with the hung rank stall too, often before it does
+        (it was stopped after their last beat). A process that is stopped or in
+        uninterruptible sleep is the culprit, stalled past its limit or not; short of one,
+        a verdict needs every watched rank stalled: while one still makes progress, the
+        stalled ones are waiting for it (a slow peer, not a hang). Then the longest idle
+        is blamed.
         """
-        stopped = [s for s in stalls if states[s.slot] in ("T", "t", "D")]
-        if not stopped and len(stalls) < self.watched():
+        if not stalls:
             return None
-        return (stopped or stalls)[0] if stalls else None
+        stopped = sorted((slot for slot, state in states.items() if state in ("T", "t", "D")),
+                         key=lambda slot: -self.idle(slot).idle_s)
+        if stopped:
+            return next((s for s in stalls if s.slot == stopped[0]), None) or self.idle(stopped[0])
+        if len(stalls) < self.watched():
+            return None
+        return stalls[0]

@@ -50,7 +50,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest, PContext
 
-from leto import faults
+from leto import contract, faults
 from leto.config import LetoConfig
 from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
@@ -59,8 +59,8 @@ from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard, dying_signal
 from leto.pool.process import StateManagerProcess
 from leto.preinit.controller import PreinitController, ShadowState
 from leto.preinit.levels import LevelChoice, ShadowLevel
-from leto.trainer.context import ENV_CHECKPOINT, ENV_PREINIT, ROLE_ACTIVE, ROLE_SHADOW, store_prefix
-from leto_run.failures import FailurePolicy
+from leto.trainer.context import ENV_CHECKPOINT, ENV_PREINIT, ROLE_ACTIVE, ROLE_SHADOW
+from leto_run.failures import FailurePolicy, _exit_text
 from leto_run.warm_start import ForkServer, warm_spawns
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,22 @@ class GenerationLogsSpecs(DefaultLogsSpecs):
 
 
 
+COLD_LAUNCH = 1 << 16
+"""The launch number of a cold generation: the same on every node (its process group's
+store prefix), distinct from the relaunches of the shadow generation it replaces."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recovery:
+    """A recovery in progress: promoted, waiting for every promoted trainer's first step."""
+
+    gen: int
+    epoch: int
+    detected_t: float
+    stopped_t: float
+    cold: bool
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProcessExit:
     """How a watched process ended: by ``signal``, or with ``exitcode`` (both None: it was
@@ -125,7 +141,12 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._spawn_env: dict[str, str] = {}
         self._store: dist.Store | None = None
         self._uses_leto = False
-        self._recovery: dict[str, Any] | None = None
+        self._recovery: Recovery | None = None
+        self._failures_in_a_row = 0
+        """HOFs since a generation last committed a step (``leto.failure_loop_limit``)."""
+        self._job_token = contract.new_token()
+        """The job's secret: every store key lives under it (``leto.contract``)."""
+        self._sm_death_seen = False
         self._pidfds: dict[int, int] = {}
         self._raw_store: dist.Store | None = None
         self._erased: set[int] = set()
@@ -172,6 +193,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             "LETO_RMU_FUSED": {None: "auto", True: "1", False: "0"}[self._leto.rmu_fused],
             "LETO_LEND_ACTIVATIONS": {None: "auto", True: "1", False: "0"}[self._leto.lend_activation_memory],
             "LETO_DIGEST": "1" if self._leto.digest else "0",
+            contract.ENV_JOB_TOKEN: self._job_token,
             faults.ENV_FAULTS: faults.encode(self._leto.faults),
             faults.ENV_FAULTS_FIRED: ",".join(map(str, sorted(self._fired))),
             "LETO_ERASURE": json.dumps(dataclasses.asdict(self._leto.erasure)) if self._leto.erasure else "",
@@ -184,7 +206,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         active = self._pcontext
         try:
             with (
-                warm_spawns(self.forkserver if self._restart_count() > 0 else None),
+                # Shadows and restarts fork from the warm server (the first actives do not
+                # wait for it to import torch).
+                warm_spawns(self.forkserver if role == ROLE_SHADOW or self._restart_count() > 0 else None),
                 _environ_overlay(None if _HAS_ENV_HOOK else self._spawn_env),
             ):
                 super()._start_workers(worker_group)
@@ -206,6 +230,11 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         super()._rendezvous(worker_group)
         key = f"leto/worker_store/{self._restart_count()}"
         rdzv_store = worker_group.store
+        if worker_group.group_world_size > 1 and not os.environ.get(contract.ENV_JOB_SECRET):
+            # Every node needs the same token: the leader's (see leto.contract).
+            if worker_group.group_rank == 0:
+                rdzv_store.compare_set(contract.RDZV_TOKEN_KEY, "", self._job_token)
+            self._job_token = rdzv_store.get(contract.RDZV_TOKEN_KEY).decode()
         if worker_group.group_rank == 0:
             self._worker_store = dist.TCPStore(
                 worker_group.master_addr, 0, is_master=True, wait_for_workers=False,
@@ -223,8 +252,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             worker_group.master_addr, worker_group.master_port, is_master=False, timeout=timedelta(seconds=60)
         )
         self._raw_store = raw
-        self._store = dist.PrefixStore(store_prefix(self._restart_count()), raw)
+        self._store = dist.PrefixStore(contract.store_prefix(self._restart_count(), self._job_token), raw)
         self._generation, self._uses_leto, self._recovery = 0, False, None
+        self._failures_in_a_row, self._sm_death_seen = 0, False
         self._epochs = EpochBoard(self._store, f"{worker_group.master_addr}:{worker_group.master_port}")
         if self._board is None:
             self._board = HeartbeatBoard(worker_group.spec.local_world_size)
@@ -239,6 +269,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         return pcontext.pids()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._watch_state_manager()
         self._watch_registration(worker_group)
         self._watch_recovery(worker_group)
         self._watch_preinit(worker_group)
@@ -303,7 +334,19 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def _local_keys(self, worker_group: WorkerGroup, what: str, generation: int) -> list[str]:
-        return [f"{what}/{generation}/{w.global_rank}" for w in worker_group.workers]
+        key = {"registered": contract.registered, "stepped": contract.stepped}[what]
+        return [key(generation, w.global_rank) for w in worker_group.workers]
+
+    def _watch_state_manager(self) -> None:
+        """A dead state manager takes every retained region of the node with it: say so at
+        once (the next failure restarts the group; the running trainers go on)."""
+        if self._sm is None or self._sm_death_seen or self._sm.alive():
+            return
+        self._sm_death_seen = True
+        how = _exit_text(self._sm.proc.returncode)
+        self._events.emit(Kind.STATE_MANAGER_DIED, how=how, gen=self._generation)
+        logger.error("the state manager died (%s): in-place recovery is lost on this node; the next failure "
+                     "restarts the group from the newest checkpoint", how)
 
     def _watch_registration(self, worker_group: WorkerGroup) -> None:
         """Spawn shadows once every local active has joined through ``leto.init()``."""
@@ -313,20 +356,24 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             self._uses_leto = True
             self._spawn_shadows(worker_group)
 
-    def _spawn_shadows(self, worker_group: WorkerGroup, choice: LevelChoice | None = None) -> None:
-        """Spawn the next generation's shadows at ``choice``'s level (default: the configured one)."""
+    def _spawn_shadows(
+        self, worker_group: WorkerGroup, choice: LevelChoice | None = None, launch: int | None = None
+    ) -> None:
+        """Spawn the next generation's shadows at ``choice``'s level (default: the configured
+        one), as launch ``launch`` (default: the next of this generation)."""
         assert self._store is not None and self._preinit is not None
         gen = self._generation + 1
         choice = choice or LevelChoice(level=ShadowLevel(self._leto.shadow_level), reason="configured")
         level = choice.level
-        launch = self._launches.get(gen, -1) + 1
+        if launch is None:
+            launch = self._launches.get(gen, -1) + 1
         self._launches[gen] = launch
         self._no_shadows_reason = ""
         self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
         self._shadows = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
         self._preinit.spawned(level)
         self._events.emit(Kind.SHADOWS_SPAWNED, gen=gen, pids=self._shadows.pids(), level=int(level), launch=launch)
-        self._store.set(f"shadows/{gen}/{worker_group.group_rank}", "1")
+        self._store.set(contract.shadows(gen, worker_group.group_rank), "1")
 
     def _detect_killed_active(self) -> None:
         """See a trainer killed by a signal without reaping it, and stop its peers at once.
@@ -420,7 +467,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         assert self._store is not None
         local_rank, end = dead
         gen, level, pids = self._generation + 1, int(ctrl.level), self._shadows.pids()
-        self._store.delete_key(f"shadows/{gen}/{worker_group.group_rank}")  # not ready for a HOF
+        self._store.delete_key(contract.shadows(gen, worker_group.group_rank))  # not ready for a HOF
         self._shadows.close(death_sig=signal.SIGKILL, timeout=5)  # returns once reaped
         self._shadows = None
         self._drop_pidfds(list(pids.values()))
@@ -457,9 +504,12 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._detected_t = self._root_pid = None
 
     def _recover(self, worker_group: WorkerGroup, record: EpochRecord) -> None:
-        """Stop this node's actives and promote its shadows (every node does this)."""
+        """Stop this node's actives and promote the next generation (every node does this):
+        its live shadows, or with ``record.cold`` a generation started now, which attaches
+        to the retained state as soon as it has started. Replacement shadows are spawned
+        at once, so a failure in the promoted generation's first steps finds them."""
         t_detect = self._detected_t or time.time()
-        assert self._store is not None and self._pcontext is not None and self._shadows is not None
+        assert self._store is not None and self._pcontext is not None and self._preinit is not None
         assert record.epoch == self._generation + 1, (record.epoch, self._generation)
         epoch = record.epoch
         self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
@@ -467,30 +517,38 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._events.emit(Kind.ACTIVES_STOPPED, gen=self._generation, stop_s=t_stopped - t_detect)
         self._close_pidfds()
         self._inject_erasures()
+        level = self._preinit.choose("recovery")  # the last actives' peak (reports outlive them)
+        if record.cold or self._shadows is None:
+            self._close_shadows()
+            self._spawn_shadows(worker_group, dataclasses.replace(level, reason="cold"), launch=COLD_LAUNCH)
+        assert self._shadows is not None
         self._generation += 1
         t_promote = time.time()
         for worker in worker_group.workers:
-            self._store.set(f"promote/{self._generation}/{worker.global_rank}", str(epoch))
+            self._store.set(contract.promote(self._generation, worker.global_rank), str(epoch))
         self._pcontext, self._shadows = self._shadows, None
-        if self._preinit is not None:
-            self._preinit.closed()  # the shadows are the actives now
+        self._preinit.closed()  # the shadows are the actives now
         if self._hangs is not None:
-            self._hangs.arm()
+            # A promoted shadow is warm: its first step is judged by the hang timeout; a cold
+            # generation still imports and builds (the first-step timeout).
+            self._hangs.arm(warm=not record.cold)
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
             worker.id = pid
         self._events.emit(
             Kind.SHADOWS_PROMOTED, gen=self._generation, epoch=epoch, promote_t=t_promote,
-            node=worker_group.group_rank,
+            node=worker_group.group_rank, cold=record.cold,
         )
         self.recoveries += 1
-        self._recovery = {"gen": self._generation, "epoch": epoch, "detected_t": t_detect, "stopped_t": t_stopped}
+        self._recovery = Recovery(gen=self._generation, epoch=epoch, detected_t=t_detect, stopped_t=t_stopped,
+                                  cold=record.cold)
+        self._spawn_shadows(worker_group, level)
 
     def _note_fired_faults(self) -> None:
         """Faults are claimed in the attempt's store; remember them across group restarts."""
         if self._raw_store is None:
             return
         for i in range(len(self._leto.faults)):
-            if i not in self._fired and self._raw_store.check([f"/leto/faults/{i}"]):
+            if i not in self._fired and self._raw_store.check([contract.fault_claim(i)]):
                 self._fired.add(i)
 
     def _inject_erasures(self) -> None:
@@ -501,21 +559,20 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         pool = self._sm.client()
         try:
             for i, fault in enumerate(self._leto.faults):
-                if fault.erases and i not in self._erased and self._raw_store.check([f"/leto/faults/{i}"]):
+                if fault.erases and i not in self._erased and self._raw_store.check([contract.fault_claim(i)]):
                     self._erased.add(i)
                     faults.erase_pages(pool, fault, i, erasure, self._events)
         finally:
             pool.close()
 
     def _watch_recovery(self, worker_group: WorkerGroup) -> None:
-        """When every promoted trainer has stepped once, the recovery is done: new shadows."""
+        """When every promoted trainer has stepped once, the recovery is done."""
         if self._recovery is None or self._store is None:
             return
-        if self._store.check(self._local_keys(worker_group, "stepped", self._recovery["gen"])):
+        if self._store.check(self._local_keys(worker_group, "stepped", self._recovery.gen)):
             recovery, self._recovery = self._recovery, None
-            self._events.emit(Kind.RECOVERY_DONE, **recovery, done_t=time.time())
-            assert self._preinit is not None  # the fresh actives' peak decides the level
-            self._spawn_shadows(worker_group, self._preinit.choose("recovery"))
+            self._failures_in_a_row = 0
+            self._events.emit(Kind.RECOVERY_DONE, **dataclasses.asdict(recovery), done_t=time.time())
 
     def _close_shadows(self, death_sig: signal.Signals = signal.SIGKILL) -> None:
         if self._shadows is not None:
@@ -555,7 +612,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             self._shadows = None
             self._preinit.reclaimed()
             gen = self._generation + 1
-            self._store.delete_key(f"shadows/{gen}/{worker_group.group_rank}")  # not ready for a HOF
+            self._store.delete_key(contract.shadows(gen, worker_group.group_rank))  # not ready for a HOF
             self._events.emit(
                 Kind.SHADOW_RECLAIMED, gen=gen, level=level, ranks=ranks, pids=list(pids.values()),
                 reclaim_s=time.time() - t0, reclaims=self._preinit.reclaims,

@@ -14,6 +14,7 @@ first waits ``peer_failure_grace_s`` for the record that explains them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -23,9 +24,11 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from leto import contract
 from leto.epoch import EpochRecord
 from leto.events import Kind
 from leto.health import FailureClass, proc_state
+from leto_run.policy import Action, FailureFacts, decide
 
 if TYPE_CHECKING:
     from leto_run.agent import LetoAgent
@@ -48,7 +51,7 @@ class FailurePolicy(_Base):
         assert self._epochs is not None
         if self._sm is None or not self._sm.alive():
             return FailureClass.FF
-        if any(self._epochs.check([f"fatal/{rank}"]) for rank in result.failures):
+        if any(self._epochs.check([contract.fatal(rank)]) for rank in result.failures):
             return FailureClass.FF
         problems = self._device_health.check()
         if problems:
@@ -73,7 +76,7 @@ class FailurePolicy(_Base):
         assert self._epochs is not None
         nodes = range(worker_group.group_world_size)
         return self._local_shadows_ok() and self._epochs.check(
-            [f"shadows/{self._generation + 1}/{n}" for n in nodes]
+            [contract.shadows(self._generation + 1, n) for n in nodes]
         )
 
     def _decide(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
@@ -93,49 +96,60 @@ class FailurePolicy(_Base):
         failed = {str(rank): f.exitcode for rank, f in result.failures.items()}
         root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(result.failures)
         detected_t = self._detected_t or time.time()
+        self._failures_in_a_row += 1
         self._events.emit(
             Kind.FAILURE_DETECTED, ranks=failed, root_ranks=root, gen=self._generation,
-            detected_t=detected_t, failure=failure.value,
+            detected_t=detected_t, failure=failure.value, in_a_row=self._failures_in_a_row,
         )
-        in_place = (
-            failure is FailureClass.HOF and self._leto.recovery == "in_place"
-            and self._all_shadows_ready(worker_group)
-        )
-        reason = {
-            FailureClass.HOF: "trainer killed" if in_place else "trainer killed, no shadows ready on every node"
-            + (f" ({self._no_shadows_reason})" if self._no_shadows_reason else ""),
-            FailureClass.FF: "fatal failure: hardware or retained state unusable",
-            FailureClass.ERROR: "trainer exited with an error"
-            + (" (no other node reported a failure: is another node's agent gone?)"
-               if worker_group.group_world_size > 1 else ""),
-        }[failure]
+        decision = decide(self._facts(worker_group, failure))
         record = self._epochs.publish(EpochRecord(
-            epoch=epoch, action="in_place" if in_place else "restart", failure=failure.value,
-            node=worker_group.group_rank, ranks=failed, root_ranks=root, reason=reason, detected_t=detected_t,
+            epoch=epoch, action="in_place" if decision.action.in_place else "restart", failure=failure.value,
+            node=worker_group.group_rank, ranks=failed, root_ranks=root, reason=decision.reason,
+            detected_t=detected_t, cold=decision.action is Action.PROMOTE_COLD,
         ))
         return self._follow(worker_group, record, result)
+
+    def _facts(self, worker_group: WorkerGroup, failure: FailureClass) -> FailureFacts:
+        sm_alive = self._sm is not None and self._sm.alive()
+        return FailureFacts(
+            failure=failure, in_place_enabled=self._leto.recovery == "in_place",
+            state_manager_alive=sm_alive, shadows_everywhere=self._all_shadows_ready(worker_group),
+            multi_node=worker_group.group_world_size > 1, failures_without_progress=self._failures_in_a_row,
+            failure_loop_limit=self._leto.failure_loop_limit, no_shadows_reason=self._no_shadows_reason,
+            state_manager_exit="" if sm_alive or self._sm is None else _exit_text(self._sm.proc.returncode),
+        )
 
     def _follow(self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None) -> RunResult:
         """Act on the job-wide decision for this generation: promote, or restart the group."""
         assert self._epochs is not None
-        while record.action == "in_place" and not self._local_shadows_ok():
-            # This node cannot follow (a shadow died): every node must restart instead. The
-            # others have promoted by now and watch the next epoch.
-            record = self._epochs.publish(EpochRecord(
-                epoch=record.epoch + 1, action="restart", failure=FailureClass.FF.value,
-                node=worker_group.group_rank, reason=f"node {worker_group.group_rank} has no live shadows",
-                detected_t=time.time(),
-            ))
+        if record.action == "in_place" and not record.cold and not self._local_shadows_ok():
+            if worker_group.group_world_size == 1:
+                # This node's shadows died since the decision: a cold generation instead.
+                record = dataclasses.replace(record, cold=True)
+            else:
+                # The other nodes promote their shadows; then every node follows a cold
+                # generation (its trainers must meet in one process group). Until then this
+                # node's cold trainers wait in theirs.
+                self._epochs.publish(EpochRecord(
+                    epoch=record.epoch + 1, action="in_place", failure=record.failure,
+                    node=worker_group.group_rank, reason=f"node {worker_group.group_rank} has no live shadows",
+                    detected_t=time.time(), cold=True,
+                ))
+                record = dataclasses.replace(record, cold=True)
         self._events.emit(
             Kind.EPOCH, epoch=record.epoch, action=record.action, failure=record.failure,
-            node=record.node, remote=record.node != worker_group.group_rank,
+            node=record.node, remote=record.node != worker_group.group_rank, cold=record.cold,
+            reason=record.reason,
         )
         if record.action == "in_place":
             self._recover(worker_group, record)
             return RunResult(state=WorkerState.HEALTHY)
         self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
         if self._remaining_restarts > 0:
-            logger.warning("group restart: %s", self._restart_reason)
+            where = (f"loading the newest complete checkpoint in {self._leto.checkpoint.dir}"
+                     if self._leto.checkpoint is not None
+                     else "no checkpoint is configured (leto.checkpoint): training restarts from step 0")
+            logger.warning("group restart: %s; %s", self._restart_reason, where)
         else:
             logger.error(
                 "the job fails (no restarts left, --max-restarts %d): %s",
@@ -162,7 +176,7 @@ class FailurePolicy(_Base):
         stalls = self._hangs.check()
         if not stalls:
             return
-        states = {s.slot: proc_state(worker_group.workers[s.slot].id) for s in stalls}
+        states = {w.local_rank: proc_state(w.id) for w in worker_group.workers}  # a stopped peer first
         stall = self._hangs.culprit(stalls, states)
         if stall is None:
             return
@@ -178,3 +192,10 @@ class FailurePolicy(_Base):
             pass
         self._hangs.arm()  # one verdict per stall; the kill is seen by _detect_killed_active
 
+
+
+def _exit_text(returncode: int | None) -> str:
+    """``exit code 1`` / ``signal 9`` for a ``Popen.returncode``."""
+    if returncode is None:
+        return ""
+    return f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"

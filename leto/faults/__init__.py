@@ -144,6 +144,18 @@ class FaultInjector:
         finally:
             pool.close()
 
+    def recovery_point(self, point: str, step: int) -> None:
+        """Called by a promoted trainer inside its recovery, before it resumes at ``step``
+        (``phase: recovery`` faults; the step loop has not set ``self.step`` yet)."""
+        for i, fault in self._mine:
+            if fault.phase == "recovery" and fault.point == point and fault.step == step and self._claim(i):
+                self.injected += 1
+                self.events.emit(
+                    Kind.FAULT_INJECTED, rank=self.rank, step=step, phase="recovery", fault=i, point=point,
+                    chunk=None, fault_kind=fault.kind,
+                )
+                os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+
     def shadow_launched(self) -> None:
         """Called by a shadow during its pre-initialisation: a ``kind: shadow_crash`` fault of
         this rank kills it, at every launch (a shadow that cannot start; never claimed)."""

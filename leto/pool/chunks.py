@@ -110,6 +110,8 @@ class ChunkedRegion:
         self.table, self.ptr, self.existing = table, ptr, existing
         self._replaced: set[int] = set()
         """Chunks found lost and replaced since the last :meth:`localize` (e.g. at attach)."""
+        self._pending: dict[int, int] = {}
+        """Replacement chunks (index → fd) not yet deposited: see :meth:`commit`."""
 
     @property
     def nbytes(self) -> int:
@@ -172,18 +174,38 @@ class ChunkedRegion:
         self.backend.enable(self.ptr, self.table.nbytes)
 
     def _replace(self, chunk_index: int) -> None:
-        """A fresh chunk in place of a lost one: same address, deposited in the same slot."""
+        """A fresh chunk in place of a lost one, mapped at the same address; it is deposited
+        in the same slot by :meth:`commit`, once the caller has rebuilt its contents."""
         addr, chunk = self._addr(chunk_index), self.table.chunk_bytes
         fd = self.backend.create(chunk)
         try:
             self.backend.unmap(addr, chunk)
             self.backend.map(addr, fd, chunk)
             self.backend.enable(addr, chunk)
-            self.pool.deposit(self.rank, self.name, self.table.nbytes, chunk, self.backend.backing, [fd],
-                              start=chunk_index, replace=True)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        old = self._pending.pop(chunk_index, None)
+        if old is not None:
+            os.close(old)
+        self._pending[chunk_index] = fd
         self._replaced.add(chunk_index)
+
+    def commit(self) -> None:
+        """Deposit the replacement chunks: the state manager holds them from now on.
+
+        Until then the state manager still holds those slots as lost, so a process that
+        dies while rebuilding them leaves its successor the same losses to rebuild, never
+        a zeroed chunk that reads as intact. Call after the rebuild has landed (device
+        work fenced)."""
+        pending, self._pending = self._pending, {}
+        try:
+            for index in sorted(pending):
+                self.pool.deposit(self.rank, self.name, self.table.nbytes, self.table.chunk_bytes,
+                                  self.backend.backing, [pending[index]], start=index, replace=True)
+        finally:
+            for fd in pending.values():
+                os.close(fd)
 
     def localize(self) -> list[int]:
         """Lost chunks (state manager's page map ∪ failed mappings), now replaced fresh.
@@ -191,7 +213,7 @@ class ChunkedRegion:
         Also reports the chunks replaced at attach. Fresh chunks read zero on CPU and are
         uninitialised on GPU (the caller zeroes them); rebuilding them is the caller's job.
         """
-        lost = set(self.pool.pagemap(self.rank, self.name))
+        lost = set(self.pool.pagemap(self.rank, self.name)) - set(self._pending)  # ours, being rebuilt
         lost |= set(self.backend.failed(self.ptr, self.table.nbytes, self.table.chunk_bytes))
         for i in sorted(lost):
             self._replace(i)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leto import contract
 from leto.events import Kind
 from leto.preinit import board
 from leto.preinit.levels import ShadowLevel, aggregate
@@ -139,7 +140,7 @@ def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, i
 
 
 def _promote_key(ctx: Context) -> str:
-    return f"promote/{ctx.env.generation}/{ctx.rank}"  # set by the agent (Context._wait_for_promotion)
+    return contract.promote(ctx.env.generation, ctx.rank)  # set by the agent (Context._wait_for_promotion)
 
 
 def _run(ctx: Context, fn: Callable[[], object], transient_bytes: int) -> ModelWarmupResult:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
+from leto import contract
 from leto.config import default_rmu_chunk_bytes
 from leto.device_health import DeviceUnhealthyError, check_device
 from leto.erasure import ErasureConfig
@@ -86,6 +87,8 @@ class TrainerEnv:
     """``LETO_PHASE_TIMES=1``: each step's phases in ``step_done`` (``leto.trainer.timing``)."""
     erasure: ErasureConfig | None
     preinit: PreinitConfig
+    job_token: str = ""
+    """The job's secret: every store key lives under it (``leto.contract``)."""
 
     @property
     def holds_device(self) -> bool:
@@ -118,14 +121,10 @@ class TrainerEnv:
                 phase_times=phase_times_enabled(),
                 erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
                 preinit=PreinitConfig(**json.loads(env[ENV_PREINIT])) if env.get(ENV_PREINIT) else PreinitConfig(),
+                job_token=env[contract.ENV_JOB_TOKEN],
             )
         except KeyError as e:
             raise ProtocolError(f"leto-run did not set {e.args[0]} for this trainer") from None
-
-
-def store_prefix(restart_count: int) -> str:
-    """The agent and its trainers share this key space for one group attempt."""
-    return f"/leto/attempt_{restart_count}/"
 
 
 class Context:
@@ -137,11 +136,11 @@ class Context:
         self.events = EventLog.from_env(f"trainer{env.rank}")
         self.pool = PoolClient(env.pool_socket)
         self.injector = FaultInjector.from_env(
-            env.rank, self.events, claim=lambda i: raw_store.add(f"/leto/faults/{i}", 1) == 1
+            env.rank, self.events, claim=lambda i: raw_store.add(contract.fault_claim(i), 1) == 1
         )
         # An injected fatal failure tells the agent before dying: it is classified as an FF.
-        self.injector.report_fatal = lambda: store.set(f"fatal/{env.rank}", "injected")
-        self._device_fault_key = f"/leto/device_fault/{env.rank}"
+        self.injector.report_fatal = lambda: store.set(contract.fatal(env.rank), "injected")
+        self._device_fault_key = contract.device_fault(env.rank)
         self.injector.break_device = lambda: raw_store.set(self._device_fault_key, "injected")
         self._raw_store = raw_store
         self.heartbeat = Heartbeat.from_env(env.local_rank)
@@ -254,7 +253,7 @@ class Context:
         def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
             if issubclass(tp, (UnrecoverableStateError, DeviceUnhealthyError)):
                 with contextlib.suppress(Exception):
-                    self.store.set(f"fatal/{self.rank}", f"{tp.__name__}: {value}"[:500])
+                    self.store.set(contract.fatal(self.rank), f"{tp.__name__}: {value}"[:500])
             previous(tp, value, tb)
 
         sys.excepthook = hook
@@ -300,6 +299,26 @@ class Context:
                 logger.warning("[rank %d] the agent stopped relaunching shadows: none will be ready", self.rank)
                 return
             if time.monotonic() > deadline:
+    def predecessor_settled(self, timeout_s: float = 60.0) -> bool:
+        """A shadow may map the retained regions ahead once its predecessor has committed a
+        step: until then a promoted predecessor may still be rebuilding lost pages, and a
+        mapping made now could hold a chunk it is about to replace. False when this shadow
+        is promoted first (its predecessor is gone: it maps at promotion) or on timeout.
+        The first shadows (generation 1) follow fresh actives: nothing to wait for."""
+        env = self.env
+        if env.generation < 2:
+            return True
+        stepped = contract.stepped(env.generation - 1, env.rank)
+        promoted = contract.promote(env.generation, env.rank)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.store.check([stepped]):
+                return True
+            if self.store.check([promoted]):
+                return False
+            time.sleep(0.02)
+        return False
+
                 raise ProtocolError(f"rank {self.rank}: no shadow became ready within {timeout_s:.0f} s")
             if self.heartbeat is not None:
                 self.heartbeat.beat()
@@ -328,7 +347,7 @@ class Context:
             init_s=time.time() - self._started,
         )
         self.preinit.announce_ready(env.shadow_level)
-        key = f"promote/{env.generation}/{env.rank}"  # set by this node's agent, after it stopped the actives
+        key = contract.promote(env.generation, env.rank)  # set by this node's agent, after it stopped the actives
         while True:
             try:
                 self.store.wait([key], _WAIT_SLICE)
@@ -383,7 +402,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     raw = dist.TCPStore(
         env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
-    base = dist.PrefixStore(store_prefix(env.restart_count), raw)
+    base = dist.PrefixStore(contract.store_prefix(env.restart_count, env.job_token), raw)
     ctx = Context(env, base, raw)
     ctx.report_fatal_on_unrecoverable()
     ctx.events.emit(Kind.TRAINER_STARTED, rank=env.rank, gen=env.generation, role=env.role, pid=os.getpid())
@@ -404,7 +423,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     ctx._build_group = build_group
     if env.role == ROLE_ACTIVE:
         build_group()
-        base.set(f"registered/{env.generation}/{env.rank}", str(os.getpid()))
+        base.set(contract.registered(env.generation, env.rank), str(os.getpid()))
         return ctx
     if env.role != ROLE_SHADOW:
         raise ProtocolError(f"unknown LETO_ROLE {env.role!r}")

@@ -96,6 +96,14 @@ class RegionMemory:
                 tensor[c * region.table.chunk_bytes : (c + 1) * region.table.chunk_bytes].zero_()
         return chunks
 
+    def commit_replacements(self, names: set[str] | None = None) -> None:
+        """Hand the state manager the fresh chunks that replaced lost ones (of ``names``,
+        default every region): call once their contents are rebuilt (``ChunkedRegion.commit``)."""
+        self.fence()
+        for name, (region, _) in self._chunked.items():
+            if names is None or name in names:
+                region.commit()
+
     def lost_pages(self, name: str, page_bytes: int) -> list[int]:
         """Pages of device region ``name`` that were lost, now on fresh zeroed chunks."""
         return self._chunked[name][0].table.pages_of(self.lost_chunks(name), page_bytes)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.distributed as dist
 
+from leto import contract
 from leto.erasure import padded_bytes
 from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import Kind
@@ -101,7 +102,7 @@ class RetainedState:
                               "the snapshot path steps torch's optimizer over full parameters")
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
-        mapped_ahead = wait_for_promotion is None or ctx.state_retained()
+        mapped_ahead = wait_for_promotion is None or (ctx.state_retained() and ctx.predecessor_settled())
         self.mapped_ahead_step: int | None = None
         """The marker's step when this shadow mapped the regions ahead of its promotion."""
         if mapped_ahead:
@@ -133,6 +134,7 @@ class RetainedState:
             self._rng.copy_(rng_blob(self.device))
             self._encode("state")
             identity = self.memory.identity_record()
+            ctx.injector.recovery_point("attach", self.marker.step)
             self.marker.initialise(self.layout.digest, identity=identity)
             self.memory.seal(identity)
         self.attach_s = time.perf_counter() - t0
@@ -307,6 +309,8 @@ class RetainedState:
 
     def _install_fault_hooks(self) -> None:
         """Forward/backward kill points sit in the middle of the model, mid-phase."""
+            self._refuse_unprotected_losses(phase)
+            self.memory.commit_replacements()
         leaves = [m for m in self.model.modules() if not list(m.children())]
         if not leaves or not self.ctx.injector.pending:
             return
@@ -315,6 +319,8 @@ class RetainedState:
         middle.register_forward_hook(self._arm_backward_point)
 
     def _arm_backward_point(self, module: torch.nn.Module, args: object, output: object) -> None:
+            if lost.count:  # fresh zeroed chunks are mapped now; a kill here is one mid-rebuild
+                self.ctx.injector.recovery_point("rebuild", self.marker.step)
         """The backward kill point: a hook on the gradient of the module's output. (A full
         backward hook would wrap the outputs in an autograd function: a returned parameter,
         e.g. Megatron's skipped bias, would reach compiled fusions as a plain tensor, and the
@@ -329,9 +335,21 @@ class RetainedState:
 
     # -- the step loop -----------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
+        self.memory.commit_replacements()  # only now: a kill mid-rebuild leaves the losses to the next
         """Yield the steps still to run; resumes exactly where the job was interrupted."""
         step = self._resume() if self.reattached else self.marker.step
         if self.device.type == "cuda":
+    def _refuse_unprotected_losses(self, phase: Phase) -> None:
+        """Without erasure protection nothing can rebuild a lost chunk of the model state or
+        of final gradients: resuming on its zeroed replacement would silently diverge."""
+        needed = {"state": True, **{name: phase != Phase.IDLE for name in self.grad_regions}}
+        for name, need in needed.items():
+            if need and (lost := self.memory.lost_chunks(name)):
+                error = (f"rank {self.ctx.rank}: {len(lost)} chunks of retained region {name} were lost and "
+                         "nothing protects them (leto.erasure is off)")
+                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error)
+                raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
+
             # What the model's device build cached is dead weight now that it lives in retained
             # memory; the peak in step_done (device_peak_bytes) counts from here, the steps only.
             torch.cuda.empty_cache()
@@ -459,7 +477,7 @@ class RetainedState:
         self._committed_this_step = True
         self.ctx.preinit.report()  # memory after the step, before the agent may read it
         if not self._announced:  # tells the agent this generation is training (recovery done)
-            self.ctx.store.set(f"stepped/{self.ctx.env.generation}/{self.ctx.rank}", "1")
+            self.ctx.store.set(contract.stepped(self.ctx.env.generation, self.ctx.rank), "1")
             self._announced = True
         self.ctx.events.emit(
             Kind.STEP_DONE, rank=self.ctx.rank, step=step,

@@ -101,3 +101,24 @@ def test_culprit_waits_for_a_slow_peer_and_blames_a_stopped_rank() -> None:
         assert watch.culprit(stalls, {0: "S", 1: "S"}).slot == 0  # no stopped one: the longest idle
     finally:
         board.close()
+
+
+def test_a_stopped_rank_is_blamed_before_its_stalled_peer_and_a_warm_first_step_uses_the_hang_timeout() -> None:
+    board = HeartbeatBoard(2)
+    now = [100.0]
+    try:
+        watch = HangWatch(board, hang_timeout_s=5.0, first_step_timeout_s=600.0, clock=lambda: now[0])
+        watch.arm(warm=True)  # promoted shadows: their first step is held to the hang timeout
+        stopped = Heartbeat(board.path, 1)
+        now[0] += 3.0
+        stopped.beat()  # rank 1 beat last, then was stopped; rank 0 waits for it in a collective
+        now[0] += 3.0
+        (peer,) = watch.check()
+        assert peer.slot == 0 and peer.limit_s == 5.0
+        blamed = watch.culprit([peer], {0: "S", 1: "T"})
+        assert blamed is not None and blamed.slot == 1  # not past its limit yet, but stopped
+        watch.arm(warm=False)  # a cold generation: the first-step timeout again
+        now[0] += 6.0
+        assert watch.check() == []
+    finally:
+        board.close()

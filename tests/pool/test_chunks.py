@@ -95,11 +95,14 @@ def test_chunks_lost_after_mapping_are_found_and_replaced_zeroed(sm) -> None:
     for p in range(64):
         want = 0 if p in (4, 5, 40, 41) else p + 1
         assert _page_byte(shadow, p) == (want, want), p
-    assert pool.pagemap(0, "state") == [] and shadow.localize() == []
-    # The fresh chunks are retained: a successor sees the shadow's writes to them.
+    # Until the rebuild is committed the state manager still holds them as lost.
+    assert pool.pagemap(0, "state") == [2, 20] and shadow.localize() == []
     import ctypes
 
-    ctypes.memset(shadow.ptr + 4 * PAGE, 0x5A, PAGE)
+    ctypes.memset(shadow.ptr + 4 * PAGE, 0x5A, PAGE)  # the rebuild
+    shadow.commit()
+    assert pool.pagemap(0, "state") == []
+    # The fresh chunks are retained: a successor sees the shadow's writes to them.
     successor = ChunkedRegion.attach(MemfdChunks(), pool, 0, "state", 64 * PAGE, PAGE)
     assert _page_byte(successor, 4) == (0x5A, 0x5A) and successor.lost_pages(PAGE) == []
 
@@ -111,10 +114,36 @@ def test_chunks_lost_before_attach_are_replaced_and_reported_once(sm) -> None:
     pool.erase(0, "grads", PAGE, [0, 31])
     del first  # (its mapping stays until exit: a dead writer's would not)
     successor = ChunkedRegion.attach(MemfdChunks(), pool, 0, "grads", 32 * PAGE, PAGE)
-    assert pool.pagemap(0, "grads") == []  # replaced at attach already
+    assert pool.pagemap(0, "grads") == [0, 31]  # replaced at attach, not deposited before the rebuild
     assert successor.lost_pages(PAGE) == [0, 31]
     assert successor.lost_pages(PAGE) == []
     assert _page_byte(successor, 0) == (0, 0) and _page_byte(successor, 1) == (2, 2)
+    successor.commit()
+    assert pool.pagemap(0, "grads") == []
+
+
+def test_a_successor_that_dies_before_committing_its_rebuild_leaves_the_losses(sm) -> None:
+    """A kill in the middle of a page rebuild: the replacement chunks were never deposited,
+    so the next successor finds the same chunks lost (not zeroed chunks that read as intact)."""
+    pool = sm.client()
+    first = ChunkedRegion.attach(MemfdChunks(), pool, 0, "state", 32 * PAGE, PAGE)
+    _fill(first, seed=0)
+    pool.erase(0, "state", PAGE, [3])
+    del first
+    dying = textwrap.dedent(f"""
+        import os, signal, sys
+        from leto.pool.chunks import ChunkedRegion, MemfdChunks
+        from leto.pool.client import PoolClient
+        region = ChunkedRegion.attach(MemfdChunks(), PoolClient(sys.argv[1]), 0, "state", {32 * PAGE}, {PAGE})
+        assert region.localize() == [3]
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-rebuild
+    """)
+    out = subprocess.run([sys.executable, "-c", dying, sm.socket_path], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": REPO}, check=False)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    assert pool.pagemap(0, "state") == [3]
+    successor = ChunkedRegion.attach(MemfdChunks(), pool, 0, "state", 32 * PAGE, PAGE)
+    assert successor.lost_pages(PAGE) == [3]
 
 
 def test_a_chunk_that_fails_the_probe_is_replaced_though_its_fd_is_held(sm) -> None:

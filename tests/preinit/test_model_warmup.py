@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from leto import contract
 from leto.events import EventLog, read_events
 from leto.health import Heartbeat, HeartbeatBoard
 from leto.preinit import PreinitConfig, board
@@ -130,7 +131,7 @@ def test_it_waits_for_the_first_report_and_yields_to_a_promotion(tmp_path):
     t0 = time.monotonic()
     assert warm_model(ctx, work, name="test").ran and time.monotonic() - t0 >= 0.2
     ctx, hb_board = _shadow(tmp_path, 3)  # no report ever: promoted meanwhile
-    threading.Timer(0.2, ctx.store.set, args=(f"promote/{ctx.env.generation}/{ctx.rank}", "1")).start()
+    threading.Timer(0.2, ctx.store.set, args=(contract.promote(ctx.env.generation, ctx.rank), "1")).start()
     result = warm_model(ctx, work, name="test")
     assert work.calls == 1 and not result.ran and result.reason.startswith("promoted before")
     ctx, hb_board = _shadow(tmp_path, 3)  # no report, no promotion: gives up

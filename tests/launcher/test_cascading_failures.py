@@ -1,0 +1,73 @@
+"""Failures that come close together never cost the job (real leto-run jobs, 2 CPU ranks).
+
+Each job runs with the default ``--max-restarts 0``: a group restart would fail it, so
+exit 0 plus digests equal to the fault-free run's shows every failure was recovered in
+place, from exactly the retained state.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from leto.config import FaultSpec
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
+
+STEPS = 10
+ERASURE = {"erasure": {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 2, "tier2_parity": 1}}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS)
+
+
+def _kinds(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.mark.timeout(400)
+def test_a_kill_in_the_promoted_trainers_first_step_promotes_the_replacements(tmp_path, reference) -> None:
+    """The issue's case: the promoted trainer is killed while it re-runs step 5 (its
+    replacement shadows exist already, spawned at promotion, still starting)."""
+    faults = [FaultSpec(rank=1, step=5, phase="backward"), FaultSpec(rank=1, step=5, phase="update")]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_kinds(events, "fault_injected")) == 2
+    assert [e["cold"] for e in _kinds(events, "shadows_promoted")] == [False, False]
+    assert not _kinds(events, "group_restart")
+    # the second failure struck the generation promoted by the first, before its first step
+    failed = [e["gen"] for e in _kinds(events, "failure_detected")]
+    assert failed == [0, 1]
+    assert_exact(reference, events)
+
+
+@pytest.mark.timeout(400)
+def test_a_kill_while_no_shadows_exist_attaches_a_cold_generation(tmp_path, reference) -> None:
+    """An OOM reclaims the shadows; the same step is then killed before they are back: a
+    cold generation attaches to the retained state (no group restart, no step 0)."""
+    faults = [FaultSpec(rank=0, step=4, phase="forward", kind="oom"), FaultSpec(rank=0, step=4, phase="backward")]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [e["cold"] for e in _kinds(events, "shadows_promoted")] == [True]
+    assert [e["step"] for e in _kinds(events, "resumed")] == [4, 4]
+    assert not _kinds(events, "group_restart")
+    assert_exact(reference, events)
+
+
+@pytest.mark.timeout(400)
+def test_a_kill_in_the_middle_of_a_page_rebuild_leaves_the_losses_to_the_successor(tmp_path) -> None:
+    """Pages lost at the first recovery; the promoted trainer dies after their chunks were
+    replaced by zeroed ones, before the rebuild: its successor must rebuild them again
+    (resuming on the zeroed chunks would diverge from the fault-free run)."""
+    (tmp_path / "ref").mkdir()
+    ref = fault_free_digests(tmp_path / "ref", steps=STEPS, leto=ERASURE)
+    faults = [
+        FaultSpec(rank=1, step=4, phase="backward", erase_device_pages=2),
+        FaultSpec(rank=1, step=4, phase="recovery", point="rebuild"),
+    ]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=ERASURE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [e["phase"] for e in _kinds(events, "fault_injected")] == ["backward", "recovery"]
+    rebuilt = [e for e in _kinds(events, "pages_rebuilt") if e["rank"] == 1]
+    assert rebuilt and rebuilt[-1]["lost"]["state"]["data"] > 0  # the successor found them lost
+    assert_exact(ref, events)
