@@ -9,7 +9,9 @@ rate: ``sqrt(2 C MTTF_FF)`` where ``MTTF_FF = MTTF / (1 - h)`` (the paper's §8.
 
 What is saved is exactly the retained state, as DCP keys: ``model.<fqn>`` (parameters),
 ``buffer.<fqn>``, ``optim.<fqn>.<key>`` (AdamW step, exp_avg, exp_avg_sq) — replicated
-across data-parallel ranks, so DCP writes them once — and ``rng.rank<r>`` per rank. It is
+across data-parallel ranks, so DCP writes them once — and ``rng.rank<r>`` and
+``extras.rank<r>`` (the records of the stateful objects: schedulers, hyperparameters, a
+loader; ``leto.trainer.extras``) per rank. It is
 loaded in place into the retained views, so the restarted run is bit-identical to the
 fault-free run from the checkpoint's step on.
 
@@ -80,6 +82,7 @@ def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
     for b, slot in zip(state.buffers, state.layout.buffers, strict=True):
         views[f"buffer.{bnames[id(b)]}"] = slot.view(region)
     views[f"rng.rank{state.ctx.rank}"] = state.layout.rng.view(region)
+    views[f"extras.rank{state.ctx.rank}"] = state.extras.store.region
     return views
 
 
@@ -164,6 +167,7 @@ class Checkpointer:
         def loaded(step: int) -> None:
             state._encode("state")  # the RMU updates parity incrementally: it must match the load
             state.marker.initialise(state.layout.digest, step=step)
+            state.extras.reload()  # steps() restores the objects from the loaded records
             if ctx.env.digest:
                 state.emit_digest()
 

@@ -1,5 +1,5 @@
 """Shadows that die before promotion: the agent sees it, retracts them and relaunches them,
-or, when they keep dying, lets the next failure restart the group. Real leto-run jobs,
+or, when they keep dying, stops relaunching them (the next failure starts a cold generation). Real leto-run jobs,
 2 CPU ranks, real SIGKILLs; digests equal the fault-free run's."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto_run.agent import COLD_LAUNCH
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 16
@@ -54,14 +55,21 @@ def test_killed_shadow_is_replaced_and_the_next_kill_recovers_in_place(tmp_path,
 LIMIT = 2  # preinit.shadow_deaths_limit (default 3): the setting reaches the agent
 
 
+LOOP = 3  # leto.failure_loop_limit
+
+
 @pytest.mark.timeout(300)
-def test_shadows_that_keep_dying_are_given_up_and_a_kill_restarts_the_group(tmp_path, reference) -> None:
+def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_group(tmp_path, reference) -> None:
+    """Shadows given up, then a kill: a cold generation tries to attach, but it starts the
+    same way and dies too (every launch of rank 1 crashes); after ``failure_loop_limit``
+    failures without a committed step the group restarts from the checkpoint."""
     faults = [
         FaultSpec(rank=1, step=0, kind="shadow_crash"),  # every launch of rank 1's shadow dies
         # waits until the agent gave up relaunching (no shadow will be ready), then dies
         FaultSpec(rank=1, step=9, phase="backward", shadow_ready_steps_before=2),
     ]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto={"preinit": {"shadow_deaths_limit": LIMIT}},
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
+                            leto={"preinit": {"shadow_deaths_limit": LIMIT}, "failure_loop_limit": LOOP},
                             extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
                                    "--checkpoint-every", "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,15 +79,18 @@ def test_shadows_that_keep_dying_are_given_up_and_a_kill_restarts_the_group(tmp_
     died = _kinds(before, "shadow_died")
     assert [e["deaths"] for e in died] == list(range(1, LIMIT + 1)), died
     assert all(e["rank"] == 1 and e["gen"] == 1 for e in died), died
-    assert [e["launch"] for e in _kinds(before, "shadows_spawned")] == list(range(LIMIT))
+    launches = [(e["gen"], e["launch"]) for e in _kinds(before, "shadows_spawned")]
+    # gen 1 launched LIMIT times, then a cold gen 1, then replacements at each promotion
+    assert launches == [(1, n) for n in range(LIMIT)] + [(1, COLD_LAUNCH), (2, 0), (3, 0)], launches
     (given_up,) = _kinds(before, "shadows_given_up")
     assert given_up["deaths"] == LIMIT and given_up["rank"] == 1
-    (epoch,) = _kinds(events, "epoch")
-    assert (epoch["action"], epoch["failure"]) == ("restart", "hof")
-    assert f"died {LIMIT} times in a row" in restart["reason"], restart
-    assert f"died {LIMIT} times in a row" in proc.stderr  # one log line names it
-    assert not _kinds(events, "shadows_promoted") and not _kinds(events, "promoted")
+    epochs = _kinds(before, "epoch")
+    assert [(e["action"], e["failure"]) for e in epochs] == [("in_place", "hof")] * (LOOP - 1) + [("restart", "hof")]
+    assert epochs[0]["cold"] and f"died {LIMIT} times in a row" in epochs[0]["reason"], epochs[0]
+    assert f"killed {LOOP} times in a row without committing a step" in restart["reason"], restart
+    assert "killed 3 times in a row" in proc.stderr  # one log line names it
+    assert not _kinds(before, "promoted")  # no cold generation got past its pre-initialisation
     loaded = _kinds(events, "checkpoint_loaded")
     assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (4, 8)
     (done,) = _kinds(events, "job_finished")
-    assert (done["restarts"], done["recoveries"]) == (1, 0)
+    assert done["restarts"] == 1

@@ -1,0 +1,518 @@
+"""Stateful objects retained with the step: LR schedulers, optimizer hyperparameters, loaders.
+
+Besides tensors, a training script holds small objects whose state a resumed trainer needs:
+the optimizer's param-group hyperparameters (lr, betas, weight decay: a fresh process builds
+them at their initial values), LR schedulers attached to the optimizer (found on their own,
+:func:`attached_schedulers`), and whatever the user names (``ctx.retain(...,
+stateful={"loader": dl})``: anything with ``state_dict()`` / ``load_state_dict()``, torch's
+``Stateful`` protocol). Their ``state_dict()`` is serialized (``torch.save``) into retained
+host memory twice per step:
+
+* ``BEGIN(t)`` at the start of step t (``RetainedState.steps``): everything step t-1 did,
+  including the script's code after ``state.step()`` (``scheduler.step()``);
+* ``PRE(t)`` in ``state.step()`` of step t before ``GRADS_READY``: the script's code of step t
+  up to the commit (the batch fetched from a loader), and the hyperparameters its update uses.
+
+A resume at step s restores ``BEGIN(s)`` when this rank wrote it. Otherwise the rank died
+after its update of s-1 began, before step s (inside the update, or in the script's code
+after ``state.step()``): it restores ``PRE(s-1)`` — the finishing update reads its
+hyperparameters from there — and then replays what the script did after ``state.step()`` of
+s-1, from what the previous steps showed (each ``PRE`` record carries, per object, how many
+steps were observed and in how many the object changed between ``PRE(t)`` and
+``BEGIN(t+1)``, and whether it changed before the commit of this step):
+
+* an LR scheduler that changed after ``state.step()`` in every observed step is stepped once;
+  one that never did is not; on the job's first step (nothing observed yet) it is stepped
+  unless it was stepped before ``state.step()`` (torch's order: ``scheduler.step()`` after
+  ``optimizer.step()``);
+* anything else (a scheduler stepped after the commit on some steps only, two schedulers to
+  replay in an unknown order, a ``ReduceLROnPlateau`` that needs its metric, a user object or
+  hyperparameters changed after ``state.step()``, a user object whose first step's behaviour
+  was not seen) raises ``UnrecoverableStateError`` naming the object: the checkpoint path
+  takes over rather than a resume on wrong state.
+
+Records live in two slots of a retained host region, each with a sequence number, step,
+kind, length and checksum; a write goes to the older slot, so a torn write never destroys the
+newest good record, and the two newest records are always the two a resume can need.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import hashlib
+import io
+import logging
+import pickle
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from leto.errors import ConfigError, UnrecoverableStateError
+
+if TYPE_CHECKING:
+    from leto.trainer.memory import RegionMemory
+
+logger = logging.getLogger(__name__)
+
+STATE_LIMIT_BYTES = 64 << 20
+"""Largest serialized state Leto retains for the stateful objects together (they are meant
+to be small: schedulers, loader positions, counters)."""
+OPTIMIZER = "optimizer"
+"""The name of the optimizer's param-group hyperparameters among the retained objects."""
+SCHEDULER_PREFIX = "lr_scheduler."
+
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<QQqQQ16s")  # magic, seq, step, kind, length, checksum
+_MAGIC = 0x4C45544F_58540001  # "LETO" "XT" v1
+
+
+class Capture(enum.IntEnum):
+    """When a record was taken: at the start of its step, or just before its commit."""
+
+    BEGIN = 1
+    PRE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    seq: int
+    step: int
+    kind: Capture
+    payload: bytes
+
+
+def _checksum(seq: int, step: int, kind: int, payload: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<QqQQ", seq, step, kind, len(payload)))
+    h.update(payload)
+    return h.digest()
+
+
+class RecordSlots:
+    """Two record slots in one retained host region (uint8 CPU tensor)."""
+
+    def __init__(self, region: torch.Tensor) -> None:
+        self._mem = region.numpy()
+        self.capacity = (region.numel() - 2 * HEADER_BYTES) // 2
+        if self.capacity <= 0:
+            raise ValueError(f"a record region of {region.numel()} bytes holds no record")
+        records = self.read()
+        # the next write goes to the older (or invalid) slot
+        seqs = [next((r.seq for i, r in records if i == s), -1) for s in (0, 1)]
+        self._next = 0 if seqs[0] <= seqs[1] else 1
+
+    @staticmethod
+    def region_bytes(capacity: int) -> int:
+        return 2 * (HEADER_BYTES + capacity)
+
+    def _offset(self, slot: int) -> int:
+        return slot * (HEADER_BYTES + self.capacity)
+
+    def read(self) -> list[tuple[int, Record]]:
+        """(slot, record) of every slot holding a complete record (checksum verified)."""
+        out = []
+        for slot in (0, 1):
+            off = self._offset(slot)
+            magic, seq, step, kind, length, checksum = _HEADER.unpack(
+                self._mem[off : off + _HEADER.size].tobytes()
+            )
+            if (
+                magic != _MAGIC
+                or length > self.capacity
+                or kind not in (Capture.BEGIN, Capture.PRE)
+            ):
+                continue
+            payload = self._mem[off + HEADER_BYTES : off + HEADER_BYTES + length].tobytes()
+            if _checksum(seq, step, kind, payload) == checksum:
+                out.append((slot, Record(seq, step, Capture(kind), payload)))
+        return out
+
+    def write(self, record: Record) -> None:
+        """Into the older slot: invalidate its header, write the payload, then the header."""
+        if len(record.payload) > self.capacity:
+            raise ValueError(
+                f"a {len(record.payload)}-byte record does not fit a {self.capacity}-byte slot"
+            )
+        off = self._offset(self._next)
+        self._mem[off : off + 8] = 0
+        n = len(record.payload)
+        self._mem[off + HEADER_BYTES : off + HEADER_BYTES + n] = memoryview(record.payload)
+        header = _HEADER.pack(
+            _MAGIC,
+            record.seq,
+            record.step,
+            record.kind,
+            n,
+            _checksum(record.seq, record.step, record.kind, record.payload),
+        )
+        self._mem[off + 8 : off + _HEADER.size] = memoryview(header)[8:]
+        self._mem[off : off + 8] = memoryview(header)[:8]  # the magic last
+        self._next = 1 - self._next
+
+
+REGION = "extras"
+DEFAULT_SLOT_BYTES = 1 << 20
+"""Bytes of each of the two record slots unless ``ctx.retain(..., stateful_bytes=)`` says."""
+
+
+def map_records(memory: RegionMemory, slot_capacity: int) -> RecordStore:
+    """The rank's record region: made with ``slot_capacity`` bytes per slot by the first
+    trainer (before its marker is initialised: the marker records which regions the state
+    consists of), reattached at whatever size it has by its successors."""
+    if not 0 < slot_capacity <= STATE_LIMIT_BYTES:
+        raise ConfigError(
+            f"stateful_bytes must be in (0, {STATE_LIMIT_BYTES}], got {slot_capacity}"
+        )
+    spec = memory.pool.describe(memory.rank, REGION)
+    nbytes = spec.nbytes if spec is not None else RecordSlots.region_bytes(slot_capacity)
+    return RecordStore(memory.host_region(REGION, nbytes)[0])
+
+
+class RecordStore:
+    """The retained records of one rank."""
+
+    def __init__(self, region: torch.Tensor) -> None:
+        self.region = region
+        """The whole region (the fatal-failure checkpoint saves and loads it as it is)."""
+        self.reload()
+
+    def reload(self) -> None:
+        self.slots = RecordSlots(self.region)
+        self.seq = max((r.seq for r in self.records()), default=0)
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
+    def records(self) -> list[Record]:
+        return [r for _, r in self.slots.read()]
+
+    def find(self, kind: Capture, step: int) -> Record | None:
+        """The newest complete record of ``kind`` for ``step``."""
+        found = [r for r in self.records() if r.kind == kind and r.step == step]
+        return max(found, key=lambda r: r.seq, default=None)
+
+    def latest(self, kind: Capture) -> Record | None:
+        return max((r for r in self.records() if r.kind == kind), key=lambda r: r.seq, default=None)
+
+    def write(self, step: int, kind: Capture, payload: bytes) -> None:
+        if len(payload) > self.capacity:
+            raise ConfigError(
+                f"the stateful objects' state is {len(payload)} bytes, more than the {self.capacity} "
+                "bytes a record slot holds: pass a larger ctx.retain(..., stateful_bytes=N) "
+                f"(at most {STATE_LIMIT_BYTES >> 20} MiB)"
+            )
+        self.seq += 1
+        self.slots.write(Record(self.seq, step, kind, payload))
+
+
+Kind = Literal["optimizer", "scheduler", "stateful"]
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One retained object and how its state is read and written."""
+
+    name: str
+    kind: Kind
+    obj: Any
+
+    def state(self) -> bytes:
+        if self.kind == "optimizer":
+            value: Any = [
+                {k: v for k, v in g.items() if k != "params"} for g in self.obj.param_groups
+            ]
+        else:
+            value = self.obj.state_dict()
+        buf = io.BytesIO()
+        try:
+            torch.save(value, buf)
+        except Exception as e:  # noqa: BLE001 - any serialization failure is the same user error
+            raise ConfigError(
+                f"cannot serialize the state of {self.name} ({type(self.obj).__name__}) for "
+                f"retention: {e}"
+            ) from None
+        return buf.getvalue()
+
+    def load(self, data: bytes) -> None:
+        value = torch.load(
+            io.BytesIO(data), weights_only=False
+        )  # written by this job, into its own memory
+        if self.kind != "optimizer":
+            self.obj.load_state_dict(value)
+            return
+        groups = self.obj.param_groups
+        if len(value) != len(groups):
+            raise UnrecoverableStateError(
+                f"the retained optimizer had {len(value)} param groups, this one has {len(groups)}"
+            )
+        for group, saved in zip(groups, value, strict=True):
+            group.update(saved)
+
+
+def attached_schedulers(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
+    """The LR schedulers built on ``optimizer`` (those inside a ``SequentialLR`` or
+    ``ChainedScheduler`` are part of it: its state dict holds theirs)."""
+    found = [
+        r
+        for r in gc.get_referrers(optimizer)
+        if isinstance(r, LRScheduler) and getattr(r, "optimizer", None) is optimizer
+    ]
+    inner = {id(s) for r in found for s in getattr(r, "_schedulers", ())}
+    return [s for s in found if id(s) not in inner]
+
+
+def _digest(states: Mapping[str, bytes]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(states):
+        h.update(
+            struct.pack("<Q", len(name)) + name.encode() + struct.pack("<Q", len(states[name]))
+        )
+        h.update(states[name])
+    return h.hexdigest()
+
+
+class RetainedExtras:
+    """Captures, restores and replays the stateful objects of one rank (module docstring)."""
+
+    def __init__(
+        self,
+        store: RecordStore,
+        optimizer: torch.optim.Optimizer,
+        named: Mapping[str, Any] | None,
+        rank: int,
+    ) -> None:
+        self.store = store
+        self.optimizer = optimizer
+        self.rank = rank
+        self._tracked: dict[str, Tracked] = {OPTIMIZER: Tracked(OPTIMIZER, "optimizer", optimizer)}
+        for name, obj in (named or {}).items():
+            if name == OPTIMIZER or name.startswith(SCHEDULER_PREFIX):
+                raise ConfigError(f"stateful name {name!r} is reserved: choose another")
+            if not (
+                callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))
+            ):
+                raise ConfigError(
+                    f"stateful object {name!r} ({type(obj).__name__}) has no state_dict() / "
+                    "load_state_dict(): leto retains objects that follow torch's Stateful protocol"
+                )
+            kind: Kind = "scheduler" if isinstance(obj, LRScheduler) else "stateful"
+            self._tracked[name] = tracked = Tracked(name, kind, obj)
+            if (size := len(tracked.state())) > STATE_LIMIT_BYTES:
+                raise ConfigError(
+                    f"stateful object {name!r} serializes to {size >> 20} MiB, more than the "
+                    f"{STATE_LIMIT_BYTES >> 20} MiB leto retains; retain only small objects"
+                )
+        self._history: dict[str, tuple[int, int]] = {}
+        """Per object: (steps observed, steps in which it changed after the commit)."""
+        self._last_begin: dict[str, bytes] | None = None
+        self._last_pre: dict[str, bytes] | None = None
+        self._wrapped = False
+        self._discoveries = 0
+        self.commit_digest = ""
+        """Digest of the objects at the last commit (its ``PRE`` record), for ``emit_digest``."""
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._tracked)
+
+    # -- discovery ---------------------------------------------------------------------------
+    def discover(self) -> None:
+        """Track the LR schedulers attached to the optimizer (when ``steps()`` starts: a
+        shadow's script builds them after ``retain()``, which it waits in)."""
+        self._discoveries += 1
+        self._wrapped = bool(getattr(self.optimizer.step, "_wrapped_by_lr_sched", False))
+        known = {id(t.obj) for t in self._tracked.values()}
+        found = [s for s in attached_schedulers(self.optimizer) if id(s) not in known]
+        for s in found:
+            name = SCHEDULER_PREFIX + type(s).__name__
+            if name in self._tracked:
+                raise ConfigError(
+                    f"two {type(s).__name__} schedulers on the retained optimizer: name them, "
+                    "ctx.retain(model, opt, stateful={'warmup': s1, 'decay': s2})"
+                )
+            if self._discoveries > 1:
+                raise ConfigError(
+                    f"{type(s).__name__} on the retained optimizer was built after state.steps() "
+                    "began, so leto cannot retain it: build it before the training loop"
+                )
+            self._tracked[name] = Tracked(name, "scheduler", s)
+
+    def _check_discovery(self) -> None:
+        """Once more at the second step, and whenever a scheduler is first attached: a
+        scheduler built inside the loop is an error, never a silent loss at recovery."""
+        wrapped = bool(getattr(self.optimizer.step, "_wrapped_by_lr_sched", False))
+        if self._discoveries == 1 and self._last_pre is not None or wrapped != self._wrapped:
+            self.discover()
+
+    # -- captures ----------------------------------------------------------------------------
+    def _states(self) -> dict[str, bytes]:
+        return {name: t.state() for name, t in self._tracked.items()}
+
+    def begin(self, step: int) -> None:
+        """Capture ``BEGIN(step)``: the state after all of the previous step."""
+        if self._discoveries == 0:
+            self.discover()
+        self._check_discovery()
+        states = self._states()
+        if self._last_pre is not None:  # what changed between the previous commit and now
+            self._account(self._last_pre, states)
+            self._last_pre = None
+        self._last_begin = states
+        self._write(step, Capture.BEGIN, states, digest=self.commit_digest)
+
+    def before_commit(self, step: int) -> None:
+        """Capture ``PRE(step)``, just before the step's commit begins."""
+        states = self._states()
+        begin = self._last_begin or {}
+        pre = {name: data != begin.get(name) for name, data in states.items()}
+        self.commit_digest = _digest(states)
+        self._last_pre = states
+        self._write(step, Capture.PRE, states, digest=self.commit_digest, pre=pre)
+
+    def _account(self, pre: dict[str, bytes], now: dict[str, bytes]) -> None:
+        scheduled = any(now[n] != pre[n] for n, t in self._tracked.items() if t.kind == "scheduler")
+        for name, t in self._tracked.items():
+            changed = now[name] != pre.get(name)
+            if t.kind == "optimizer":  # a scheduler's own writes are replayed with it
+                changed = changed and not scheduled
+            seen, post = self._history.get(name, (0, 0))
+            self._history[name] = (seen + 1, post + changed)
+
+    def _write(
+        self,
+        step: int,
+        kind: Capture,
+        states: dict[str, bytes],
+        *,
+        digest: str,
+        pre: dict[str, bool] | None = None,
+    ) -> None:
+        payload = pickle.dumps(
+            {
+                "objects": states,
+                "kinds": {n: t.kind for n, t in self._tracked.items()},
+                "history": dict(self._history),
+                "pre": pre or {},
+                "digest": digest,
+            },
+            protocol=5,
+        )
+        if len(payload) > STATE_LIMIT_BYTES:
+            largest = max(states, key=lambda n: len(states[n]))
+            raise ConfigError(
+                f"the stateful objects serialize to {len(payload) >> 20} MiB (largest: {largest}), "
+                f"more than the {STATE_LIMIT_BYTES >> 20} MiB leto retains"
+            )
+        self.store.write(step, kind, payload)
+
+    # -- restore -----------------------------------------------------------------------------
+    def _load(self, record: Record) -> dict[str, Any]:
+        content = pickle.loads(record.payload)
+        kinds: dict[str, str] = content["kinds"]
+        if set(kinds) != set(self._tracked):
+            missing, extra = (
+                sorted(set(kinds) - set(self._tracked)),
+                sorted(set(self._tracked) - set(kinds)),
+            )
+            raise UnrecoverableStateError(
+                f"rank {self.rank}: the failed trainer retained {missing or 'nothing more'} and not "
+                f"{extra or 'nothing less'} than this one: build the same schedulers and stateful objects, before "
+                "the training loop"
+            )
+        for name, data in content["objects"].items():
+            self._tracked[name].load(data)
+        self._history = dict(content["history"])
+        self.commit_digest = content["digest"]
+        return content
+
+    def load_pre(self, step: int) -> None:
+        """Restore ``PRE(step)`` (a rank about to finish step ``step``'s update: the update
+        reads its hyperparameters)."""
+        record = self.store.find(Capture.PRE, step)
+        if record is None:
+            raise UnrecoverableStateError(
+                f"rank {self.rank}: no retained capture of the stateful objects "
+                f"before step {step}'s commit"
+            )
+        self._load(record)
+
+    def resume(self, step: int) -> str:
+        """Bring every object to the start of ``step``; returns which capture was used."""
+        self._last_pre = self._last_begin = None
+        record = self.store.find(Capture.BEGIN, step)
+        if record is not None:
+            self._load(record)
+            return "begin"
+        record = self.store.find(Capture.PRE, step - 1)
+        if record is not None:
+            content = self._load(record)
+            replayed = self._replay(step - 1, content)
+            self._last_pre = content["objects"]
+            return "pre+replay" if replayed else "pre"
+        if not self.store.records():  # the job's first step never began: the objects are as built
+            return "none"
+        raise UnrecoverableStateError(
+            f"rank {self.rank}: no retained capture of the stateful objects for step {step}"
+        )
+
+    def _replay(self, step: int, content: dict[str, Any]) -> list[str]:
+        """What the script did after ``state.step()`` of ``step`` (module docstring)."""
+        history, pre = content["history"], content["pre"]
+        replay = []
+        for name, t in self._tracked.items():
+            seen, post = history.get(name, (0, 0))
+            where = f"rank {self.rank} step {step}: {name} ({type(t.obj).__name__})"
+            if t.kind == "scheduler":
+                if 0 < post < seen:
+                    raise UnrecoverableStateError(
+                        f"{where} was stepped after state.step() in {post} of {seen} steps, so leto cannot tell "
+                        "whether this step's would have run: step it every step, or before state.step()"
+                    )
+                if post == seen and (seen or not pre.get(name)):
+                    replay.append(t)
+            elif post:
+                what = "hyperparameters were" if t.kind == "optimizer" else "state was"
+                raise UnrecoverableStateError(
+                    f"{where}: its {what} changed after state.step(), which a recovery that finishes the update "
+                    "cannot redo: change it before state.step()"
+                )
+            elif not seen and t.kind == "stateful" and not pre.get(name):
+                raise UnrecoverableStateError(
+                    f"{where}: the first step's update was interrupted before leto saw whether it changes "
+                    "after state.step()"
+                )
+        if len(replay) > 1:
+            raise UnrecoverableStateError(
+                f"rank {self.rank} step {step}: {', '.join(t.name for t in replay)} are stepped after state.step() in "
+                "an order leto cannot know: combine them (SequentialLR, ChainedScheduler)"
+            )
+        for t in replay:
+            if isinstance(t.obj, ReduceLROnPlateau):
+                raise UnrecoverableStateError(
+                    f"rank {self.rank} step {step}: {t.name} is stepped after state.step() with a metric leto "
+                    "cannot replay: step it before state.step()"
+                )
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the update ran: no warning
+            t.obj.step()
+            logger.info(
+                "[rank %d step %d] replayed %s.step() after the finished update",
+                self.rank,
+                step,
+                t.name,
+            )
+        return [t.name for t in replay]
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def reload(self) -> None:
+        """After the record region was written from outside (a checkpoint loaded into it):
+        read it again; ``resume`` then restores from its records (after discovery)."""
+        self.store.reload()
+        record = self.store.latest(Capture.PRE)
+        self.commit_digest = "" if record is None else pickle.loads(record.payload)["digest"]
