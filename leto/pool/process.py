@@ -53,11 +53,12 @@ class StateManagerProcess:
         self.socket_path = os.path.join(socket_dir, "state-manager.sock")
 
     @classmethod
-    def start(cls, timeout_s: float = 10.0) -> StateManagerProcess:
+    def start(cls, timeout_s: float = 10.0, max_connections_per_peer: int | None = None) -> StateManagerProcess:
         socket_dir = tempfile.mkdtemp(prefix="leto-sm-")  # mode 0700
         path = os.path.join(socket_dir, "state-manager.sock")
+        options = [] if max_connections_per_peer is None else ["--max-connections-per-peer", str(max_connections_per_peer)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "leto.pool.server", path],
+            [sys.executable, "-m", "leto.pool.server", path, *options],
             stdout=subprocess.PIPE, text=True, close_fds=True,
         )
         ready, _, _ = select.select([proc.stdout], [], [], timeout_s)

@@ -11,7 +11,8 @@ Security: the socket lives in a 0700 directory made by the agent, and every peer
 (SO_PEERCRED) must equal ours. Robustness against those peers: a malformed request is
 answered with an error (and its connection closed), fds received and not kept are
 closed, only memfds (and, for CUDA regions, device handles) are accepted as deposits,
-deposits never take the last ``FD_RESERVE`` fds, and neither a failing ``accept()`` nor
+deposits never take the last ``FD_RESERVE`` fds, one process holds at most
+``MAX_CONNECTIONS_PER_PEER`` connections, and neither a failing ``accept()`` nor
 a failing connection ends the server: only SIGTERM or a ``shutdown`` request does.
 
 Identity: every region gets one when it is created, ``<instance>:<serial>`` (the server's
@@ -24,6 +25,8 @@ marker knows the marker region itself was lost.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import ctypes
 import errno
 import itertools
@@ -52,6 +55,9 @@ DEFAULT_MAX_REGION_BYTES = 1 << 40
 LISTEN_BACKLOG = 4096
 """Connections queued before accept (capped by ``net.core.somaxconn``): a node's trainers,
 shadows and agent all connect at once around a recovery."""
+MAX_CONNECTIONS_PER_PEER = 1024
+"""Connections one peer process may hold open (a trainer holds one or two): no client can
+take every fd and thread of the state manager from the others."""
 ACCEPT_BACKOFF_S = 0.05
 """Pause after an accept() that failed for lack of fds or memory (the listener stays
 readable, so retrying at once would spin)."""
@@ -434,24 +440,55 @@ def _check_deposit_fd(fd: int, name: str, backing: str, chunk_bytes: int) -> Non
     raise PoolError(f"deposit of {name!r} refused: {link} is not {what}")
 
 
-def _peer_uid(conn: socket.socket) -> int:
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the connected process."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
 
 
-def _serve_connection(manager: StateManager, conn: socket.socket) -> None:
+class _PeerConnections:
+    """Open connections per peer process, at most ``limit`` each."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: collections.Counter[int] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def enter(self, pid: int) -> bool:
+        with self._lock:
+            if self._open[pid] >= self.limit:
+                return False
+            self._open[pid] += 1
+            return True
+
+    def leave(self, pid: int) -> None:
+        with self._lock:
+            self._open[pid] -= 1
+            if self._open[pid] <= 0:
+                del self._open[pid]
+
+
+def _serve_connection(manager: StateManager, conn: socket.socket, peers: _PeerConnections) -> None:
     """Requests of one peer until it hangs up; a malformed one is answered, then the
     connection is closed. Nothing a peer sends ends more than its own connection."""
     try:
         with conn:
-            if _peer_uid(conn) != os.getuid():
+            pid, uid = _peer(conn)
+            if uid != os.getuid():
                 logger.warning("rejected a peer with a foreign uid")
                 return
-            while _serve_request(manager, conn):
-                pass
+            if not peers.enter(pid):
+                _send_error(conn, PoolError(f"process {pid} already holds {peers.limit} connections to the "
+                                            "state manager; close some (one per process is enough)"))
+                return
+            try:
+                while _serve_request(manager, conn):
+                    pass
+            finally:
+                peers.leave(pid)
     except Exception:  # a bug: cost this connection only, and say so once
-        logger.exception("state manager: a connection failed; closed it")
+        logger.exception("a connection failed; closed it")
 
 
 def _serve_request(manager: StateManager, conn: socket.socket) -> bool:
@@ -471,7 +508,7 @@ def _serve_request(manager: StateManager, conn: socket.socket) -> bool:
     except (LetoError, OSError) as e:
         reply, reply_fds = {"ok": False, "error": str(e)}, []
     except Exception as e:  # a request nobody foresaw: answer it, log it, close
-        logger.exception("state manager: request %r failed", request.get("op"))
+        logger.exception("request %r failed; closed its connection", request.get("op"))
         reply, reply_fds, keep = {"ok": False, "error": f"state manager error: {type(e).__name__}: {e}"}, [], False
     try:
         protocol.send(conn, reply, reply_fds)
@@ -492,7 +529,8 @@ def _send_error(conn: socket.socket, error: Exception) -> None:
         pass
 
 
-def serve(socket_path: str, manager: StateManager | None = None) -> None:
+def serve(socket_path: str, manager: StateManager | None = None,
+          max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER) -> None:
     """Accept connections until SIGTERM/SIGINT or a ``shutdown`` request.
 
     A failing accept() (out of fds or memory, an aborted connection) is logged and
@@ -504,6 +542,7 @@ def serve(socket_path: str, manager: StateManager | None = None) -> None:
     os.chmod(socket_path, 0o600)
     listener.listen(LISTEN_BACKLOG)
     stop = threading.Event()
+    peers = _PeerConnections(max_connections_per_peer)
 
     def on_request_shutdown(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         stop.set()
@@ -521,15 +560,15 @@ def serve(socket_path: str, manager: StateManager | None = None) -> None:
                 continue
             except OSError as e:
                 if e.errno != failing:
-                    logger.warning("state manager: accept() failed (%s); retrying", os.strerror(e.errno or 0))
+                    logger.warning("accept() failed (%s); retrying", os.strerror(e.errno or 0))
                     failing = e.errno
                 if e.errno in _ACCEPT_RESOURCE_ERRORS:
                     time.sleep(ACCEPT_BACKOFF_S)
                 continue
             if failing is not None:
-                logger.warning("state manager: accepting connections again")
+                logger.warning("accepting connections again")
                 failing = None
-            _start_connection(manager, conn)
+            _start_connection(manager, conn, peers)
     finally:
         listener.close()
         manager.close()
@@ -540,21 +579,24 @@ def serve(socket_path: str, manager: StateManager | None = None) -> None:
             pass
 
 
-def _start_connection(manager: StateManager, conn: socket.socket) -> None:
+def _start_connection(manager: StateManager, conn: socket.socket, peers: _PeerConnections) -> None:
     try:
         conn.settimeout(None)
-        threading.Thread(target=_serve_connection, args=(manager, conn), daemon=True).start()
-    except (OSError, RuntimeError) as e:  # RuntimeError: no thread can be started
-        logger.warning("state manager: cannot serve a connection (%s); closed it", e)
+        threading.Thread(target=_serve_connection, args=(manager, conn, peers), daemon=True).start()
+    except (OSError, RuntimeError, MemoryError) as e:  # RuntimeError: no thread can be started
+        logger.warning("cannot serve a connection (%s); closed it", e)
         conn.close()
         time.sleep(ACCEPT_BACKOFF_S)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m leto.pool.server SOCKET_PATH", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m leto.pool.server", description="The node's state manager.")
+    parser.add_argument("socket_path", metavar="SOCKET_PATH")
+    parser.add_argument("--max-connections-per-peer", type=int, default=MAX_CONNECTIONS_PER_PEER,
+                        help="connections one process may hold open (default %(default)s)")
+    args = parser.parse_args(argv)
+    if args.max_connections_per_peer < 1:
+        parser.error("--max-connections-per-peer must be >= 1")
     # Die with the agent: an orphaned state manager would pin memory forever.
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -563,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the agent, which stops us
     try:
-        serve(argv[0])
+        serve(args.socket_path, max_connections_per_peer=args.max_connections_per_peer)
     except KeyboardInterrupt:
         pass
     return 0

@@ -366,3 +366,44 @@ def test_the_cause_of_the_state_managers_death_is_known(sm) -> None:
     clean.proc.wait(10)
     assert clean.exit_status().code == 0 and str(clean.exit_status()) == "exited with code 0"
     clean.stop()
+
+
+_MANY = textwrap.dedent("""
+    import json, socket, sys
+    socks = []
+    for _ in range(int(sys.argv[2])):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(0.5)
+        s.connect(sys.argv[1])
+        socks.append(s)
+    refused = 0
+    for s in socks:
+        try:
+            data = s.recv(1 << 16)  # only a refused connection is sent anything
+            refused += bool(data) and not json.loads(data)["ok"]
+        except TimeoutError:
+            pass
+    print("refused", refused, flush=True)
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.timeout(120)
+def test_one_process_cannot_take_every_connection() -> None:
+    """Beyond its connection limit a process's connections are answered with an error and
+    closed; another process is served meanwhile."""
+    sm = StateManagerProcess.start(max_connections_per_peer=16)
+    hog = subprocess.Popen([sys.executable, "-c", _MANY, sm.socket_path, "40"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        pool = sm.client()
+        pool.alloc(0, "keep", PAGE, "uint8", "host").buffer[: len(KEEP)] = KEEP
+        pool.close()
+        assert hog.stdout.readline().split() == ["refused", "24"]
+        _assert_healthy(sm, "beside-the-hog")  # while the hog holds its 16
+    finally:
+        hog.kill()
+        hog.wait()
+        hog.stdout.close()
+        hog.stdin.close()
+        sm.stop()
