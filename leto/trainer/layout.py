@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from leto.errors import ConfigError
+from leto.trainer.optim_state import UpdateRule, optimizer_state
 
 ALIGN = 64
 
@@ -65,6 +66,10 @@ class Layout:
     grads: tuple[Slot, ...]
     """Each parameter's gradient, at an offset of its region ``grad_region``."""
     optim: tuple[dict[str, Slot], ...]
+    """Each parameter's optimizer state (``leto.trainer.optim_state``: found by running the
+    optimizer, with its ``PRESENT`` byte when torch creates the state lazily)."""
+    rule: UpdateRule
+    """How the optimizer state is updated: Leto's element-wise AdamW or the optimizer's own step."""
     rng: Slot
     state_bytes: int
     grad_regions: tuple[tuple[str, int], ...]
@@ -93,7 +98,7 @@ class Layout:
         """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state);
         ``grads``: gradient placement of an integration's buffers (default: Leto's "grads");
         ``mirror``: (name, bytes) of its full parameter buffers, when ``params`` are shards."""
-        state_keys = optimizer_state_keys(optimizer)
+        rule, state_keys = optimizer_state(optimizer, params)
         cursor = 0
         param_slots, optim_slots = [], []
         for p in params:
@@ -103,12 +108,11 @@ class Layout:
         for b in buffers:  # module buffers: on a meta-device rebuild they have no values
             buffer_slots.append(Slot(cursor, tuple(b.shape), b.dtype))
             cursor = _align(cursor + buffer_slots[-1].nbytes)
-        for p in params:
+        for p, keys in zip(params, state_keys, strict=True):
             slots = {}
-            for key in state_keys:
-                shape, dtype = ((), torch.float32) if key == "step" else (tuple(p.shape), p.dtype)
-                slots[key] = Slot(cursor, shape, dtype)
-                cursor = _align(cursor + slots[key].nbytes)
+            for key in keys:
+                slots[key.name] = Slot(cursor, key.shape(p.shape), key.dtype)
+                cursor = _align(cursor + slots[key.name].nbytes)
             optim_slots.append(slots)
         rng = Slot(cursor, (rng_bytes or torch.get_rng_state().numel(),), torch.uint8)
         state_bytes = _align(cursor + rng.nbytes)
@@ -120,8 +124,10 @@ class Layout:
             grad_regions, grad_region = (("grads", max(cursor, ALIGN)),), ("grads",) * len(params)
         else:
             grad_regions, grad_region = grads.regions, _place_grads(params, grads, grad_slots)
+        described_keys = (tuple(k.name for k in state_keys[0]) if rule.kind == "adamw" and state_keys
+                          else [[(k, s.shape, str(s.dtype)) for k, s in o.items()] for o in optim_slots])
         description = repr(
-            (type(optimizer).__name__, state_keys, [(s.shape, str(s.dtype)) for s in param_slots + buffer_slots])
+            (type(optimizer).__name__, described_keys, [(s.shape, str(s.dtype)) for s in param_slots + buffer_slots])
         )
         if grads is not None:  # a job must reattach with the gradient placement it started with
             description += repr((grad_regions, [s.offset for s in grad_slots]))
@@ -136,6 +142,7 @@ class Layout:
             buffers=tuple(buffer_slots),
             grads=tuple(grad_slots),
             optim=tuple(optim_slots),
+            rule=rule,
             rng=rng,
             state_bytes=state_bytes,
             grad_regions=tuple(grad_regions),
@@ -159,19 +166,6 @@ def _place_grads(params: list[torch.nn.Parameter], grads: GradPlacement, out: li
         out.append(slot)
         names.append(name)
     return tuple(names)
-
-
-def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-    """The per-parameter state tensors of the optimizers Leto can retain exactly."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ConfigError(
-            f"leto retains Adam/AdamW state; {type(optimizer).__name__} is not supported yet"
-        )
-    for group in optimizer.param_groups:
-        if group.get("fused") or group.get("capturable"):
-            raise ConfigError("leto needs the foreach/for-loop Adam paths (fused=False, capturable=False)")
-    amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
-    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
 
 def _align(n: int) -> int:

@@ -48,6 +48,7 @@ from leto.preinit.warmup import warm_shadow
 from leto.trainer.layout import GradPlacement, Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
+from leto.trainer.optim_state import StateSlots
 from leto.trainer.protection import ProtectedRegion
 from leto.trainer.timing import PhaseTimes
 from leto.updater.fused import resolve_fused
@@ -213,9 +214,7 @@ class RetainedState:
     def _bind(self) -> None:
         """Make params, grads and optimizer state views of retained memory (zero copy)."""
         fresh = not self.reattached
-        for p, pslot, grad, oslots in zip(
-            self.params, self.layout.params, self._grad_views(), self.layout.optim, strict=True
-        ):
+        for p, pslot, grad in zip(self.params, self.layout.params, self._grad_views(), strict=True):
             data = pslot.view(self.state_bytes)
             if fresh:
                 data.copy_(p.detach())
@@ -223,11 +222,12 @@ class RetainedState:
             if fresh:
                 grad.zero_()
             p.grad = None if self.layout.main_grad else grad  # main_grad: the integration binds it
-            state = {key: slot.view(self.state_bytes) for key, slot in oslots.items()}
-            if fresh:
-                for t in state.values():
-                    t.zero_()
-            self.optimizer.state[p] = state
+        self.optimizer_state = StateSlots(self.optimizer.state, self.params, self.layout.optim, self.state_bytes)
+        if fresh:  # zeroed, or the state the optimizer already holds (Adagrad's)
+            self.optimizer_state.capture()
+        else:
+            self.optimizer_state.read_flags()
+            self.optimizer_state.bind()
         for b, slot in zip(self.buffers, self.layout.buffers, strict=True):
             data = slot.view(self.state_bytes)
             if fresh:
@@ -526,7 +526,10 @@ class RetainedState:
     def _apply_optimizer(self, step: int) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.marker.recorded_lrs(), strict=True):
             group["lr"] = lr
+        self.optimizer_state.read_flags()  # a restored snapshot (or checkpoint) may have changed them
+        self.optimizer_state.bind()
         self.optimizer.step()
+        self.optimizer_state.adopt(range(len(self.params)))  # state torch created lazily, into its slots
         self._rng.copy_(self._rng_next)
         self._encode("state")
         self.ctx.injector.point("update")

@@ -36,10 +36,14 @@ does not import Triton)."""
 
 
 def resolve_fused(setting: bool | None, device: torch.device, layout: Layout) -> bool:
-    """``leto.rmu_fused`` for this trainer: None picks the kernel for float32 state on CUDA."""
+    """``leto.rmu_fused`` for this trainer: None picks the kernel for float32 state on CUDA
+    under Leto's AdamW (the kernel is AdamW's; other optimizers run their own step)."""
     fp32 = all(s.dtype == torch.float32 for s in layout.params)
     if setting is None:  # the kernel addresses every gradient in one region
-        return device.type == "cuda" and fp32 and len(layout.grad_regions) == 1
+        return device.type == "cuda" and fp32 and len(layout.grad_regions) == 1 and layout.rule.kind == "adamw"
+    if setting and layout.rule.kind != "adamw":
+        raise ConfigError(f"leto.rmu_fused: true is Leto's AdamW kernel, but {layout.rule.reason}; "
+                          "set rmu_fused: false or leave it unset")
     if setting and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("leto.rmu_fused: true needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
                           "set rmu_fused: false or leave it unset")

@@ -8,6 +8,10 @@ touches the same range of its ``param``, ``exp_avg`` and ``exp_avg_sq`` slots; i
 of the same parameter read the advanced value). The last chunk also installs the RNG state
 saved after the step's compute.
 
+Under the ``torch`` rule (any other optimizer: its own ``step()`` runs per chunk) a chunk
+holds whole parameters, consecutive ones while their bytes fit ``chunk_bytes``, a larger
+parameter alone; its spans are each parameter's param slot and every state slot.
+
 Each chunk's byte spans are rounded out to ``align`` bytes (the 2 KiB tile of the erasure
 code, so a span's old and new bytes can be folded into parity directly) and merged so they
 are disjoint: a byte that two spans would share must enter the parity delta once.
@@ -53,6 +57,8 @@ class Chunk:
 
 def plan_chunks(layout: Layout, chunk_bytes: int, align: int, region_bytes: int) -> list[Chunk]:
     """The chunks of one update (at least one: the RNG install needs a transaction)."""
+    if layout.rule.kind == "torch":
+        return _whole_parameter_chunks(layout, chunk_bytes, align, region_bytes)
     dtypes = {s.dtype for s in layout.params}
     if len(dtypes) > 1:
         raise ConfigError(
@@ -83,6 +89,29 @@ def plan_chunks(layout: Layout, chunk_bytes: int, align: int, region_bytes: int)
         last = j == count - 1
         if last:
             raw.append((layout.rng.offset, layout.rng.nbytes))
+        chunks.append(Chunk(j, pieces, _merge(raw, align, region_bytes), last))
+    return chunks
+
+
+def _whole_parameter_chunks(layout: Layout, chunk_bytes: int, align: int, region_bytes: int) -> list[Chunk]:
+    if not layout.rule.separable:
+        raise ConfigError(f"consistency: rmu steps the optimizer one chunk of parameters at a time, but "
+                          f"{layout.rule.reason}; use consistency: snapshot")
+    members: list[list[int]] = [[]]
+    size = 0
+    for i, s in enumerate(layout.params):
+        if members[-1] and size + s.nbytes > chunk_bytes:
+            members.append([])
+            size = 0
+        members[-1].append(i)
+        size += s.nbytes
+    chunks = []
+    for j, group in enumerate(members):
+        raw = [(s.offset, s.nbytes) for i in group for s in (layout.params[i], *layout.optim[i].values()) if s.nbytes]
+        last = j == len(members) - 1
+        if last:
+            raw.append((layout.rng.offset, layout.rng.nbytes))
+        pieces = tuple(Piece(i, 0, _numel(layout.params[i].shape)) for i in group)
         chunks.append(Chunk(j, pieces, _merge(raw, align, region_bytes), last))
     return chunks
 

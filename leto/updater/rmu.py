@@ -5,7 +5,7 @@ Per step (paper Pseudocode 1, lines 5–12)::
     Q[0], Q[1] <- W H (syndromes of host tier 1 H)       PARITY_LOADED(sel=0)
     for chunk j:
         U <- chunk j's pre-update bytes                   CHUNK_SAVED(j)
-        chunk j <- AdamW(chunk j, G)        (in place)
+        chunk j <- AdamW(chunk j, G)        (in place; or the optimizer's own step)
         Q[1-sel] ^= RS_j(U xor chunk j)     (scratch)
         commit                                            CHUNK_COMMITTED(j, sel=1-sel)
         Q[sel_old][ranges of j] <- Q[sel]   (resync the other buffer)
@@ -30,6 +30,10 @@ pages per group per step.
 All three buffers (undo, Q[0], Q[1]) are pool regions ("rmu.undo", "rmu.parity"), so they
 survive the trainer. On a GPU they are the memory the paper borrows from activations (they
 are needed only after backward); here they are allocated once.
+
+Any other ``torch.optim`` optimizer (the layout's ``torch`` rule) updates a chunk of whole
+parameters with its own ``step()`` (``leto.updater.torch_step``); undo, parity and commit are
+the same.
 
 Departure from the paper: chunks cut the flat *parameter* space, so one chunk's bytes
 (param, exp_avg, exp_avg_sq) lie in several protection groups; the working parity of every
@@ -56,6 +60,7 @@ from leto.trainer.protection import ProtectedRegion
 from leto.updater.adamw import AdamWHyper, adamw_pieces
 from leto.updater.fused import FusedChunks, flag_bytes
 from leto.updater.plan import Chunk, plan_chunks
+from leto.updater.torch_step import TorchStep
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +91,7 @@ def _only_region(regions: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class ResumableUpdater:
-    """Applies Adam/AdamW to the retained state chunk by chunk, crash-consistently."""
+    """Applies the optimizer to the retained state chunk by chunk, crash-consistently."""
 
     def __init__(
         self,
@@ -127,12 +132,23 @@ class ResumableUpdater:
         self.chunks = plan_chunks(layout, chunk_bytes, align, state.numel())
         if undo.numel() < max(c.undo_bytes for c in self.chunks):
             raise ProtocolError("the undo buffer is smaller than the largest chunk")
-        self._param = [s.view(state).view(-1) for s in layout.params]
-        self._m = [o["exp_avg"].view(state).view(-1) for o in layout.optim]
-        self._v = [o["exp_avg_sq"].view(state).view(-1) for o in layout.optim]
-        self._step = [o["step"].view(state) for o in layout.optim]
         regions = {"grads": grads} if isinstance(grads, torch.Tensor) else dict(grads)
-        self._grad = [s.view(regions[name]).view(-1) for s, name in zip(layout.grads, layout.grad_region, strict=True)]
+        self._torch: TorchStep | None = None
+        if layout.rule.kind == "torch":
+            if fused:
+                raise ConfigError(f"leto.rmu_fused is Leto's AdamW kernel; {layout.rule.reason}: set rmu_fused: false "
+                                  "or leave it unset")
+            self._torch = TorchStep(optimizer, layout, state, regions)
+        else:
+            self._param = [s.view(state).view(-1) for s in layout.params]
+            self._m = [o["exp_avg"].view(state).view(-1) for o in layout.optim]
+            self._v = [o["exp_avg_sq"].view(state).view(-1) for o in layout.optim]
+            self._step = [o["step"].view(state) for o in layout.optim]
+            self._grad = [s.view(regions[name]).view(-1)
+                          for s, name in zip(layout.grads, layout.grad_region, strict=True)]
+        self._counters = [(i, o[key].view(state)) for i, o in enumerate(layout.optim)
+                          for key in sorted(layout.rule.counters) if key in o]
+        """Step counters of the ``torch`` rule (``UpdateRule.counters``), for check_counters."""
         self._rng = layout.rng.view(state)
         self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
         self.fused = FusedChunks(layout, self.chunks, state, _only_region(regions), undo) if fused else None
@@ -234,11 +250,14 @@ class ResumableUpdater:
             self._stale = {}
 
     def check_counters(self, step: int) -> None:
-        """Refuse to resume when the retained Adam step counters contradict the marker.
+        """Refuse to resume when the retained step counters contradict the marker.
 
-        Each parameter's counter is ``step`` until the chunk holding its element 0 commits,
-        then ``step + 1``. Rebuilt pages that do not match the data (parity that lagged the
-        update) show up here first; raising beats resuming on wrong data.
+        Leto's AdamW: each parameter's counter is ``step`` until the chunk holding its
+        element 0 commits, then ``step + 1``. The optimizer's own step (``torch`` rule, whose
+        state may have been loaded with other counts): every counter less one where its
+        chunk committed is the same number, and every PRESENT byte is 0 or 1. Rebuilt pages
+        that do not match the data (parity that lagged the update) show up here first;
+        raising beats resuming on wrong data.
         """
         phase, cursor = self.marker.phase, self.marker.chunk
         done = {
@@ -246,7 +265,16 @@ class ResumableUpdater:
             Phase.CHUNK_COMMITTED: cursor + 1, Phase.FLUSHING: len(self.chunks),
         }[phase]
         applied = {p.param for c in self.chunks[:done] for p in c.pieces if p.owns_step}
-        bad = [(i, float(t)) for i, t in enumerate(self._step) if float(t) != step + (i in applied)]
+        if self._torch is not None:
+            flags = self._torch.begin()
+            bad = [(i, float(f)) for i, f in enumerate(flags) if f not in (0, 1)]
+            values = torch.stack([t for _, t in self._counters]).cpu().tolist() if self._counters else []
+            counted = [(i, float(v) - (i in applied), float(v))
+                       for (i, _), v in zip(self._counters, values, strict=True) if self._torch.slots.present[i]]
+            if not bad and counted:
+                bad = [(i, v) for i, base, v in counted if base != counted[0][1]]
+        else:
+            bad = [(i, float(t)) for i, t in enumerate(self._step) if float(t) != step + (i in applied)]
         if bad:
             raise UnrecoverableStateError(
                 f"retained optimizer step counters contradict the update marker ({phase.name}, chunk "
@@ -261,14 +289,19 @@ class ResumableUpdater:
     # -- internals ---------------------------------------------------------------------------
     def _chunks_from(self, step: int, first: int, *, saved: bool = False) -> None:
         lrs = self.marker.recorded_lrs()
-        hypers = [AdamWHyper.from_group(g, self.optimizer, lr) for g, lr in zip(self.optimizer.param_groups, lrs, strict=True)]
-        # host copy of the step counters (one device sync per update, not one per piece)
-        self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
+        if self._torch is not None:
+            hypers: list[AdamWHyper] | list[float] = lrs
+            self._torch.begin()  # after any restore: which parameters' state torch has created
+        else:
+            hypers = [AdamWHyper.from_group(g, self.optimizer, lr)
+                      for g, lr in zip(self.optimizer.param_groups, lrs, strict=True)]
+            # host copy of the step counters (one device sync per update, not one per piece)
+            self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
         for j in range(first, len(self.chunks)):
             self._chunk(self.chunks[j], hypers, saved=saved and j == first)
         self._flush(step)
 
-    def _chunk(self, chunk: Chunk, hypers: list[AdamWHyper], *, saved: bool) -> None:
+    def _chunk(self, chunk: Chunk, hypers: list[AdamWHyper] | list[float], *, saved: bool) -> None:
         j, last = chunk.index, chunk.index == len(self.chunks) - 1
         self.injector.point("update", at="boundary", chunk=j)
         if not saved:
@@ -302,8 +335,14 @@ class ResumableUpdater:
             self.state[off : off + n].copy_(self.undo[pos : pos + n])
             pos += n
 
-    def _apply(self, chunk: Chunk, hypers: list[AdamWHyper]) -> None:
-        """AdamW on the chunk's pieces, one foreach call per parameter group."""
+    def _apply(self, chunk: Chunk, hypers: list[AdamWHyper] | list[float]) -> None:
+        """AdamW on the chunk's pieces, one foreach call per parameter group (``torch`` rule:
+        the optimizer's own step over its parameters; ``hypers`` are then the recorded lrs)."""
+        if self._torch is not None:
+            self._torch.apply([p.param for p in chunk.pieces], hypers)  # type: ignore[arg-type]
+            if chunk.installs_rng:
+                self._rng.copy_(self.rng_next)
+            return
         owners = [p.param for p in chunk.pieces if p.owns_step]
         if owners:  # one launch for the chunk's step counters, not one per parameter
             torch._foreach_add_([self._step[i] for i in owners], 1.0)

@@ -8,6 +8,7 @@ CPU tensors, so a "kill" (an exception from the fault point) followed by a fresh
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+from leto.trainer.optim_state import StateSlots
 from leto.updater.rmu import ResumableUpdater, buffer_bytes
 
 
@@ -68,13 +70,16 @@ class Rig:
     @classmethod
     def build(cls, net: nn.Module, *, erasure: ErasureConfig | None, chunk_bytes: int, lr: float = 1e-2,
               incremental: bool = True, fused: bool = False, backend: str = "torch",
-              device: str = "cpu") -> Rig:
+              device: str = "cpu",
+              optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> Rig:
         """``device="cuda"`` puts the state, gradients and RMU buffers on the GPU and the
         parity tiers in pinned host memory, as a trainer does.
         ``backend="triton"`` runs the groups' page arithmetic (the working parity's fold
-        and the flush's tier-2 encode) in Triton's interpreter (``TRITON_INTERPRET=1``)."""
-        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True)
-        params = list(net.parameters())
+        and the flush's tier-2 encode) in Triton's interpreter (``TRITON_INTERPRET=1``).
+        ``optimizer`` builds the optimizer over ``net`` (default: AdamW, weight decay 0.1)."""
+        opt = (optimizer(net) if optimizer is not None
+               else torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True))
+        params = [p for g in opt.param_groups for p in g["params"]]
         layout = Layout.plan(params, [], opt)
         nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
         state = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -82,6 +87,7 @@ class Rig:
         pin = torch.device(device).type == "cuda"
         for p, slot in zip(params, layout.params, strict=True):
             slot.view(state).copy_(p.detach())
+        StateSlots(opt.state, params, layout.optim, state).capture()  # what a fresh trainer binds
         undo_n, par_n = buffer_bytes(layout, nbytes, chunk_bytes, erasure, fused=fused)
         protected = None
         if erasure is not None:
