@@ -29,6 +29,7 @@ import argparse
 import collections
 import ctypes
 import errno
+import fcntl
 import itertools
 import logging
 import os
@@ -417,6 +418,15 @@ def _dup_all(fds: list[int]) -> list[int]:
     return out
 
 
+def _has_seals(fd: int) -> bool:
+    """True for shared memory files (memfd, tmpfs), which answer F_GET_SEALS; a file on disk does not."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return True
+
+
 def _check_deposit_fd(fd: int, name: str, backing: str, chunk_bytes: int) -> None:
     """Accept only memory: a memfd of at least one chunk (memfd-chunks, or CUDA on CPU
     tests), or for ``cuda`` a device handle (an anonymous inode or a driver's character
@@ -426,7 +436,7 @@ def _check_deposit_fd(fd: int, name: str, backing: str, chunk_bytes: int) -> Non
         link = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         link = "?"
-    if stat.S_ISREG(st.st_mode) and link.startswith("/memfd:"):
+    if stat.S_ISREG(st.st_mode) and (link.startswith("/memfd:") or _has_seals(fd)):
         if st.st_size < chunk_bytes:
             raise PoolError(f"deposit of {name!r} refused: a memfd of {st.st_size} B cannot hold a "
                             f"{chunk_bytes}-byte chunk")
