@@ -290,15 +290,6 @@ class Context:
         if self.is_shadow:
             self._wait_for_promotion()
 
-    def _wait_for_own_shadow(self, timeout_s: float = 300.0) -> None:
-        """Until this rank's shadow waits for promotion (a fault that needs it ready); the
-        heartbeat beats meanwhile: waiting on purpose is not a hang."""
-        deadline = time.monotonic() + timeout_s
-        while not self.preinit.shadow_ready():
-            if self.preinit.shadows_given_up():
-                logger.warning("[rank %d] the agent stopped relaunching shadows: none will be ready", self.rank)
-                return
-            if time.monotonic() > deadline:
     def predecessor_settled(self, timeout_s: float = 60.0) -> bool:
         """A shadow may map the retained regions ahead once its predecessor has committed a
         step: until then a promoted predecessor may still be rebuilding lost pages, and a
@@ -319,6 +310,15 @@ class Context:
             time.sleep(0.02)
         return False
 
+    def _wait_for_own_shadow(self, timeout_s: float = 300.0) -> None:
+        """Until this rank's shadow waits for promotion (a fault that needs it ready); the
+        heartbeat beats meanwhile: waiting on purpose is not a hang."""
+        deadline = time.monotonic() + timeout_s
+        while not self.preinit.shadow_ready():
+            if self.preinit.shadows_given_up():
+                logger.warning("[rank %d] the agent stopped relaunching shadows: none will be ready", self.rank)
+                return
+            if time.monotonic() > deadline:
                 raise ProtocolError(f"rank {self.rank}: no shadow became ready within {timeout_s:.0f} s")
             if self.heartbeat is not None:
                 self.heartbeat.beat()

@@ -123,6 +123,7 @@ class RetainedState:
         self.memory.check_identity(self.marker, self.reattached, ctx.events)  # no resume on a re-made region
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
+            ctx.injector.recovery_point("attach", self.marker.step)
             self._rebuild_lost_pages()
         elif any(t.is_meta for t in self.params + self.buffers):
             raise UnrecoverableStateError(
@@ -135,7 +136,6 @@ class RetainedState:
             self._rng.copy_(rng_blob(self.device))
             self._encode("state")
             identity = self.memory.identity_record()
-            ctx.injector.recovery_point("attach", self.marker.step)
             self.marker.initialise(self.layout.digest, identity=identity)
             self.memory.seal(identity)
         self.attach_s = time.perf_counter() - t0
@@ -271,6 +271,8 @@ class RetainedState:
                 logger.info("[rank %d] %d lost chunks of %s replaced; the gather at resume refills them",
                             self.ctx.rank, len(lost), name)
         if not self.protected:
+            self._refuse_unprotected_losses(phase)
+            self.memory.commit_replacements()
             return
         needed = {"state": phase != Phase.UPDATING, **{name: phase != Phase.IDLE for name in self.grad_regions}}
         report: dict[str, dict[str, int]] = {}
@@ -279,6 +281,8 @@ class RetainedState:
             t0 = time.perf_counter()
             lost = region.localize()
             localize_s += time.perf_counter() - t0
+            if lost.count:  # fresh zeroed chunks are mapped now; a kill here is one mid-rebuild
+                self.ctx.injector.recovery_point("rebuild", self.marker.step)
             report[name] = {"data": len(lost.data), "tier1": len(lost.tier1), "tier2": len(lost.tier2)}
             if lost.count and needed[name]:
                 t0 = time.perf_counter()
@@ -293,8 +297,20 @@ class RetainedState:
                 except UnrecoverableStateError as e:
                     self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, lost=report[name], error=str(e))
                     raise
+        self.memory.commit_replacements()  # only now: a kill mid-rebuild leaves the losses to the next
         self.ctx.events.emit(Kind.PAGES_REBUILT, rank=self.ctx.rank, gen=self.ctx.env.generation, lost=report, rebuild_s=seconds,
                              localize_s=localize_s, phase=phase.name)
+
+    def _refuse_unprotected_losses(self, phase: Phase) -> None:
+        """Without erasure protection nothing can rebuild a lost chunk of the model state or
+        of final gradients: resuming on its zeroed replacement would silently diverge."""
+        needed = {"state": True, **{name: phase != Phase.IDLE for name in self.grad_regions}}
+        for name, need in needed.items():
+            if need and (lost := self.memory.lost_chunks(name)):
+                error = (f"rank {self.ctx.rank}: {len(lost)} chunks of retained region {name} were lost and "
+                         "nothing protects them (leto.erasure is off)")
+                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error)
+                raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
 
     def _check_update_buffers(self, phase: Phase) -> None:
         """Mid-update, the undo copy (while a chunk is saved) and the working parity are the
@@ -309,8 +325,6 @@ class RetainedState:
 
     def _install_fault_hooks(self) -> None:
         """Forward/backward kill points sit in the middle of the model, mid-phase."""
-            self._refuse_unprotected_losses(phase)
-            self.memory.commit_replacements()
         leaves = [m for m in self.model.modules() if not list(m.children())]
         if not leaves or not self.ctx.injector.pending:
             return
@@ -319,8 +333,6 @@ class RetainedState:
         middle.register_forward_hook(self._arm_backward_point)
 
     def _arm_backward_point(self, module: torch.nn.Module, args: object, output: object) -> None:
-            if lost.count:  # fresh zeroed chunks are mapped now; a kill here is one mid-rebuild
-                self.ctx.injector.recovery_point("rebuild", self.marker.step)
         """The backward kill point: a hook on the gradient of the module's output. (A full
         backward hook would wrap the outputs in an autograd function: a returned parameter,
         e.g. Megatron's skipped bias, would reach compiled fusions as a plain tensor, and the
@@ -335,21 +347,9 @@ class RetainedState:
 
     # -- the step loop -----------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
-        self.memory.commit_replacements()  # only now: a kill mid-rebuild leaves the losses to the next
         """Yield the steps still to run; resumes exactly where the job was interrupted."""
         step = self._resume() if self.reattached else self.marker.step
         if self.device.type == "cuda":
-    def _refuse_unprotected_losses(self, phase: Phase) -> None:
-        """Without erasure protection nothing can rebuild a lost chunk of the model state or
-        of final gradients: resuming on its zeroed replacement would silently diverge."""
-        needed = {"state": True, **{name: phase != Phase.IDLE for name in self.grad_regions}}
-        for name, need in needed.items():
-            if need and (lost := self.memory.lost_chunks(name)):
-                error = (f"rank {self.ctx.rank}: {len(lost)} chunks of retained region {name} were lost and "
-                         "nothing protects them (leto.erasure is off)")
-                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error)
-                raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
-
             # What the model's device build cached is dead weight now that it lives in retained
             # memory; the peak in step_done (device_peak_bytes) counts from here, the steps only.
             torch.cuda.empty_cache()
