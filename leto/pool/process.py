@@ -47,16 +47,23 @@ class ExitStatus:
 class StateManagerProcess:
     """The node's state manager: a torch-free child process serving a 0700 socket dir."""
 
-    def __init__(self, proc: subprocess.Popen[str], socket_dir: str) -> None:
+    def __init__(self, proc: subprocess.Popen[str], socket_dir: str, max_connections_per_peer: int | None = None) -> None:
         self.proc = proc
         self.socket_dir = socket_dir
         self.socket_path = os.path.join(socket_dir, "state-manager.sock")
+        self.max_connections_per_peer = max_connections_per_peer
 
     @classmethod
-    def start(cls, timeout_s: float = 10.0, max_connections_per_peer: int | None = None) -> StateManagerProcess:
-        socket_dir = tempfile.mkdtemp(prefix="leto-sm-")  # mode 0700
+    def start(cls, timeout_s: float = 10.0, max_connections_per_peer: int | None = None,
+              socket_dir: str | None = None) -> StateManagerProcess:
+        """``socket_dir``: serve there (made now, 0700; it must not exist) instead of a
+        fresh temporary directory."""
+        if socket_dir is None:
+            socket_dir = tempfile.mkdtemp(prefix="leto-sm-")  # mode 0700
+        else:
+            os.mkdir(socket_dir, 0o700)  # never one someone else made
         path = os.path.join(socket_dir, "state-manager.sock")
-        options = [] if max_connections_per_peer is None else ["--max-connections-per-peer", str(max_connections_per_peer)]
+        options = () if max_connections_per_peer is None else ("--max-connections-per-peer", str(max_connections_per_peer))
         proc = subprocess.Popen(
             [sys.executable, "-m", "leto.pool.server", path, *options],
             stdout=subprocess.PIPE, text=True, close_fds=True,
@@ -68,7 +75,13 @@ class StateManagerProcess:
             proc.wait()
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise PoolError(f"the state manager did not start within {timeout_s} s (got {line!r})")
-        return cls(proc, socket_dir)
+        return cls(proc, socket_dir, max_connections_per_peer)
+
+    def restart(self, timeout_s: float = 10.0) -> StateManagerProcess:
+        """A fresh state manager at the same socket path (so ``LETO_POOL_SOCKET`` stays
+        right for trainers started later), holding nothing: stops (or reaps) this one first."""
+        self.stop()
+        return self.start(timeout_s, self.max_connections_per_peer, socket_dir=self.socket_dir)
 
     @property
     def pid(self) -> int:

@@ -353,6 +353,9 @@ def test_a_flood_of_300_concurrent_connections_is_served(sm) -> None:
 @pytest.mark.timeout(60)
 def test_the_cause_of_the_state_managers_death_is_known(sm) -> None:
     assert sm.alive() and sm.exit_status() is None
+    pool = sm.client()
+    old_instance = pool.identities(0).instance
+    pool.close()
     os.kill(sm.proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while sm.alive() and time.monotonic() < deadline:
@@ -360,6 +363,17 @@ def test_the_cause_of_the_state_managers_death_is_known(sm) -> None:
     status = sm.exit_status()
     assert status is not None and status.signal == signal.SIGKILL and status.code is None
     assert str(status) == "killed by SIGKILL"
+
+    old_path = sm.socket_path
+    sm_new = sm.restart()  # the agent's way back: same socket path, nothing retained
+    try:
+        assert sm_new.socket_path == old_path and sm_new.alive()
+        pool = sm_new.client()
+        assert pool.lookup(0, "keep") is None
+        assert pool.identities(0).instance != old_instance
+        pool.close()
+    finally:
+        sm_new.stop()
 
     clean = StateManagerProcess.start()
     clean.client().shutdown()
