@@ -79,7 +79,9 @@ class StateManagerProcess:
 
     def restart(self, timeout_s: float = 10.0) -> StateManagerProcess:
         """A fresh state manager at the same socket path (so ``LETO_POOL_SOCKET`` stays
-        right for trainers started later), holding nothing: stops (or reaps) this one first."""
+        right for trainers started later), holding nothing: stops (or reaps) this one first.
+        Use only the returned object from then on (this one's ``stop`` would remove the
+        directory they share)."""
         self.stop()
         return self.start(timeout_s, self.max_connections_per_peer, socket_dir=self.socket_dir)
 
