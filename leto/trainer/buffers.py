@@ -39,7 +39,7 @@ _STEP_MASK = (1 << 32) - 1
 def own_view(region: torch.Tensor, slot: Slot) -> torch.Tensor:
     """``slot`` of the uint8 ``region`` as a tensor of its own over the same memory: its own
     storage (so ``torch.save`` of a state dict mixing dtypes works) and its own autograd
-    version counter. The region's mapping must outlive it (``RegionMemory`` keeps it)."""
+    version counter. It keeps ``region`` alive."""
     n = slot.nbytes
     if n == 0:
         return torch.empty(slot.shape, dtype=slot.dtype, device=region.device)
@@ -47,9 +47,13 @@ def own_view(region: torch.Tensor, slot: Slot) -> torch.Tensor:
     if ptr % torch.empty((), dtype=slot.dtype).element_size():
         raise ValueError(f"slot at byte {slot.offset} is not aligned for {slot.dtype}")
     if region.is_cuda:
-        raw = torch.as_tensor(cuda_vmm.array_interface(ptr, n), device=region.device)
+        memory = cuda_vmm.array_interface(ptr, n)
+        memory.region = region  # torch holds the interface object as long as the storage
+        raw = torch.as_tensor(memory, device=region.device)
     else:
-        raw = torch.frombuffer((ctypes.c_ubyte * n).from_address(ptr), dtype=torch.uint8)
+        memory = (ctypes.c_ubyte * n).from_address(ptr)
+        memory.region = region  # torch.frombuffer holds the buffer object
+        raw = torch.frombuffer(memory, dtype=torch.uint8)
     return raw.view(slot.dtype).view(slot.shape)
 
 

@@ -22,11 +22,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -212,6 +212,8 @@ class Context:
         checkpoint: CheckpointConfig | None = None,
         grads: GradPlacement | None = None,
         mirror: tuple[tuple[str, int], ...] = (),
+        stateful: Mapping[str, Any] | None = None,
+        stateful_bytes: int | None = None,
     ) -> RetainedState:
         """Back parameters, gradients and optimizer state by retained pool memory.
 
@@ -221,11 +223,18 @@ class Context:
         e.g. after a group restart) loads the newest one. ``grads``: gradients placed in an
         integration's own buffers (``RetainedState``); ``mirror``: its full parameter buffers
         when ``optimizer`` updates shards of them (``Layout.mirror_regions``).
+
+        The optimizer's hyperparameters, module buffers and the LR schedulers built on
+        ``optimizer`` before the training loop are retained too; ``stateful`` names other
+        objects with ``state_dict()`` / ``load_state_dict()`` (a stateful data loader, a
+        counter), retained with each step (``leto.trainer.extras``); ``stateful_bytes``: the
+        size of each of their two record slots (default 1 MiB).
         """
         from leto.trainer.state import RetainedState
 
         wait = self._wait_for_promotion if self.is_shadow else None
-        state = RetainedState(self, model, optimizer, wait_for_promotion=wait, grads=grads, mirror=mirror)
+        state = RetainedState(self, model, optimizer, wait_for_promotion=wait, grads=grads, mirror=mirror,
+                              stateful=stateful, stateful_bytes=stateful_bytes)
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()
         if config is not None:

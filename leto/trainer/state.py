@@ -32,8 +32,8 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,8 @@ from leto.events import Kind
 from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.warmup import warm_shadow
+from leto.trainer.buffers import BufferUndo, own_view, refuse_buffer_updates
+from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
 from leto.trainer.layout import GradPlacement, Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+BUFFER_UNDO = "buffers.undo"
+"""The retained copy of the module buffers at the start of the step (``BufferUndo``)."""
 ENV_RMU_PARITY = "LETO_RMU_PARITY"
 """Test hook: "0" turns off the RMU's incremental parity (the paper's "RMP alone")."""
 
@@ -71,7 +75,8 @@ class RetainedState:
     def __init__(
         self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         wait_for_promotion: Callable[[], None] | None = None, grads: GradPlacement | None = None,
-        mirror: tuple[tuple[str, int], ...] = (),
+        mirror: tuple[tuple[str, int], ...] = (), stateful: Mapping[str, Any] | None = None,
+        stateful_bytes: int | None = None,
     ) -> None:
         """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
         they exist: mapping reads nothing) and waits, so promotion costs no mapping work.
@@ -84,7 +89,11 @@ class RetainedState:
         ``mirror``: (name, bytes) of the integration's full parameter buffers when the
         optimizer's parameters are this rank's shards of them (Megatron's distributed
         optimizer): mapped here, unprotected, refilled by ``GradSync.gather`` after every
-        committed update and at every resume (lost pages included)."""
+        committed update and at every resume (lost pages included).
+
+        ``stateful``: objects with ``state_dict()`` / ``load_state_dict()`` retained with each
+        step by name (``leto.trainer.extras``; LR schedulers on ``optimizer`` are found
+        without one); ``stateful_bytes``: the bytes of one of their two record slots."""
         if wait_for_promotion is not None and not ctx.env.holds_device:
             wait_for_promotion()
             wait_for_promotion = None
@@ -98,6 +107,8 @@ class RetainedState:
         self.device = ctx.device if self.params[0].is_meta else self.params[0].device
         self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel(),
                                   grads=grads, mirror=mirror)
+        if ctx.env.erasure is not None:
+            refuse_buffer_updates(model)
         if mirror and ctx.env.consistency != "rmu":
             raise ConfigError("a sharded optimizer (Megatron's distributed optimizer) needs consistency: rmu; "
                               "the snapshot path steps torch's optimizer over full parameters")
@@ -131,6 +142,7 @@ class RetainedState:
                 "the meta device; build it for real (ctx.init_device() does this)"
             )
         self._bind()
+        self._attach_extras(stateful, stateful_bytes)  # before the marker records the regions
         self._rng = self.layout.rng.view(self.state_bytes)
         if not self.reattached:
             self._rng.copy_(rng_blob(self.device))
@@ -212,10 +224,12 @@ class RetainedState:
             )
 
     def _bind(self) -> None:
-        """Make params, grads and optimizer state views of retained memory (zero copy)."""
+        """Make params, grads and optimizer state views of retained memory (zero copy).
+        Parameters and buffers get a version counter each (``own_view``): a buffer updated
+        in place in forward (BatchNorm) must not invalidate the parameters saved for backward."""
         fresh = not self.reattached
         for p, pslot, grad in zip(self.params, self.layout.params, self._grad_views(), strict=True):
-            data = pslot.view(self.state_bytes)
+            data = own_view(self.state_bytes, pslot)
             if fresh:
                 data.copy_(p.detach())
             torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
@@ -229,10 +243,34 @@ class RetainedState:
             self.optimizer_state.read_flags()
             self.optimizer_state.bind()
         for b, slot in zip(self.buffers, self.layout.buffers, strict=True):
-            data = slot.view(self.state_bytes)
+            data = own_view(self.state_bytes, slot)
             if fresh:
                 data.copy_(b)
             torch.utils.swap_tensors(b, data)
+
+    def _attach_extras(
+        self, stateful: Mapping[str, Any] | None, stateful_bytes: int | None
+    ) -> None:
+        """The undo copy of the module buffers and the records of the stateful objects (both
+        retained regions: a fresh trainer makes them, a successor reattaches)."""
+        self.buffer_undo: BufferUndo | None = None
+        if self.layout.buffers:
+            nbytes = BufferUndo.region_bytes(BufferUndo.span(self.layout.buffers)[1])
+            self.buffer_undo = BufferUndo(self.state_bytes, self.layout.buffers,
+                                          self.memory.device_region(BUFFER_UNDO, nbytes)[0],
+                                          functools.partial(self.memory.lost_chunks, BUFFER_UNDO))
+        records = map_records(self.memory, stateful_bytes or DEFAULT_SLOT_BYTES)
+        self.extras = RetainedExtras(records, self.optimizer, stateful, self.ctx.rank)
+
+    def _refuse_buffer_updates(self) -> None:
+        """Under ``leto.erasure``: a buffer updated in forward would leave the parity behind."""
+        assert self.buffer_undo is not None
+        if changed := self.buffer_undo.changed():
+            names = {id(b): n for n, b in self.model.named_buffers(remove_duplicate=False)}
+            which = ", ".join(names.get(id(self.buffers[i]), "?") for i in changed)
+            raise ConfigError(f"module buffers were updated in forward ({which}), which leto.erasure's "
+                              "parity does not follow: run without leto.erasure, or keep such buffers "
+                              "out of the model")
 
     def _grad_views(self) -> list[torch.Tensor]:
         """Each parameter's gradient as a view of its retained region (built once: a few
@@ -348,7 +386,12 @@ class RetainedState:
     # -- the step loop -----------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run; resumes exactly where the job was interrupted."""
-        step = self._resume() if self.reattached else self.marker.step
+        self.extras.discover()  # the LR schedulers: a shadow's script builds them after retain()
+        if self.reattached:
+            step = self._resume()
+        else:  # a checkpoint's capture (loaded by retain) or, on a fresh job, nothing yet
+            step = self.marker.step
+            self.extras.resume(step)
         if self.device.type == "cuda":
             # What the model's device build cached is dead weight now that it lives in retained
             # memory; the peak in step_done (device_peak_bytes) counts from here, the steps only.
@@ -374,6 +417,9 @@ class RetainedState:
         self.ctx.injector.step = step
         set_rng_blob(self._rng, self.device)
         self._zero_grads()
+        if self.buffer_undo is not None:  # forward writes running statistics: a re-run starts here
+            self.buffer_undo.save(step)
+        self.extras.begin(step)
 
     def _zero_grads(self) -> None:
         """Zero this step's gradients: Leto's regions, or the integration's buffers
@@ -439,8 +485,10 @@ class RetainedState:
             self._restart_compute()
 
     def _restart_compute(self) -> None:
-        """Back to the start of this step's compute phase (its RNG, zero gradients)."""
+        """Back to the start of this step's compute phase (its RNG, buffers, zero gradients)."""
         set_rng_blob(self._rng, self.device)
+        if self.buffer_undo is not None:
+            self.buffer_undo.restart()
         self._zero_grads()
 
     def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
@@ -466,6 +514,9 @@ class RetainedState:
         if self.updater is not None:  # the last flush's IDLE store lands before these marker writes
             self.updater.join()
         self._phases.mark("join")
+        if self.protected and self.buffer_undo is not None:
+            self._refuse_buffer_updates()
+        self.extras.before_commit(step)  # what a finishing recovery restores (leto.trainer.extras)
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         self.memory.fence()
         self.marker.advance(Phase.GRADS_READY)
@@ -598,6 +649,8 @@ class RetainedState:
         finish = any(s == low + 1 or (s == low and ph in UPDATE_PHASES) for s, ph in points)
         step, phase = self.marker.step, self.marker.phase
         action = "none"
+        if finish and step == low:  # the update reads the hyperparameters of its own step
+            self.extras.load_pre(step)
         if finish and step == low and self.updater is not None:
             if phase not in UPDATE_PHASES and phase != Phase.GRADS_READY:
                 raise UnrecoverableStateError(
@@ -627,9 +680,13 @@ class RetainedState:
         elif not finish:
             action = "rerun"
         resume_at = low + 1 if finish else low
+        # Step resume_at's forward may have begun on this rank: its buffers back to its start.
+        buffers = self.buffer_undo is not None and self.buffer_undo.restore(resume_at)
+        extras = self.extras.resume(resume_at)
         self.ctx.events.emit(
             Kind.RESUMED, rank=self.ctx.rank, gen=self.ctx.env.generation, step=resume_at, action=action, points=[list(p) for p in points],
             attach_s=self.attach_s, decide_s=time.perf_counter() - t0, mapped_ahead_step=self.mapped_ahead_step,
+            extras=extras, buffers_restored=buffers,
         )
         self._gather()  # every rank: the full parameters from every rank's committed shards
         if self.ctx.env.digest:
@@ -637,11 +694,12 @@ class RetainedState:
         return resume_at
 
     def emit_digest(self) -> str:
-        """Digest of the state region (with a sharded optimizer: and of the full parameters)."""
-        digest = self.memory.digest(self.state_bytes)
-        if self.mirror_regions:
-            parts = [digest, *(self.memory.digest(region) for region in self.mirror_regions.values())]
-            digest = hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+        """Digest of the state region (with a sharded optimizer: and of the full parameters)
+        and of the stateful objects at the last commit (``RetainedExtras.commit_digest``)."""
+        parts = [self.memory.digest(self.state_bytes),
+                 *(self.memory.digest(region) for region in self.mirror_regions.values()),
+                 self.extras.commit_digest]
+        digest = hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
         self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
         return digest
 

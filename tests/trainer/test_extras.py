@@ -1,0 +1,298 @@
+"""Stateful objects retained with the step (``leto.trainer.extras``), in process.
+
+The record slots: a torn write never costs the newest good record, a checksum catches a
+damaged one. The capture protocol, driven as ``RetainedState`` drives it (``begin`` at the
+start of each step, ``before_commit`` in ``state.step()`` before GRADS_READY, ``load_pre`` and
+``resume`` at a recovery): a "process" dies at every point of a step (its retained region is
+what survives), a fresh set of objects resumes from it, and the objects must equal the
+fault-free run's at the step the recovery resumes at, and at the end of the job.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch.optim import lr_scheduler
+
+from leto.errors import ConfigError, UnrecoverableStateError
+from leto.trainer import extras
+from leto.trainer.extras import Capture, Record, RecordSlots, RecordStore, RetainedExtras
+
+SLOT = 1 << 16
+
+
+def _region() -> torch.Tensor:
+    return torch.zeros(RecordSlots.region_bytes(SLOT), dtype=torch.uint8)
+
+
+# -- record slots ------------------------------------------------------------------------------
+def test_the_two_newest_records_survive() -> None:
+    region = _region()
+    slots = RecordSlots(region)
+    for seq in (1, 2, 3):
+        slots.write(Record(seq, seq * 10, Capture.BEGIN, bytes([seq]) * 100))
+    assert sorted(r.seq for _, r in slots.read()) == [2, 3]
+    reread = RecordSlots(region)  # a successor's view
+    reread.write(Record(4, 40, Capture.PRE, b"x"))
+    assert sorted(r.seq for _, r in reread.read()) == [3, 4]  # it wrote over the older one
+
+
+def test_a_torn_write_leaves_the_newest_good_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    region = _region()
+    slots = RecordSlots(region)
+    slots.write(Record(1, 0, Capture.BEGIN, b"a" * 1000))
+    slots.write(Record(2, 0, Capture.PRE, b"b" * 1000))
+
+    def killed(*_: object) -> bytes:  # dies after the payload, before the header lands
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(extras, "_checksum", killed)
+    with pytest.raises(KeyboardInterrupt):
+        slots.write(Record(3, 1, Capture.BEGIN, b"c" * 1000))
+    monkeypatch.undo()
+    (survivor,) = [r for _, r in RecordSlots(region).read()]
+    assert (survivor.seq, survivor.payload) == (2, b"b" * 1000)
+
+
+def test_a_damaged_record_fails_its_checksum() -> None:
+    region = _region()
+    slots = RecordSlots(region)
+    slots.write(Record(1, 0, Capture.BEGIN, b"a" * 100))
+    slots.write(Record(2, 1, Capture.PRE, b"b" * 100))
+    flipped = extras.HEADER_BYTES + SLOT + extras.HEADER_BYTES + 50  # in record 2's payload
+    region[flipped] ^= 1
+    assert [r.seq for _, r in RecordSlots(region).read()] == [1]
+
+
+def test_a_record_larger_than_a_slot_is_refused_with_the_fix() -> None:
+    store = RecordStore(_region())
+    with pytest.raises(ConfigError, match="stateful_bytes"):
+        store.write(0, Capture.BEGIN, b"x" * (SLOT + 1))
+
+
+# -- the capture protocol ----------------------------------------------------------------------
+class Counter:
+    """A user Stateful: advanced before or after the commit."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "lambda": lambda opt: lr_scheduler.LambdaLR(opt, lambda s: 0.9**s),
+    "onecycle": lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=20),
+    "cosine_restarts": lambda opt: lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=3, T_mult=2),
+    "sequential": lambda opt: lr_scheduler.SequentialLR(
+        opt,
+        [lr_scheduler.LinearLR(opt, 0.1, total_iters=3), lr_scheduler.ExponentialLR(opt, 0.8)],
+        [3],
+    ),
+}
+
+
+@dataclass
+class Job:
+    """One trainer's objects, as a script builds them (the scheduler after ``retain``)."""
+
+    scheduler: str
+    region: torch.Tensor
+    sched_before_commit: bool = False
+    counter_after_commit: bool = False
+    named: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.param = torch.nn.Parameter(torch.ones(3))
+        self.opt = torch.optim.AdamW([self.param], lr=0.1, foreach=True)
+        self.counter = Counter()
+        self.extras = RetainedExtras(
+            RecordStore(self.region), self.opt, {"counter": self.counter, **self.named}, 0
+        )
+        self.sched = SCHEDULERS[self.scheduler](self.opt)
+        self.extras.discover()
+
+    def state(self) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        return {"sched": self.sched.state_dict(), "counter": self.counter.n, "groups": groups}
+
+    def step(self, t: int, die_at: str | None = None) -> bool:
+        """Step ``t`` of the script; False when the process dies at ``die_at``."""
+        self.extras.begin(t)
+        if die_at == "compute":
+            return False
+        if not self.counter_after_commit:
+            self.counter.n += 1  # the batch fetch
+        if self.sched_before_commit:
+            self.sched.step()
+        self.extras.before_commit(t)
+        if die_at == "update":
+            return False
+        self.opt.step()  # the update (its values do not matter here)
+        if die_at == "commit":  # committed, the script's code after state.step() never ran
+            return False
+        if not self.sched_before_commit:
+            self.sched.step()
+        if self.counter_after_commit:
+            self.counter.n += 1
+        return True
+
+
+STEPS = 9
+
+
+def _fault_free(**kw: Any) -> tuple[dict[int, dict], dict[int, str]]:
+    """Each step's starting state and each commit's digest, of a run that never fails."""
+    job = Job(region=_region(), **kw)
+    starts, digests = {}, {}
+    for t in range(STEPS):
+        starts[t] = job.state()
+        job.step(t)
+        digests[t + 1] = job.extras.commit_digest
+    starts[STEPS] = job.state()
+    return starts, digests
+
+
+def _recover(die_at: str, kill_step: int, **kw: Any) -> tuple[Job, int, str]:
+    """Run until the kill, then bring a fresh job to the resume point as ``_resume`` does."""
+    job = Job(region=_region(), **kw)
+    for t in range(kill_step):
+        assert job.step(t)
+    job.step(kill_step, die_at=die_at)
+    survivor = job.region.clone()  # what the state manager holds of the dead process
+    finish = die_at in ("update", "commit")
+    resume_at = kill_step + 1 if finish else kill_step
+    fresh = Job(region=survivor, **kw)  # the promoted shadow builds its objects anew
+    if die_at == "update":
+        fresh.extras.load_pre(kill_step)  # the finishing update reads these hyperparameters
+        fresh.opt.step()
+    how = fresh.extras.resume(resume_at)
+    return fresh, resume_at, how
+
+
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+@pytest.mark.parametrize("die_at", ["compute", "update", "commit"])
+@pytest.mark.parametrize("kill_step", [0, 4])
+def test_every_kill_point_resumes_at_the_fault_free_state(
+    scheduler: str, die_at: str, kill_step: int
+) -> None:
+    starts, digests = _fault_free(scheduler=scheduler)
+    job, resume_at, how = _recover(die_at, kill_step, scheduler=scheduler)
+    assert how == ("begin" if die_at == "compute" else "pre+replay")
+    assert job.state() == starts[resume_at]
+    if resume_at:
+        assert job.extras.commit_digest == digests[resume_at]  # what emit_digest reports there
+    for t in range(resume_at, STEPS):  # the rest of the job, and the history it keeps
+        assert job.step(t)
+        assert job.extras.commit_digest == digests[t + 1]
+    assert job.state() == starts[STEPS]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_scheduler_stepped_before_the_commit_is_not_replayed() -> None:
+    starts, _ = _fault_free(scheduler="lambda", sched_before_commit=True)
+    for kill_step in (0, 4):
+        job, resume_at, how = _recover(
+            "update", kill_step, scheduler="lambda", sched_before_commit=True
+        )
+        assert how == "pre" and job.state() == starts[resume_at]
+
+
+def test_a_kill_after_the_next_begin_resumes_from_it() -> None:
+    """Killed in the script's code of step 5 after its BEGIN record: no replay needed."""
+    starts, _ = _fault_free(scheduler="onecycle")
+    job, resume_at, how = _recover("compute", 5, scheduler="onecycle")
+    assert (resume_at, how) == (5, "begin") and job.state() == starts[5]
+
+
+def test_an_object_changed_after_the_commit_refuses_a_finishing_recovery() -> None:
+    with pytest.raises(
+        UnrecoverableStateError,
+        match=r"counter \(Counter\): its state was changed after state.step",
+    ):
+        _recover("update", 4, scheduler="lambda", counter_after_commit=True)
+    with pytest.raises(UnrecoverableStateError, match="first step's update was interrupted"):
+        _recover("update", 0, scheduler="lambda", counter_after_commit=True)
+    _recover("compute", 4, scheduler="lambda", counter_after_commit=True)  # a re-run needs no guess
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_scheduler_stepped_after_the_commit_on_some_steps_only_is_refused() -> None:
+    job = Job(region=_region(), scheduler="lambda")
+    for t in range(4):
+        job.extras.begin(t)
+        job.counter.n += 1
+        job.extras.before_commit(t)
+        if t % 2:
+            job.sched.step()
+    job.extras.begin(4)
+    job.counter.n += 1
+    job.extras.before_commit(4)
+    fresh = Job(region=job.region.clone(), scheduler="lambda")
+    with pytest.raises(
+        UnrecoverableStateError, match="stepped after state.step\\(\\) in 2 of 4 steps"
+    ):
+        fresh.extras.resume(5)
+
+
+def test_a_scheduler_built_inside_the_loop_is_an_error_at_once() -> None:
+    job = Job(region=_region(), scheduler="lambda")
+    job.step(0)
+    late = lr_scheduler.StepLR(job.opt, 2)  # noqa: F841 - the script keeps it
+    with pytest.raises(
+        ConfigError, match="StepLR on the retained optimizer was built after state.steps"
+    ):
+        job.extras.begin(1)
+
+
+def test_a_successor_with_other_objects_is_refused() -> None:
+    job = Job(region=_region(), scheduler="lambda")
+    job.step(0)
+    job.extras.begin(1)
+    fresh = Job(region=job.region.clone(), scheduler="onecycle")
+    with pytest.raises(UnrecoverableStateError, match=r"retained \['lr_scheduler.LambdaLR'\]"):
+        fresh.extras.resume(1)
+
+
+def test_objects_that_are_not_stateful_or_too_large_are_refused_at_retain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
+    with pytest.raises(ConfigError, match="has no state_dict"):
+        RetainedExtras(RecordStore(_region()), opt, {"x": object()}, 0)
+    with pytest.raises(ConfigError, match="reserved"):
+        RetainedExtras(RecordStore(_region()), opt, {"optimizer": Counter()}, 0)
+    monkeypatch.setattr(extras, "STATE_LIMIT_BYTES", 100)
+    with pytest.raises(ConfigError, match="more than the 0 MiB"):
+        RetainedExtras(RecordStore(_region()), opt, {"big": torch.nn.Linear(10, 10)}, 0)
+
+
+def test_hyperparameters_come_back_for_the_finishing_update() -> None:
+    """OneCycleLR cycles beta1: the update finished after a recovery must use its step's."""
+    job = Job(region=_region(), scheduler="onecycle")
+    for t in range(3):
+        job.step(t)
+    job.step(3, die_at="update")
+    betas = job.opt.param_groups[0]["betas"]
+    fresh = Job(region=job.region.clone(), scheduler="onecycle")
+    assert fresh.opt.param_groups[0]["betas"] != betas
+    fresh.extras.load_pre(3)
+    assert fresh.opt.param_groups[0]["betas"] == betas
+
+
+def test_records_name_what_they_hold() -> None:
+    job = Job(region=_region(), scheduler="lambda")
+    job.step(0)
+    record = job.extras.store.latest(Capture.PRE)
+    content = pickle.loads(record.payload)
+    assert set(content["objects"]) == {"optimizer", "counter", "lr_scheduler.LambdaLR"}
+    assert content["kinds"]["lr_scheduler.LambdaLR"] == "scheduler"
