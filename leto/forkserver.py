@@ -1,17 +1,19 @@
 """A pre-warmed fork server: group restarts start workers without paying for ``import torch``.
 
 Started by the agent before it creates any thread, CUDA context or process group, the
-server imports torch (and torch.distributed, torch.nn) and waits on a Unix socket. For
-each worker the agent sends ``argv``, ``env`` and ``cwd`` plus the worker's stdout and
-stderr descriptors (SCM_RIGHTS); the server double-forks, so the worker is re-parented to
-the agent (a child subreaper, ``PR_SET_CHILD_SUBREAPER``) and the agent waits on it like
-on any child: exit codes, signals, pidfds and ``killpg`` work as for torchrun's Popen.
+server imports torch (and torch.distributed, torch.nn) and waits on its end of a socket
+pair (inherited: nothing on disk). For each worker the agent sends ``argv``, ``env`` and
+``cwd`` plus the worker's stdout and stderr descriptors (SCM_RIGHTS); the server
+double-forks, so the worker is re-parented to the agent (a child subreaper,
+``PR_SET_CHILD_SUBREAPER``) and the agent waits on it like on any child: exit codes,
+signals, pidfds and ``killpg`` work as for torchrun's Popen. The server and, once
+re-parented, every worker die with the agent (``leto.lifetime``).
 
 The worker then runs the script with ``runpy`` as ``__main__``: torchrun's
 ``python -u script args`` and ``python -u -m module args`` command lines are served;
 anything else is started the normal way by the caller.
 
-    python -m leto.forkserver SOCKET_PATH
+    python -m leto.forkserver SOCKET_FD AGENT_PID
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ import os
 import runpy
 import socket
 import sys
+import time
 import traceback
 from typing import Any
+
+from leto.lifetime import die_with_agent
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +101,19 @@ def _run_worker(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, err
         os._exit(code)
 
 
-def _spawn(request: dict[str, Any], fds: list[int]) -> int:
+def _spawn(request: dict[str, Any], fds: list[int], agent: int) -> int:
     """Double-fork a worker; returns its pid once it has been re-parented to the agent."""
     read_end, write_end = os.pipe()
     intermediate = os.fork()
     if intermediate == 0:
         os.close(read_end)
+        intermediate = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(write_end)
+            while os.getppid() == intermediate:  # until re-parented (it exits at once)
+                time.sleep(0.0005)
+            die_with_agent(parent=agent)  # the death signal of its parent from now on
             _run_worker(request["argv"], request["env"], request["cwd"], fds[0], fds[1])
         os.write(write_end, str(pid).encode())
         os._exit(0)
@@ -117,15 +126,11 @@ def _spawn(request: dict[str, Any], fds: list[int]) -> int:
     return pid
 
 
-def serve(path: str) -> None:
+def serve(conn: socket.socket, agent: int) -> None:
+    """Answer the agent's spawn requests on ``conn`` until it closes; ``agent``: its pid."""
     for name in WARM_MODULES:
         __import__(name)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
     print("ready", flush=True)
-    conn, _ = listener.accept()
-    listener.close()
     while True:
         try:
             msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MSG, 2)
@@ -134,15 +139,13 @@ def serve(path: str) -> None:
         if not msg:
             return
         try:
-            reply = {"pid": _spawn(json.loads(msg), fds)}
+            reply = {"pid": _spawn(json.loads(msg), fds, agent)}
         except Exception as e:  # noqa: BLE001 - reported to the agent, which falls back to Popen
             reply = {"error": f"{type(e).__name__}: {e}"}
         conn.send(json.dumps(reply).encode())
 
 
 if __name__ == "__main__":
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the agent
-    serve(sys.argv[1])
+    agent_pid = int(sys.argv[2])
+    die_with_agent(parent=agent_pid)
+    serve(socket.socket(fileno=int(sys.argv[1])), agent_pid)

@@ -20,8 +20,6 @@ import enum
 import logging
 import mmap
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,19 +47,17 @@ class FailureClass(str, enum.Enum):
 
 
 class HeartbeatBoard:
-    """The agent's side: a shared file of ``(progress, steps)`` words per local rank."""
+    """The agent's side: a shared file of ``(progress, steps)`` words per local rank.
+
+    The file is a memfd of the agent's; trainers open it as ``/proc/<agent>/fd/<fd>``
+    (``path``), so nothing of it is left on disk when the agent is killed."""
 
     def __init__(self, nslots: int) -> None:
-        self._dir = tempfile.mkdtemp(prefix="leto-hb-")
-        self.path = os.path.join(self._dir, "heartbeat")
+        self._fd = os.memfd_create("leto-heartbeat", os.MFD_CLOEXEC)
+        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self.nslots = nslots
-        with open(self.path, "wb") as f:
-            f.truncate(max(mmap.PAGESIZE, nslots * _WORDS * 8))
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            self._mm = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
+        os.ftruncate(self._fd, max(mmap.PAGESIZE, nslots * _WORDS * 8))
+        self._mm = mmap.mmap(self._fd, 0)
         self._words = (ctypes.c_uint64 * (nslots * _WORDS)).from_buffer(self._mm)
 
     def read(self, slot: int) -> tuple[int, int]:
@@ -85,7 +81,7 @@ class HeartbeatBoard:
     def close(self) -> None:
         del self._words
         self._mm.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        os.close(self._fd)
 
 
 class Heartbeat:

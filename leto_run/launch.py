@@ -25,6 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _ge
 from leto.config import LetoConfig
 from leto.errors import ConfigError
 from leto.events import EventLog, Kind
+from leto.lifetime import ENV_AGENT_PID, sweep_leftovers
 from leto_run.agent import GenerationLogsSpecs, LetoAgent
 from leto_run.warm_start import ForkServer
 
@@ -50,6 +51,10 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
         raise ConfigError("leto-run needs the agent's shared store; unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
+    # Every child inherits it and dies with this process (leto.lifetime), also under a
+    # subreaper; what an earlier job's killed agent left behind is removed.
+    os.environ[ENV_AGENT_PID] = str(os.getpid())
+    sweep_leftovers()
     logs_specs = _logs_specs(config)
     events_path = leto.events_file or os.path.join(
         logs_specs.root_log_dir if logs_specs.root_log_dir != os.devnull else tempfile.gettempdir(),

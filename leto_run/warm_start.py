@@ -15,12 +15,10 @@ import ctypes
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -45,20 +43,24 @@ class ForkServer:
         # only if one existed when its ancestors were forked.
         if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise ProtocolError("prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable")
-        self._dir = tempfile.mkdtemp(prefix="leto-fs-")
-        self.path = os.path.join(self._dir, "sock")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "leto.forkserver", self.path], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        )
-        self._sock: socket.socket | None = None
+        # A socket pair, not a path: nothing on disk, and no other process can connect.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "leto.forkserver", str(theirs.fileno()), str(os.getpid())],
+                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+            )
+        self._sock: socket.socket | None = ours
+        self._ready = False
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
+            raise ProtocolError("the fork server is closed")
+        if not self._ready:
             assert self.proc.stdout is not None
             if self.proc.stdout.readline().strip() != b"ready":  # waits for its imports, once
                 raise ProtocolError(f"the fork server exited (code {self.proc.wait()}) before it was ready")
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            self._sock.connect(self.path)
+            self._ready = True
         return self._sock
 
     def spawn(self, argv: list[str], env: dict[str, str], stdout_fd: int, stderr_fd: int) -> int:
@@ -80,7 +82,6 @@ class ForkServer:
         self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class WarmPopen:

@@ -453,20 +453,15 @@ def _checkpoint_from_env() -> CheckpointConfig | None:
 
 
 def _die_with_agent() -> None:
-    """SIGKILL this trainer when its agent dies, as the agent's state manager does.
+    """SIGKILL this trainer when its agent dies (``leto.lifetime``), as the agent's state
+    manager does; exit now if it is already gone (re-parented to init or a subreaper).
 
     Otherwise a killed agent leaves trainers behind, blocked in collectives with the other
     nodes; dying with it breaks those collectives at once and the job fails cleanly.
     """
-    import ctypes
-    import signal
+    from leto.lifetime import die_with_agent
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() == 1:  # the agent died before the prctl
-        os._exit(1)
+    die_with_agent()
 
 
 def warm_up(device: torch.device | None = None) -> None:
