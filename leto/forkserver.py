@@ -26,7 +26,6 @@ import runpy
 import socket
 import sys
 import time
-import traceback
 from typing import Any
 
 from leto.lifetime import die_with_agent
@@ -85,8 +84,8 @@ def _run_worker(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, err
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if not isinstance(e.code, (int, type(None))):
                 print(e.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 - as the interpreter does: traceback, exit 1
-            traceback.print_exc()
+        except BaseException:  # noqa: BLE001 - as the interpreter does: sys.excepthook, exit 1
+            sys.excepthook(*sys.exc_info())  # the script's hooks see it (leto's fatal report)
             code = 1
         import atexit
         import threading

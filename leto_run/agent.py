@@ -60,7 +60,7 @@ from leto.pool.process import StateManagerProcess
 from leto.preinit.controller import PreinitController, ShadowState
 from leto.preinit.levels import LevelChoice, ShadowLevel
 from leto.trainer.context import ENV_CHECKPOINT, ENV_PREINIT, ROLE_ACTIVE, ROLE_SHADOW
-from leto_run.failures import FailurePolicy, _exit_text
+from leto_run.failures import FailurePolicy
 from leto_run.warm_start import ForkServer, warm_spawns
 
 logger = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         if self._sm is None or self._sm_death_seen or self._sm.alive():
             return
         self._sm_death_seen = True
-        how = _exit_text(self._sm.proc.returncode)
+        how = str(self._sm.exit_status())
         self._events.emit(Kind.STATE_MANAGER_DIED, how=how, gen=self._generation)
         logger.error("the state manager died (%s): in-place recovery is lost on this node; the next failure "
                      "restarts the group from the newest checkpoint", how)
@@ -573,6 +573,23 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             recovery, self._recovery = self._recovery, None
             self._failures_in_a_row = 0
             self._events.emit(Kind.RECOVERY_DONE, **dataclasses.asdict(recovery), done_t=time.time())
+            self._raise_shadow_level(worker_group)
+
+    def _raise_shadow_level(self, worker_group: WorkerGroup) -> None:
+        """The replacements were spawned at promotion, at the level the previous actives'
+        peak allowed; the fresh actives have now reported theirs (a transient peak, e.g. an
+        OOM's, is gone): relaunch the shadows higher when a higher level fits. Single node
+        only (a node's shadows cannot join the others' group alone)."""
+        ctrl = self._preinit
+        if ctrl is None or ctrl.state is not ShadowState.LIVE or worker_group.group_world_size > 1:
+            return
+        choice = ctrl.choose("recovery")
+        if choice.level <= ctrl.level:
+            return
+        self._close_shadows()
+        assert self._store is not None
+        self._store.delete_key(contract.shadows(self._generation + 1, worker_group.group_rank))
+        self._spawn_shadows(worker_group, choice)
 
     def _close_shadows(self, death_sig: signal.Signals = signal.SIGKILL) -> None:
         if self._shadows is not None:

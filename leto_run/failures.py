@@ -116,7 +116,7 @@ class FailurePolicy(_Base):
             state_manager_alive=sm_alive, shadows_everywhere=self._all_shadows_ready(worker_group),
             multi_node=worker_group.group_world_size > 1, failures_without_progress=self._failures_in_a_row,
             failure_loop_limit=self._leto.failure_loop_limit, no_shadows_reason=self._no_shadows_reason,
-            state_manager_exit="" if sm_alive or self._sm is None else _exit_text(self._sm.proc.returncode),
+            state_manager_exit="" if sm_alive or self._sm is None else str(self._sm.exit_status()),
         )
 
     def _follow(self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None) -> RunResult:
@@ -193,9 +193,3 @@ class FailurePolicy(_Base):
         self._hangs.arm()  # one verdict per stall; the kill is seen by _detect_killed_active
 
 
-
-def _exit_text(returncode: int | None) -> str:
-    """``exit code 1`` / ``signal 9`` for a ``Popen.returncode``."""
-    if returncode is None:
-        return ""
-    return f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"

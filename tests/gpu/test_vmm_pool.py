@@ -110,7 +110,9 @@ _CHUNKED_SHADOW = textwrap.dedent("""
     # The per-chunk mapping query: unmap one chunk of this process's view, find it, replace it.
     mem.backend.unmap(region.ptr + 5 * (2 << 20), 2 << 20)
     print("unmapped found", mem.backend.failed(region.ptr, region.nbytes, 2 << 20))
-    print("replaced", mem.lost_pages("state", 2 << 20), "pagemap", pool.pagemap(0, "state"))
+    replaced = mem.lost_pages("state", 2 << 20)
+    mem.commit_replacements()  # the rebuild would run here; then the state manager holds them
+    print("replaced", replaced, "pagemap", pool.pagemap(0, "state"))
     words.fill_(1); torch.cuda.synchronize()
     print("writable", int(words.sum()) == words.numel())
 """)

@@ -26,10 +26,12 @@ def test_sigstopped_trainer_is_killed_within_timeout_and_recovered_exactly(tmp_p
     assert_exact(reference, events)
     (stopped,) = [e for e in events if e["kind"] == "fault_injected"]
     (hang,) = [e for e in events if e["kind"] == "hang_detected"]
-    assert hang["timeout_s"] == timeout_s and hang["idle_s"] >= timeout_s
-    assert hang["rank"] == 1 and hang["proc_state"] == "T", hang  # the stopped rank is blamed
-    # Found within the timeout (plus polling and a loaded machine's slack), not later.
-    assert hang["t"] - stopped["t"] <= timeout_s + 2.0, hang["t"] - stopped["t"]
+    assert hang["timeout_s"] == timeout_s
+    # The stopped rank is blamed as soon as its peer (waiting for it) is past the timeout,
+    # even if it beat a moment after that peer's last beat.
+    assert hang["rank"] == 1 and hang["proc_state"] == "T", hang
+    # Found within the timeout (plus polling and a loaded machine's slack), not earlier or later.
+    assert timeout_s - 1.0 <= hang["t"] - stopped["t"] <= timeout_s + 2.0, hang["t"] - stopped["t"]
     (epoch,) = [e for e in events if e["kind"] == "epoch"]
     assert (epoch["action"], epoch["failure"]) == ("in_place", "hof")
     assert not [e for e in events if e["kind"] == "group_restart"]

@@ -51,9 +51,12 @@ def test_oom_reclaims_shadows_and_kills_recover_from_lower_levels(tmp_path, refe
     retries = [(e["rank"], e["step"], e["reclaimed_level"]) for e in events if e["kind"] == "oom_retry"]
     assert retries == [(1, 4, 3), (0, 14, 3)]
     assert not [e for e in events if e["kind"] == "group_restart"]
-    # Levels: configured, lowered by each OOM from the retried step's peak, raised after each recovery.
+    # Levels: configured, lowered by each OOM from the retried step's peak; after each
+    # recovery the replacements start at the level the old actives' peak allowed, then are
+    # raised once the fresh actives report their (lower) peak.
     levels = [(e["reason"], e["level"]) for e in events if e["kind"] == "shadow_level"]
-    assert levels == [("configured", 3), ("oom", 2), ("recovery", 3), ("oom", 1), ("recovery", 3)]
+    assert levels == [("configured", 3), ("oom", 2), ("recovery", 2), ("recovery", 3), ("oom", 1),
+                      ("recovery", 1), ("recovery", 3)]
     oom_choices = [e for e in events if e["kind"] == "shadow_level" and e["reason"] == "oom"]
     assert [e["peak_bytes"] for e in oom_choices] == [GIB * 17 // 2, GIB * 19 // 2]
     # The kills were recovered in place, by shadows of the lowered levels.
