@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import errno
 import fcntl
 import itertools
@@ -46,12 +45,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from leto.errors import LetoError, PoolError, ProtocolError
+from leto.lifetime import die_with_agent
 from leto.pool import localize, pagemap, protocol
 from leto.pool.protocol import RegionSpec
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 DEFAULT_MAX_REGION_BYTES = 1 << 40
 LISTEN_BACKLOG = 4096
 """Connections queued before accept (capped by ``net.core.somaxconn``): a node's trainers,
@@ -607,9 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_connections_per_peer < 1:
         parser.error("--max-connections-per-peer must be >= 1")
-    # Die with the agent: an orphaned state manager would pin memory forever.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # Die with the agent: an orphaned state manager would pin memory forever (also at once
+    # when the agent died before this: re-parented, maybe to a subreaper, not to init).
+    die_with_agent(signal.SIGTERM)
     pagemap.raise_nofile_limit()  # one fd per device chunk of every local rank
     logging.basicConfig(level=logging.WARNING, format="[leto state manager %(process)d] %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -206,3 +206,43 @@ def test_the_sweep_removes_only_dead_directories(tmp_path) -> None:
         assert live.exists() and starting.exists() and other.exists()
     finally:
         listener.close()
+
+
+_CHECK = "from leto.lifetime import die_with_agent; die_with_agent(); print('alive')"
+
+
+@pytest.mark.parametrize("command", [["-c", _CHECK], ["-m", "leto.pool.server", "sm.sock"]])
+def test_a_process_whose_agent_is_already_gone_exits_at_once(tmp_path, command) -> None:
+    """Started for an agent that is not among its ancestors (it died, the process was
+    re-parented): it exits instead of waiting for a death signal that will never come."""
+    stranger = subprocess.Popen(["sleep", "60"])  # alive, and no ancestor of the process
+    try:
+        env = {**_env(), "LETO_AGENT_PID": str(stranger.pid)}
+        proc = subprocess.run(
+            [sys.executable, *command],
+            cwd=tmp_path,
+            env=env,
+            timeout=60,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr[-2000:]
+    assert not (tmp_path / "sm.sock").exists()
+
+
+def test_a_process_under_its_agent_goes_on(tmp_path) -> None:
+    env = {**_env(), "LETO_AGENT_PID": str(os.getpid())}  # this test: the parent
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK],
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (0, "alive"), proc.stderr[-2000:]
