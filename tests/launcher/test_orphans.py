@@ -27,6 +27,7 @@ from leto.events import read_events
 
 assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 cmd, events, log, moment = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+sig = signal.Signals[sys.argv[5]]
 me = os.getpid()
 
 
@@ -77,8 +78,8 @@ while True:
         break
     time.sleep(0.1)
 before = [(pid, cmdline(pid)) for pid in family()]
-os.kill(agent.pid, signal.SIGKILL)
-agent.wait()
+os.kill(agent.pid, sig)
+agent.wait(timeout=60)
 t_kill = time.monotonic()
 left = family()
 while left and time.monotonic() - t_kill < 5.0:
@@ -134,11 +135,16 @@ _TINY = [
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("moment", ["shadows_spawned", "shadow_ready"])
-def test_a_sigkilled_agent_under_a_subreaper_leaves_nothing(tmp_path, monkeypatch, moment) -> None:
+@pytest.mark.parametrize(
+    ("moment", "sig"),
+    [("shadows_spawned", "SIGKILL"), ("shadow_ready", "SIGKILL"), ("shadow_ready", "SIGTERM")],
+)
+def test_an_agent_killed_under_a_subreaper_leaves_nothing(
+    tmp_path, monkeypatch, moment, sig
+) -> None:
     """SIGKILL the agent while its shadows start (before any asked for a death signal) or
-    once they wait for promotion: within 5 s no process of the job is left, nor any
-    directory."""
+    once they wait for promotion, or SIGTERM it: within 5 s of its end no process of the
+    job is left, nor any directory."""
     tmpdir = _own_tmp(tmp_path, monkeypatch)
     shm_before = _leto_entries(Path("/dev/shm"))
     events, log = tmp_path / "events.jsonl", tmp_path / "agent.log"
@@ -146,7 +152,7 @@ def test_a_sigkilled_agent_under_a_subreaper_leaves_nothing(tmp_path, monkeypatc
     cmd += ["--events", str(events), GPT, "--steps", "100000", *_TINY]
     script = tmp_path / "subreaper.py"
     script.write_text(_SUBREAPER)
-    argv = [sys.executable, str(script), json.dumps(cmd), str(events), str(log), moment]
+    argv = [sys.executable, str(script), json.dumps(cmd), str(events), str(log), moment, sig]
     proc = subprocess.run(
         argv, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=280, env=_env()
     )
