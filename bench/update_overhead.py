@@ -5,10 +5,13 @@ two-tier parity (device data, host parity). The modes take turns iteration by it
 that one state (same run, same machine state). Compute = forward + backward + clip;
 update = what each mode does after the gradients are final:
 
-* ``reference``: ``optimizer.step()`` (torch foreach AdamW), no parity, no crash consistency;
+* ``reference``: ``optimizer.step()`` (torch foreach AdamW, or ``--optimizer``'s), no parity,
+  no crash consistency;
 * ``snapshot``: sync snapshot: copy the state to host, ``optimizer.step()``, re-encode parity;
 * ``rmu``: the resumable updater, unfused (undo copy + foreach AdamW per chunk, incremental
-  parity, commits), its undo / working-parity buffers borrowed from activation memory;
+  parity, commits), its undo / working-parity buffers borrowed from activation memory; with
+  an ``--optimizer`` other than AdamW, the optimizer's own step per chunk of whole parameters
+  (``leto.updater.torch_step``);
 * ``rmu-fused``: the same with the fused Triton chunk kernel (CUDA only);
 * ``rmu-fused-dedicated`` (CUDA): the fused RMU with buffers held for the whole run, to show
   what borrowing saves in peak memory.
@@ -28,6 +31,7 @@ the total (the total holds if the next compute is longer than the tail). The las
 the RMU overhead ratio against reference.
 
     python bench/update_overhead.py --iters 10                      # CPU, small GPT
+    python bench/update_overhead.py --iters 10 --optimizer sgd      # any examples/train_gpt.py --optimizer
     python bench/update_overhead.py --device cuda --preset h200 --json $OUT/update_overhead_gpu.json
 """
 
@@ -53,6 +57,7 @@ sys.path.insert(0, str(REPO))
 from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+from leto.trainer.optim_state import StateSlots
 from leto.updater.rmu import ResumableUpdater, buffer_bytes
 
 PRESETS = {
@@ -83,20 +88,23 @@ class Bench:
     def __init__(self, args: argparse.Namespace, erasure: ErasureConfig, device: torch.device) -> None:
         self.args, self.device, self.cuda = args, device, device.type == "cuda"
         torch.manual_seed(args.seed)
+        gpt = _gpt_module()
         with device:
-            self.model = _gpt_module().GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, 0.0)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.1, foreach=True)
+            self.model = gpt.GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, 0.0,
+                                 bias=args.optimizer != "muon")
+        self.opt = gpt.OPTIMIZERS[args.optimizer](self.model.parameters(), LR)
         params = list(self.model.parameters())
         self.layout = lay = Layout.plan(params, [], self.opt)
         nbytes = padded_bytes(lay.state_bytes, erasure)
         self.state = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.grads = torch.zeros(lay.grad_bytes, dtype=torch.uint8, device=device)
-        for p, ps, gs, os_ in zip(params, lay.params, lay.grads, lay.optim, strict=True):
+        for p, ps, gs in zip(params, lay.params, lay.grads, strict=True):
             data = ps.view(self.state)
             data.copy_(p.detach())
             torch.utils.swap_tensors(p, torch.nn.Parameter(data))
             p.grad = gs.view(self.grads)
-            self.opt.state[p] = {k: s.view(self.state) for k, s in os_.items()}
+        self.slots = StateSlots(self.opt.state, params, lay.optim, self.state)  # as a trainer binds them
+        self.slots.capture()
         pin = self.cuda
         pb, h1, h2 = erasure.page_bytes, erasure.tier1_parity, erasure.tier2_parity
         spans = plan_groups(nbytes, erasure)
@@ -116,7 +124,8 @@ class Bench:
         self.erasure, self.nbytes = erasure, nbytes
         self.updaters: dict[str, ResumableUpdater] = {}
         self.sizes: dict[str, tuple[int, int]] = {}
-        for fused in (False, True) if self.cuda or os.environ.get("TRITON_INTERPRET") == "1" else (False,):
+        kernel = lay.rule.kind == "adamw" and (self.cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        for fused in (False, True) if kernel else (False,):
             undo, par = self.sizes["fused" if fused else "unfused"] = buffer_bytes(
                 lay, nbytes, args.chunk_bytes, erasure, fused=fused)
             self.updaters["fused" if fused else "unfused"] = ResumableUpdater(
@@ -150,9 +159,13 @@ class Bench:
         m.advance(Phase.GRADS_READY)
         if mode in ("reference", "snapshot"):
             m.advance(Phase.UPDATING)
-            if mode == "snapshot":
+            if mode == "snapshot":  # what RetainedState's snapshot path does around the step
                 self.snapshot.copy_(self.state)
+                self.slots.read_flags()
+                self.slots.bind()
             self.opt.step()
+            if mode == "snapshot" or not all(self.slots.present):  # state torch made lazily, into its slots
+                self.slots.adopt(range(len(self.slots.params)))
             if mode == "snapshot":
                 for g in self.groups:
                     g.encode_all()
@@ -183,6 +196,8 @@ class Bench:
         for mode in ["reference", "rmu"] + (["rmu-fused"] if "fused" in self.updaters else []):
             self.state.copy_(saved)
             self.marker._words[2] = word
+            self.slots.read_flags()
+            self.slots.bind()
             self.update(mode)
             if mode == "reference":
                 ref = self.state.clone()
@@ -200,6 +215,8 @@ class Bench:
         del ref
         self.state.copy_(saved)
         self.marker._words[2] = word
+        self.slots.read_flags()
+        self.slots.bind()
         for g in self.groups:
             g.encode_all()
         return out
@@ -279,6 +296,8 @@ def main() -> None:
     p.add_argument("--tier1-parity", type=int, default=None)
     p.add_argument("--tier2-parity", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", default="adamw",
+                   help="examples/train_gpt.py's --optimizer (adamw, sgd, rmsprop, nadam, adam-amsgrad, muon)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", default="",
                    help="comma-separated modes: after timing, one update of each under torch.profiler "
@@ -304,7 +323,8 @@ def main() -> None:
         sys.exit(f"update_overhead: --device must be cpu or cuda, got {args.device!r}")
     cuda = device.type == "cuda"
     if args.json is None:
-        name = "update_overhead_gpu.json" if cuda else "update_overhead.json"
+        name = "update_overhead" + ("" if args.optimizer == "adamw" else f"_{args.optimizer}")
+        name += "_gpu.json" if cuda else ".json"
         args.json = Path(os.environ["OUT"]) / name if os.environ.get("OUT") else REPO / "bench" / "results" / name
     torch.set_num_threads(args.threads)
     erasure = ErasureConfig(page_bytes=args.page_bytes, data_pages=args.data_pages,
@@ -348,7 +368,8 @@ def main() -> None:
                     times[m]["peak_reserved"].append(torch.cuda.max_memory_reserved())
     lay = b.layout
     n_params = sum(p.numel() for p in b.model.parameters())
-    print(f"device {device}{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}; model {n_params / 1e6:.1f} M params, "
+    print(f"device {device}{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}; {args.optimizer} "
+          f"({lay.rule.reason}); model {n_params / 1e6:.1f} M params, "
           f"state {lay.state_bytes / 2**30:.2f} GiB; chunk {args.chunk_bytes >> 10} KiB; erasure "
           f"{args.page_bytes >> 10} KiB pages, D={args.data_pages}, H1={args.tier1_parity}, H2={args.tier2_parity}; "
           f"{args.micro_batches} x {args.batch} sequences per step; {args.iters} iterations after {args.warmup} warm-up; setup {setup_s:.1f} s")
@@ -372,6 +393,7 @@ def main() -> None:
     undo_n, par_n = b.sizes["unfused"]
     result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "params": n_params,
+              "optimizer": args.optimizer, "update_rule": lay.rule.kind,
               "state_bytes": lay.state_bytes, "rmu_buffer_bytes": {"undo": undo_n, "parity": par_n},
               "args": {k: str(v) for k, v in vars(args).items()}, "check": check, "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)

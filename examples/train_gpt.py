@@ -24,11 +24,12 @@ import leto
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+        self.ln1, self.ln2 = nn.LayerNorm(dim, elementwise_affine=bias), nn.LayerNorm(dim, elementwise_affine=bias)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, bias=bias, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim, bias=bias), nn.GELU(), nn.Linear(4 * dim, dim, bias=bias),
+                                 nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -37,11 +38,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int, dropout: float) -> None:
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int, dropout: float,
+                 bias: bool = True) -> None:
+        """``bias=False``: matrices only (no biases, no LayerNorm affine), for Muon."""
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout, bias) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim, elementwise_affine=bias), nn.Linear(dim, vocab, bias=False)
         self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1), persistent=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,17 @@ class GPT(nn.Module):
             x = block(x, self.mask[:t, :t])
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, foreach=True),
+    "sgd": lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "rmsprop": lambda ps, lr: torch.optim.RMSprop(ps, lr=lr, momentum=0.9, centered=True, weight_decay=0.01),
+    "nadam": lambda ps, lr: torch.optim.NAdam(ps, lr=lr, weight_decay=0.01),
+    "adam-amsgrad": lambda ps, lr: torch.optim.Adam(ps, lr=lr, amsgrad=True, weight_decay=0.01),
+    "muon": lambda ps, lr: torch.optim.Muon(ps, lr=lr),  # matrices only: the model has no vectors
+}
+"""``--optimizer`` choices: any torch.optim optimizer is retained (leto.trainer.optim_state)."""
 
 
 def batch(step: int, rank: int, args: argparse.Namespace, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +152,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast compute (fp32 master weights)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     p.add_argument("--oom-ballast-step", type=int, default=-1, metavar="STEP",
                    help="GPU: at STEP, hold a transient activation of the free memory plus "
                         "--oom-ballast-over-mib (it fits only once the shadows are reclaimed)")
@@ -151,8 +166,9 @@ def main() -> None:
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     torch.manual_seed(args.seed)
     with ctx.init_device(ctx.device):
-        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
+        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout,
+                    bias=args.optimizer != "muon")
+    opt = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
     state = ctx.retain(model, opt)
     ballast = ActivationBallast(ctx, args)
     for step in state.steps(args.steps):
