@@ -8,10 +8,10 @@ rate: ``sqrt(2 C MTTF_FF)`` where ``MTTF_FF = MTTF / (1 - h)`` (the paper's §8.
 ``C`` the time the save blocks training (staging; the write runs in a background thread).
 
 What is saved is exactly the retained state, as DCP keys: ``model.<fqn>`` (parameters),
-``buffer.<fqn>``, ``optim.<fqn>.<key>`` (AdamW step, exp_avg, exp_avg_sq) — replicated
-across data-parallel ranks, so DCP writes them once — and ``rng.rank<r>`` and
-``extras.rank<r>`` (the records of the stateful objects: schedulers, hyperparameters, a
-loader; ``leto.trainer.extras``) per rank. It is
+``optim.<fqn>.<key>`` (AdamW step, exp_avg, exp_avg_sq) — replicated across data-parallel
+ranks, so DCP writes them once — and per rank ``buffer.rank<r>.<fqn>`` (BatchNorm's running
+statistics are each rank's own), ``rng.rank<r>`` and ``extras.rank<r>`` (the records of the
+stateful objects: schedulers, hyperparameters, a loader; ``leto.trainer.extras``). It is
 loaded in place into the retained views, so the restarted run is bit-identical to the
 fault-free run from the checkpoint's step on.
 
@@ -80,7 +80,7 @@ def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
         for key, slot in oslots.items():
             views[f"optim.{name}.{key}"] = slot.view(region)
     for b, slot in zip(state.buffers, state.layout.buffers, strict=True):
-        views[f"buffer.{bnames[id(b)]}"] = slot.view(region)
+        views[f"buffer.rank{state.ctx.rank}.{bnames[id(b)]}"] = slot.view(region)
     views[f"rng.rank{state.ctx.rank}"] = state.layout.rng.view(region)
     views[f"extras.rank{state.ctx.rank}"] = state.extras.store.region
     return views
