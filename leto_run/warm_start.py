@@ -42,13 +42,17 @@ class ForkServer:
         # Set before the server is forked: the kernel looks for a subreaper above an orphan
         # only if one existed when its ancestors were forked.
         if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise ProtocolError("prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable")
+            raise ProtocolError(
+                "prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable"
+            )
         # A socket pair, not a path: nothing on disk, and no other process can connect.
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "leto.forkserver", str(theirs.fileno()), str(os.getpid())],
-                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
             )
         self._sock: socket.socket | None = ours
         self._ready = False
@@ -59,7 +63,9 @@ class ForkServer:
         if not self._ready:
             assert self.proc.stdout is not None
             if self.proc.stdout.readline().strip() != b"ready":  # waits for its imports, once
-                raise ProtocolError(f"the fork server exited (code {self.proc.wait()}) before it was ready")
+                raise ProtocolError(
+                    f"the fork server exited (code {self.proc.wait()}) before it was ready"
+                )
             self._ready = True
         return self._sock
 
@@ -97,7 +103,9 @@ class WarmPopen:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:  # not (or no longer) our child: report it as gone
-                logger.warning("worker %d is not a child of this agent; reporting it as killed", self.pid)
+                logger.warning(
+                    "worker %d is not a child of this agent; reporting it as killed", self.pid
+                )
                 self.returncode = -int(signal.SIGKILL)
                 return self.returncode
             if pid:
