@@ -33,7 +33,12 @@ from leto.lifetime import die_with_agent
 logger = logging.getLogger(__name__)
 
 MAX_MSG = 1 << 20
-WARM_MODULES = ("torch", "torch.distributed", "torch.nn", "torch.nn.functional", "torch.optim")
+WARM_MODULES = (
+    "torch", "torch.distributed", "torch.nn", "torch.nn.functional", "torch.optim",
+    # what a leto trainer imports next (a shadow forked from here starts with them loaded);
+    # imports only: no autograd, no CUDA, no threads before the fork
+    "leto", "leto.trainer.context", "leto.trainer.state",
+)
 
 
 def served_argv(argv: list[str]) -> bool:

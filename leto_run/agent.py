@@ -526,12 +526,14 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         t_promote = time.time()
         for worker in worker_group.workers:
             self._store.set(contract.promote(self._generation, worker.global_rank), str(epoch))
+        # Ready shadows are warm: their first step is judged by the hang timeout. Shadows
+        # still pre-initialising and cold generations import and build first (the
+        # first-step timeout).
+        warm = not record.cold and self._preinit.ready()
         self._pcontext, self._shadows = self._shadows, None
         self._preinit.closed()  # the shadows are the actives now
         if self._hangs is not None:
-            # A promoted shadow is warm: its first step is judged by the hang timeout; a cold
-            # generation still imports and builds (the first-step timeout).
-            self._hangs.arm(warm=not record.cold)
+            self._hangs.arm(warm=warm)
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
             worker.id = pid
         self._events.emit(

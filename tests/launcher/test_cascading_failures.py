@@ -71,3 +71,19 @@ def test_a_kill_in_the_middle_of_a_page_rebuild_leaves_the_losses_to_the_success
     rebuilt = [e for e in _kinds(events, "pages_rebuilt") if e["rank"] == 1]
     assert rebuilt and rebuilt[-1]["lost"]["state"]["data"] > 0  # the successor found them lost
     assert_exact(ref, events)
+
+
+@pytest.mark.timeout(400)
+def test_a_hang_in_the_promoted_trainers_first_step_is_found_within_the_hang_timeout(tmp_path, reference) -> None:
+    """The promoted (warm) trainer stops in its first step: judged by --hang-timeout, not
+    by the first-step timeout a fresh start gets, and the stopped rank is the one killed."""
+    faults = [FaultSpec(rank=1, step=5, phase="backward"), FaultSpec(rank=1, step=5, phase="update", kind="hang")]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
+                            extra=["--hang-timeout", "3", "--first-step-timeout", "120"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (stopped,) = [e for e in _kinds(events, "fault_injected") if e["fault_kind"] == "hang"]
+    (hang,) = _kinds(events, "hang_detected")
+    assert hang["rank"] == 1 and hang["gen"] == 1 and hang["proc_state"] == "T" and hang["timeout_s"] == 3.0
+    assert hang["t"] - stopped["t"] < 10, hang["t"] - stopped["t"]
+    assert len(_kinds(events, "shadows_promoted")) == 2 and not _kinds(events, "group_restart")
+    assert_exact(reference, events)
