@@ -47,9 +47,9 @@ def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
         env = _environ(active)  # the forger learns the port (not the token: it is not asked for)
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=10))
-        for rank in range(2):  # leto's key layout without the token
-            store.set(f"/leto/attempt_0/promote/1/{rank}", "1")
-            store.set(f"promote/1/{rank}", "1")
+        forged = dist.PrefixStore("/leto/attempt_0/", store)  # leto's key layout, without the token
+        for rank in range(2):
+            forged.set(f"promote/1/{rank}", "1")
         out, err = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:
