@@ -13,6 +13,7 @@ process, no Leto): the reference a one-rank leto-run job equals bit for bit.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -79,25 +80,40 @@ def samples(
 
 
 class LoaderBatches:
-    """Batches of a torchdata ``StatefulDataLoader``, a new epoch when one runs out. The
-    iterator is made at the first batch: after ``state.steps()`` restored the loader."""
+    """Batches of a torchdata ``StatefulDataLoader`` over this rank's shard (a
+    ``DistributedSampler``, reshuffled per epoch by ``set_epoch``, the epoch taken from the
+    cursor). The iterator is made at the first batch, after ``state.steps()`` restored the
+    loader; a restored iterator that had finished its epoch gives way to the next one.
 
-    def __init__(self, rank: int, args: argparse.Namespace) -> None:
+    (torchdata 0.11's own shuffling, ``shuffle=True``, does not come back exactly: the epoch
+    after a restore draws another permutation.)"""
+
+    def __init__(self, rank: int, world_size: int, args: argparse.Namespace) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        x, y = samples(0, 8 * args.batch, rank, args)
-        self.loader = StatefulDataLoader(
-            torch.utils.data.TensorDataset(x, y),
-            batch_size=args.batch,
-            shuffle=True,
-            drop_last=True,
-            generator=torch.Generator().manual_seed(args.seed + rank),
+        data = torch.utils.data.TensorDataset(*samples(0, 16 * args.batch, 0, args))
+        self.sampler = torch.utils.data.DistributedSampler(
+            data, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
         )
+        # its own generator: each iterator draws a base seed, and a resumed trainer makes one
+        # more iterator than the failed one did (the global RNG is the model's: Leto retains it)
+        self.loader = StatefulDataLoader(
+            data,
+            batch_size=args.batch,
+            sampler=self.sampler,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(args.seed),
+        )
+        self.epoch_samples = len(self.loader) * args.batch
         self._it: Any = None
+        self._epoch = -1
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._it is None:
-            self._it = iter(self.loader)
+    def next(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch at ``position`` samples into this rank's stream."""
+        epoch = position // self.epoch_samples
+        if self._it is None or epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._epoch, self._it = epoch, iter(self.loader)
         try:
             return next(self._it)
         except StopIteration:
@@ -136,15 +152,15 @@ def train_plain(args: argparse.Namespace) -> None:
     model = make_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=True)
     cursor = SampleCursor()
-    loader = LoaderBatches(0, args) if args.loader else None
+    loader = LoaderBatches(0, 1, args) if args.loader else None
     sched = make_scheduler(args.scheduler, opt, args)
     for step in range(args.steps):
         start = cursor.take(args.batch)
-        x, y = loader.next() if loader is not None else samples(start, args.batch, 0, args)
+        x, y = loader.next(start) if loader is not None else samples(start, args.batch, 0, args)
         opt.zero_grad()
         forward_backward(model, x, y)
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
-        log(args, 0, step, opt, cursor)
+        log(args, 0, step, opt, cursor, x)
         opt.step()
         sched.step()
     if args.final:
@@ -152,15 +168,20 @@ def train_plain(args: argparse.Namespace) -> None:
 
 
 def log(
-    args: argparse.Namespace, rank: int, step: int, opt: torch.optim.Optimizer, cursor: SampleCursor
+    args: argparse.Namespace,
+    rank: int,
+    step: int,
+    opt: torch.optim.Optimizer,
+    cursor: SampleCursor,
+    x: torch.Tensor,
 ) -> None:
-    """The hyperparameters step ``step``'s update uses (a re-run step appends again)."""
+    """The hyperparameters step ``step``'s update uses and its batch's digest (a re-run step
+    appends again)."""
     if args.trace:
+        entry = {"step": step, **hyperparameters(opt), "position": cursor.position}
+        entry["batch"] = hashlib.blake2b(x.numpy().tobytes(), digest_size=8).hexdigest()
         with Path(f"{args.trace}.rank{rank}").open("a") as f:
-            f.write(
-                json.dumps({"step": step, **hyperparameters(opt), "position": cursor.position})
-                + "\n"
-            )
+            f.write(json.dumps(entry) + "\n")
 
 
 def main() -> None:
@@ -199,7 +220,7 @@ def main() -> None:
         model = make_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=True)
     cursor = SampleCursor()
-    loader = LoaderBatches(ctx.rank, args) if args.loader else None
+    loader = LoaderBatches(ctx.rank, ctx.world_size, args) if args.loader else None
     stateful: dict[str, Any] = {"cursor": cursor} | (
         {"loader": loader.loader} if loader is not None else {}
     )
@@ -207,9 +228,11 @@ def main() -> None:
     sched = make_scheduler(args.scheduler, opt, args)  # not named: leto finds it on the optimizer
     for step in state.steps(args.steps):
         start = cursor.take(args.batch)
-        x, y = loader.next() if loader is not None else samples(start, args.batch, ctx.rank, args)
+        x, y = (
+            loader.next(start) if loader is not None else samples(start, args.batch, ctx.rank, args)
+        )
         loss = state.compute(lambda x=x, y=y: forward_backward(model, x, y))
-        log(args, ctx.rank, step, opt, cursor)
+        log(args, ctx.rank, step, opt, cursor, x)
         state.step(max_grad_norm=1.0, loss=loss)
         sched.step()
     if args.final and ctx.rank == 0:

@@ -312,6 +312,8 @@ class RetainedExtras:
         self._history: dict[str, tuple[int, int]] = {}
         """Per object: (steps observed, steps in which it changed after the commit)."""
         self._last_begin: dict[str, bytes] | None = None
+        self._loaded: dict[str, bytes] = {}
+        """Objects restored since the last capture, as loaded (``_states``)."""
         self._last_pre: dict[str, bytes] | None = None
         self._wrapped = False
         self._discoveries = 0
@@ -353,7 +355,13 @@ class RetainedExtras:
 
     # -- captures ----------------------------------------------------------------------------
     def _states(self) -> dict[str, bytes]:
-        return {name: t.state() for name, t in self._tracked.items()}
+        """Every object's serialized state; an object restored since the last capture and not
+        touched by Leto since is not asked again: its state is what was loaded. (Asking would
+        not be harmless: a ``StatefulDataLoader`` builds its iterator to answer, before the
+        script's ``set_epoch``.)"""
+        states = {name: self._loaded.get(name) or t.state() for name, t in self._tracked.items()}
+        self._loaded = {}
+        return states
 
     def begin(self, step: int) -> None:
         """Capture ``BEGIN(step)``: the state after all of the previous step."""
@@ -428,6 +436,7 @@ class RetainedExtras:
             )
         for name, data in content["objects"].items():
             self._tracked[name].load(data)
+        self._loaded = dict(content["objects"])
         self._history = dict(content["history"])
         self.commit_digest = content["digest"]
         return content
@@ -501,6 +510,8 @@ class RetainedExtras:
                 )
             self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the update ran: no warning
             t.obj.step()
+            for changed in (t.name, OPTIMIZER):  # the replay wrote them: ask them again
+                self._loaded.pop(changed, None)
             logger.info(
                 "[rank %d step %d] replayed %s.step() after the finished update",
                 self.rank,

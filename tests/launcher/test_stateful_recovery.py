@@ -201,12 +201,17 @@ def test_cosine_warm_restarts_recover_exactly(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_stateful_dataloader_recovers_exactly(tmp_path: Path) -> None:
-    """torchdata's StatefulDataLoader (shuffled, epochs of 8 batches) named to Leto."""
+    """torchdata's StatefulDataLoader named to Leto (a DistributedSampler shard, epochs of 8
+    batches): kills mid-epoch, in the last update of an epoch, in the next epoch's forward."""
     pytest.importorskip("torchdata.stateful_dataloader")
     ref = Reference(tmp_path / "ref", "onecycle", "--loader")
-    faults = [FaultSpec(rank=1, step=3, phase="update"), FaultSpec(rank=0, step=8, phase="forward")]
+    faults = [
+        FaultSpec(rank=1, step=3, phase="update"),
+        FaultSpec(rank=0, step=7, phase="update"),
+        FaultSpec(rank=1, step=10, phase="forward"),
+    ]
     events = ref.run(tmp_path, faults)
-    assert_recovered(ref.digests, events, faults, nproc=2, resumed_at=[4, 8])
+    assert_recovered(ref.digests, events, faults, nproc=2, resumed_at=[4, 8, 10])
 
 
 @pytest.mark.slow

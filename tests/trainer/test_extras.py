@@ -296,3 +296,71 @@ def test_records_name_what_they_hold() -> None:
     content = pickle.loads(record.payload)
     assert set(content["objects"]) == {"optimizer", "counter", "lr_scheduler.LambdaLR"}
     assert content["kinds"]["lr_scheduler.LambdaLR"] == "scheduler"
+
+
+class Asked(Counter):
+    """A Stateful whose ``state_dict()`` is not free (a StatefulDataLoader builds its iterator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def state_dict(self) -> dict[str, int]:
+        self.asked += 1
+        return super().state_dict()
+
+
+def test_a_restored_object_is_not_asked_before_the_script_ran() -> None:
+    asked = Asked()
+    job = Job(region=_region(), scheduler="lambda", named={"loader": asked})
+    for t in range(3):
+        job.step(t)
+    job.extras.begin(3)
+    fresh_loader = Asked()
+    fresh = Job(region=job.region.clone(), scheduler="lambda", named={"loader": fresh_loader})
+    assert fresh.extras.resume(3) == "begin"
+    before = fresh_loader.asked  # retain() measured it once, before anything was restored
+    fresh.extras.begin(3)  # steps()'s first capture: the loaded state, nobody asked
+    assert fresh_loader.asked == before
+    fresh.extras.before_commit(3)
+    assert fresh_loader.asked == before + 1
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_stateful_dataloader_resumes_in_a_later_epoch() -> None:
+    """torchdata's loader over a DistributedSampler reshuffled by set_epoch: restored in its
+    second epoch, it yields the fault-free batches (its state is not asked before the
+    script's set_epoch and iter)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = torch.utils.data.TensorDataset(torch.arange(64.0))
+
+    class Script:
+        def __init__(self, region: torch.Tensor) -> None:
+            self.sampler = torch.utils.data.DistributedSampler(data, 2, 1, shuffle=True, seed=5)
+            self.loader = StatefulDataLoader(data, batch_size=4, sampler=self.sampler)
+            self.opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
+            self.extras = RetainedExtras(RecordStore(region), self.opt, {"loader": self.loader}, 0)
+            self.extras.discover()
+            self.it: Any = None
+
+        def step(self, t: int) -> torch.Tensor:
+            self.extras.begin(t)
+            if self.it is None or t % 8 == 0:  # 8 batches an epoch
+                self.sampler.set_epoch(t // 8)
+                self.it = iter(self.loader)
+            batch = next(self.it)[0]
+            self.extras.before_commit(t)
+            return batch
+
+    fault_free = Script(_region())
+    expected = [fault_free.step(t) for t in range(12)]
+    first = Script(_region())
+    for t in range(10):
+        first.step(t)
+    first.extras.begin(10)  # killed in step 10's forward
+    fresh = Script(first.extras.store.region.clone())
+    assert fresh.extras.resume(10) == "begin"
+    fresh.it = None
+    assert all(torch.equal(fresh.step(t), expected[t]) for t in (10, 11))
