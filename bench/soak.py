@@ -12,7 +12,7 @@ The job must finish (exit 0: no group restart, there is none to spare) and every
 per-step digest must equal a fault-free run's of the same length. The last line is the
 verdict; ``--json`` writes the numbers.
 
-    python bench/soak.py --kills 100 --mean-s 1.5 [--json bench/results/soak_cpu.json]
+    python bench/soak.py --kills 100 --mean-s 3 [--json bench/results/soak_cpu.json]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def soak(tmp: Path, steps: int, kills: int, mean_s: float, seed: int, both_every
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=100)
-    p.add_argument("--mean-s", type=float, default=1.5, help="mean wait between kills (exponential)")
+    p.add_argument("--mean-s", type=float, default=3.0, help="mean wait between kills (exponential)")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: enough for the kills)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--both-every", type=int, default=10, help="1 kill in N takes both ranks")

@@ -239,7 +239,7 @@ class LetoConfig:
     warm_restarts: bool = True
     """Start the workers of a group restart, and every shadow, from a fork server that has
     imported torch."""
-    failure_loop_limit: int = 16
+    failure_loop_limit: int = 32
     """Trainer failures in a row without any committed step after which the job stops
     recovering in place and takes a group restart (a failure loop, not bad luck)."""
 
