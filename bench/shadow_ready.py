@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from leto.events import read_events  # noqa: E402
+from leto.events import read_events
 
 CPU_MODEL = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 
@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--gap", type=int, default=30, help="steps between kills")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--baseline-rev", help="also run this git revision's leto-run (a temporary worktree)")
+    p.add_argument("--baseline-dir", type=Path, help="also run the leto-run of this checkout (e.g. an older one)")
     p.add_argument("--json", type=Path)
     p.add_argument("script_args", nargs="*", help="train_gpt.py arguments (default: the CPU test model)")
     args = p.parse_args()
@@ -80,7 +81,11 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="leto-ready-") as d:
         tmp = Path(d)
-        if args.baseline_rev:
+        if args.baseline_dir:
+            (tmp / "b").mkdir()
+            results["baseline"] = windows(run(args.baseline_dir.resolve(), tmp / "b", args.kills, args.gap,
+                                              script_args, args.nproc))
+        elif args.baseline_rev:
             base = tmp / "baseline"
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.baseline_rev],
                            check=True, capture_output=True)

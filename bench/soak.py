@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from leto.events import read_events  # noqa: E402
+from leto.events import read_events
 
 MODEL = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 

@@ -218,7 +218,7 @@ class HangWatch:
 
     def idle(self, slot: int) -> Stall:
         """How long ``slot`` has been idle, and its current limit (stalled or not)."""
-        progress, steps = self.board.read(slot)
+        _, steps = self.board.read(slot)
         limit = self.hang_timeout_s if steps > 0 else self._first_limit_s
         return Stall(slot, self._clock() - self._seen[slot][1], limit)
 

@@ -50,7 +50,7 @@ def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
         forged = dist.PrefixStore("/leto/attempt_0/", store)  # leto's key layout, without the token
         for rank in range(2):
             forged.set(f"promote/1/{rank}", "1")
-        out, err = proc.communicate(timeout=200)
+        _, err = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:
             proc.kill()
