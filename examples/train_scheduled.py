@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 
 import torch
 import torch.nn.functional as F
@@ -214,6 +217,8 @@ def main() -> None:
 
     import leto
 
+    if torch.cuda.is_available():  # bit-exact recovery needs deterministic kernels
+        torch.use_deterministic_algorithms(True)
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     torch.manual_seed(args.seed)
     with ctx.init_device(ctx.device):
@@ -231,7 +236,8 @@ def main() -> None:
         x, y = (
             loader.next(start) if loader is not None else samples(start, args.batch, ctx.rank, args)
         )
-        loss = state.compute(lambda x=x, y=y: forward_backward(model, x, y))
+        x_dev, y_dev = x.to(ctx.device), y.to(ctx.device)
+        loss = state.compute(lambda x=x_dev, y=y_dev: forward_backward(model, x, y))
         log(args, ctx.rank, step, opt, cursor, x)
         state.step(max_grad_norm=1.0, loss=loss)
         sched.step()
