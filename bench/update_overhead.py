@@ -24,7 +24,8 @@ blocks; ``ResumableUpdater.bind_buffers`` points the updater at them. Peak devic
 Before timing, one update from the same state and gradients is run three ways: reference,
 rmu (must be bit-identical) and rmu-fused (float rounding; max difference reported).
 Timing: CUDA events around compute and update, a synchronisation per iteration, warm-up
-iterations excluded; medians. "update" ends where the trainer's next step could start; on
+iterations excluded; medians (``--stat min``: minima, on a shared machine). "update" ends
+where the trainer's next step could start; on
 CUDA the RMU's flush leaves its host copies running on a copy stream (they overlap the next
 step's compute in training), timed alone as "flush tail" after the update and not added to
 the total (the total holds if the next compute is longer than the tail). The last line is
@@ -85,7 +86,7 @@ def _gpt_module():  # examples/ is not a package
 class Bench:
     """The retained state of one trainer and one updater per RMU mode."""
 
-    def __init__(self, args: argparse.Namespace, erasure: ErasureConfig, device: torch.device) -> None:
+    def __init__(self, args: argparse.Namespace, erasure: ErasureConfig | None, device: torch.device) -> None:
         self.args, self.device, self.cuda = args, device, device.type == "cuda"
         torch.manual_seed(args.seed)
         gpt = _gpt_module()
@@ -95,7 +96,7 @@ class Bench:
         self.opt = gpt.OPTIMIZERS[args.optimizer](self.model.parameters(), LR)
         params = list(self.model.parameters())
         self.layout = lay = Layout.plan(params, [], self.opt)
-        nbytes = padded_bytes(lay.state_bytes, erasure)
+        nbytes = padded_bytes(lay.state_bytes, erasure) if erasure is not None else lay.state_bytes
         self.state = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.grads = torch.zeros(lay.grad_bytes, dtype=torch.uint8, device=device)
         for p, ps, gs in zip(params, lay.params, lay.grads, strict=True):
@@ -106,15 +107,17 @@ class Bench:
         self.slots = StateSlots(self.opt.state, params, lay.optim, self.state)  # as a trainer binds them
         self.slots.capture()
         pin = self.cuda
-        pb, h1, h2 = erasure.page_bytes, erasure.tier1_parity, erasure.tier2_parity
-        spans = plan_groups(nbytes, erasure)
-        p1 = torch.zeros(len(spans) * h1 * pb, dtype=torch.uint8, pin_memory=pin)
-        p2 = torch.zeros(len(spans) * h2 * pb, dtype=torch.uint8, pin_memory=pin)
-        self.groups = [
-            ProtectionGroup(erasure, self.state[s.byte_offset : s.byte_offset + s.nbytes],
-                            p1[i * h1 * pb : (i + 1) * h1 * pb], p2[i * h2 * pb : (i + 1) * h2 * pb])
-            for i, s in enumerate(spans)
-        ]
+        self.groups: list[ProtectionGroup] = []
+        if erasure is not None:
+            pb, h1, h2 = erasure.page_bytes, erasure.tier1_parity, erasure.tier2_parity
+            spans = plan_groups(nbytes, erasure)
+            p1 = torch.zeros(len(spans) * h1 * pb, dtype=torch.uint8, pin_memory=pin)
+            p2 = torch.zeros(len(spans) * h2 * pb, dtype=torch.uint8, pin_memory=pin)
+            self.groups = [
+                ProtectionGroup(erasure, self.state[s.byte_offset : s.byte_offset + s.nbytes],
+                                p1[i * h1 * pb : (i + 1) * h1 * pb], p2[i * h2 * pb : (i + 1) * h2 * pb])
+                for i, s in enumerate(spans)
+            ]
         for g in self.groups:
             g.encode_all()
         self.snapshot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -130,8 +133,8 @@ class Bench:
                 lay, nbytes, args.chunk_bytes, erasure, fused=fused)
             self.updaters["fused" if fused else "unfused"] = ResumableUpdater(
                 layout=lay, state=self.state, grads=self.grads, rng_next=self.rng_next, optimizer=self.opt,
-                marker=self.marker, undo=self._buf(undo), parity=self._buf(par),
-                protected=SimpleNamespace(cfg=erasure, groups=self.groups),  # type: ignore[arg-type]
+                marker=self.marker, undo=self._buf(undo), parity=self._buf(par) if par else None,
+                protected=SimpleNamespace(cfg=erasure, groups=self.groups) if erasure else None,  # type: ignore[arg-type]
                 injector=_NoFaults(), chunk_bytes=args.chunk_bytes, fused=fused,  # type: ignore[arg-type]
             )
         self.dedicated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -175,13 +178,13 @@ class Bench:
         undo_n, par_n = self.sizes["fused" if mode.startswith("rmu-fused") else "unfused"]
         if mode.endswith("dedicated"):
             if mode not in self.dedicated:
-                self.dedicated[mode] = (self._buf(undo_n), self._buf(par_n))
+                self.dedicated[mode] = (self._buf(undo_n), self._buf(par_n) if par_n else None)  # type: ignore[assignment]
             up.bind_buffers(*self.dedicated[mode])
             up.run(m.step)
             return up
         # borrowed: served from the activation blocks backward just freed, released after
-        undo, parity = torch.empty(undo_n, dtype=torch.uint8, device=self.device), \
-            torch.empty(par_n, dtype=torch.uint8, device=self.device)
+        undo = torch.empty(undo_n, dtype=torch.uint8, device=self.device)
+        parity = torch.empty(par_n, dtype=torch.uint8, device=self.device) if par_n else None
         up.bind_buffers(undo, parity)
         up.run(m.step)
         del undo, parity
@@ -295,6 +298,10 @@ def main() -> None:
     p.add_argument("--data-pages", type=int, default=None)
     p.add_argument("--tier1-parity", type=int, default=None)
     p.add_argument("--tier2-parity", type=int, default=None)
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="per-mode statistic over the iterations (min: on a machine shared with other work)")
+    p.add_argument("--no-erasure", action="store_true",
+                   help="no parity: snapshot = copy + step, rmu = undo copies + chunked step + commits")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", default="adamw",
                    help="examples/train_gpt.py's --optimizer (adamw, sgd, rmsprop, nadam, adam-amsgrad, muon)")
@@ -327,8 +334,9 @@ def main() -> None:
         name += "_gpu.json" if cuda else ".json"
         args.json = Path(os.environ["OUT"]) / name if os.environ.get("OUT") else REPO / "bench" / "results" / name
     torch.set_num_threads(args.threads)
-    erasure = ErasureConfig(page_bytes=args.page_bytes, data_pages=args.data_pages,
-                            tier1_parity=args.tier1_parity, tier2_parity=args.tier2_parity)
+    erasure = None if args.no_erasure else ErasureConfig(
+        page_bytes=args.page_bytes, data_pages=args.data_pages,
+        tier1_parity=args.tier1_parity, tier2_parity=args.tier2_parity)
     t0 = time.perf_counter()
     b = Bench(args, erasure, device)
     modes = ["reference", "snapshot", "rmu"] + (["rmu-fused"] if "fused" in b.updaters else [])
@@ -366,25 +374,27 @@ def main() -> None:
                 if cuda:
                     times[m]["peak_alloc"].append(torch.cuda.max_memory_allocated())
                     times[m]["peak_reserved"].append(torch.cuda.max_memory_reserved())
+    stat = min if args.stat == "min" else statistics.median
     lay = b.layout
     n_params = sum(p.numel() for p in b.model.parameters())
     print(f"device {device}{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}; {args.optimizer} "
           f"({lay.rule.reason}); model {n_params / 1e6:.1f} M params, "
-          f"state {lay.state_bytes / 2**30:.2f} GiB; chunk {args.chunk_bytes >> 10} KiB; erasure "
-          f"{args.page_bytes >> 10} KiB pages, D={args.data_pages}, H1={args.tier1_parity}, H2={args.tier2_parity}; "
-          f"{args.micro_batches} x {args.batch} sequences per step; {args.iters} iterations after {args.warmup} warm-up; setup {setup_s:.1f} s")
+          f"state {lay.state_bytes / 2**30:.2f} GiB; chunk {args.chunk_bytes >> 10} KiB; "
+          + ("no erasure; " if erasure is None else f"erasure {args.page_bytes >> 10} KiB pages, D={args.data_pages}, "
+             f"H1={args.tier1_parity}, H2={args.tier2_parity}; ")
+          + f"{args.micro_batches} x {args.batch} sequences per step; {args.iters} iterations after {args.warmup} warm-up; setup {setup_s:.1f} s")
     print(f"check: {check}")
     print(f"{'mode':<21}{'compute ms':>11}{'update ms':>11}{'total ms':>10}{'vs ref':>9}{'peak GiB':>10}{'reserved GiB':>13}"
           f"{'flush tail ms':>14}")
     rows: dict[str, dict[str, float | None]] = {}
     base = None
     for m in modes:
-        c, u = statistics.median(times[m]["compute"]), statistics.median(times[m]["update"])
+        c, u = stat(times[m]["compute"]), stat(times[m]["update"])
         total = c + u
         base = base or total
         pa = max(times[m]["peak_alloc"]) / 2**30 if cuda else None
         pr = max(times[m]["peak_reserved"]) / 2**30 if cuda else None
-        tail = statistics.median(times[m]["tail"])
+        tail = stat(times[m]["tail"])
         rows[m] = {"compute_ms": 1e3 * c, "update_ms": 1e3 * u, "total_ms": 1e3 * total, "flush_tail_ms": 1e3 * tail,
                    "overhead": total / base - 1, "peak_alloc_gib": pa, "peak_reserved_gib": pr}
         mem = f"{pa:>10.2f}{pr:>13.2f}" if cuda else f"{'-':>10}{'-':>13}"
