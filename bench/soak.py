@@ -142,6 +142,18 @@ def soak(tmp: Path, steps: int, kills: int, mean_s: float, seed: int, both_every
     return {"returncode": proc.returncode, "kills": fired, "events": events, "samples": samples}
 
 
+def _calibrated_steps(tmp: Path, kill_s: float, probe_steps: int = 200) -> int:
+    """Steps that keep the job running through the kills: the step rate of a short
+    fault-free probe (start-up excluded), times the kills' expected duration, doubled for
+    the recoveries."""
+    (tmp / "probe").mkdir()
+    subprocess.run(_command(tmp / "probe" / "p.jsonl", probe_steps), env=_env(), cwd=tmp / "probe",
+                   capture_output=True, check=True)
+    done = [e["t"] for e in read_events(tmp / "probe" / "p.jsonl") if e["kind"] == "step_done"]
+    rate = (len(done) - 1) / max(1e-3, done[-1] - done[0])
+    return int(rate * kill_s * 2) + 100
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=100)
@@ -151,10 +163,10 @@ def main() -> None:
     p.add_argument("--both-every", type=int, default=10, help="1 kill in N takes both ranks")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    steps = args.steps or max(400, int(args.kills * args.mean_s * 40))
     with tempfile.TemporaryDirectory(prefix="leto-soak-") as d:
         tmp = Path(d)
         (tmp / "ref").mkdir()
+        steps = args.steps or _calibrated_steps(tmp, args.kills * args.mean_s)
         t0 = time.monotonic()
         ref = subprocess.run(_command(tmp / "ref" / "ref.jsonl", steps), env=_env(), cwd=tmp / "ref",
                              capture_output=True, text=True, check=False)
