@@ -364,3 +364,17 @@ def test_stateful_dataloader_resumes_in_a_later_epoch() -> None:
     assert fresh.extras.resume(10) == "begin"
     fresh.it = None
     assert all(torch.equal(fresh.step(t), expected[t]) for t in (10, 11))
+
+
+def test_the_commit_digest_follows_the_objects() -> None:
+    """What emit_digest adds to the state's digest changes with every scheduler step, so a
+    recovery that got a scheduler wrong shows at the next commit."""
+    _, digests = _fault_free(scheduler="lambda")
+    assert len(set(digests.values())) == STEPS
+    job = Job(region=_region(), scheduler="lambda")
+    job.step(0)
+    before = job.extras.commit_digest
+    job.extras.begin(1)
+    job.sched.step()  # one scheduler step more than the fault-free run
+    job.extras.before_commit(1)
+    assert job.extras.commit_digest != digests[2] and before == digests[1]
