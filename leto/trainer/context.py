@@ -299,20 +299,19 @@ class Context:
         if self.is_shadow:
             self._wait_for_promotion()
 
-    def predecessor_settled(self, timeout_s: float = 60.0) -> bool:
-        """A shadow may map the retained regions ahead once its predecessor has committed a
-        step: until then a promoted predecessor may still be rebuilding lost pages, and a
-        mapping made now could hold a chunk it is about to replace. False when this shadow
-        is promoted first (its predecessor is gone: it maps at promotion) or on timeout.
-        The first shadows (generation 1) follow fresh actives: nothing to wait for."""
+    def ready_to_map_ahead(self, timeout_s: float = 60.0) -> bool:
+        """Whether a shadow may map the retained regions before its promotion: once they
+        exist (the first actives initialised them; a shadow forked warm can get here
+        first) and its predecessor has committed a step (a promoted predecessor may
+        still be rebuilding lost pages, and a mapping made before could hold a chunk it is
+        about to replace). False when this shadow is promoted first (its predecessor is
+        gone: it maps at promotion) or on timeout."""
         env = self.env
-        if env.generation < 2:
-            return True
-        stepped = contract.stepped(env.generation - 1, env.rank)
+        stepped = contract.stepped(env.generation - 1, env.rank) if env.generation >= 2 else None
         promoted = contract.promote(env.generation, env.rank)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.store.check([stepped]):
+            if self.state_retained() and (stepped is None or self.store.check([stepped])):
                 return True
             if self.store.check([promoted]):
                 return False

@@ -114,7 +114,7 @@ class RetainedState:
                               "the snapshot path steps torch's optimizer over full parameters")
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
-        mapped_ahead = wait_for_promotion is None or (ctx.state_retained() and ctx.predecessor_settled())
+        mapped_ahead = wait_for_promotion is None or ctx.ready_to_map_ahead()
         self.mapped_ahead_step: int | None = None
         """The marker's step when this shadow mapped the regions ahead of its promotion."""
         if mapped_ahead:
