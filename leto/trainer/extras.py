@@ -320,10 +320,6 @@ class RetainedExtras:
         self.commit_digest = ""
         """Digest of the objects at the last commit (its ``PRE`` record), for ``emit_digest``."""
 
-    @property
-    def names(self) -> list[str]:
-        return sorted(self._tracked)
-
     # -- discovery ---------------------------------------------------------------------------
     def discover(self) -> None:
         """Track the LR schedulers attached to the optimizer (when ``steps()`` starts: a
