@@ -56,8 +56,13 @@ def windows(events: list[dict]) -> list[dict[str, float]]:
         ready = [e["t"] for e in events if e["kind"] == "shadow_ready" and e["gen"] == gen and e["t"] >= t0]
         if spawned is None or not ready:
             continue
-        out.append({"spawn_s": spawned - t0, "start_s": max(started) - spawned if started else float("nan"),
-                    "preinit_s": max(ready) - (max(started) if started else spawned), "ready_s": max(ready) - t0})
+        parts = [e for e in events if e["kind"] == "trainer_started" and e["gen"] == gen and e["t"] >= t0]
+        window = {"spawn_s": spawned - t0, "start_s": max(started) - spawned if started else float("nan"),
+                  "preinit_s": max(ready) - (max(started) if started else spawned), "ready_s": max(ready) - t0}
+        for key in ("before_init_s", "store_s", "context_s"):  # inside start_s (recent trainers report them)
+            if parts and all(key in e for e in parts):
+                window[key] = max(e[key] for e in parts)
+        out.append(window)
     return out
 
 
@@ -101,6 +106,10 @@ def main() -> None:
         if not ws:
             sys.exit(f"{name}: no replacement became ready")
         print(_row(name, ws))
+        if "context_s" in ws[0]:
+            parts = {k: statistics.median(w[k] for w in ws) for k in ("before_init_s", "store_s", "context_s")}
+            print(f"{'':10s} start = process until leto.init {parts['before_init_s']:.2f} + store "
+                  f"{parts['store_s']:.2f} + context {parts['context_s']:.2f} (+ the fork)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

@@ -405,15 +405,24 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
 
     ``backend="auto"`` picks NCCL (one GPU per rank) or gloo (CPU, or shared GPUs).
     """
+    t_entry = time.time()
     env = TrainerEnv.from_environ()
     _die_with_agent()
     raw = dist.TCPStore(
         env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
     base = dist.PrefixStore(contract.store_prefix(env.restart_count, env.job_token), raw)
+    t_store = time.time()
     ctx = Context(env, base, raw)
     ctx.report_fatal_on_unrecoverable()
-    ctx.events.emit(Kind.TRAINER_STARTED, rank=env.rank, gen=env.generation, role=env.role, pid=os.getpid())
+    now = time.time()
+    ctx.events.emit(
+        Kind.TRAINER_STARTED, rank=env.rank, gen=env.generation, role=env.role, pid=os.getpid(),
+        # where a start-up goes: the process until leto.init (interpreter, imports, the
+        # script's top), the store, the context (the device's CUDA context among it)
+        before_init_s=round(t_entry - _process_start_t(), 3), store_s=round(t_store - t_entry, 3),
+        context_s=round(now - t_store, 3),
+    )
     # A relaunched shadow generation (after a reclaim) must not meet the killed one's keys.
     launch = f".{env.shadow_launch}" if env.shadow_launch else ""
     pg_store = dist.PrefixStore(f"gen{env.generation}{launch}/pg/", base)
@@ -442,6 +451,15 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         build_group()
         dist.barrier()  # the communicator's connections are made now, not at recovery
     return ctx
+
+
+def _process_start_t() -> float:
+    """When this process began (its fork), in ``time.time()`` seconds."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _checkpoint_from_env() -> CheckpointConfig | None:
