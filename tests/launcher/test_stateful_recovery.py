@@ -11,8 +11,8 @@ the state region (buffers included) and the stateful objects' capture at the com
 every step's hyperparameters equal the fault-free run's; the fault-free hyperparameters
 equal torch's own scheduler's. CI runs LambdaLR (the Hugging Face pattern) and OneCycleLR
 (it cycles beta1 too; with a checkpoint restart); ``--run-slow`` runs CosineAnnealingWarmRestarts,
-torchdata's StatefulDataLoader, random schedules (``LETO_SOAK=N`` of them) and a one-rank job
-against plain torch. Their in-process twins: tests/trainer/test_extras.py, test_buffers.py.
+torchdata's StatefulDataLoader, random schedules (``LETO_SOAK=N`` of them), ``consistency:
+snapshot`` and a one-rank job against plain torch. Their in-process twins: tests/trainer/test_extras.py, test_buffers.py.
 """
 
 from __future__ import annotations
@@ -81,11 +81,12 @@ def plain_trajectory(scheduler: str, steps: int) -> list[dict]:
 class Reference:
     """A fault-free run: its digests and each rank's hyperparameters per step."""
 
-    def __init__(self, tmp: Path, scheduler: str, *extra: str) -> None:
-        self.scheduler, self.extra = scheduler, extra
+    def __init__(self, tmp: Path, scheduler: str, *extra: str, leto: dict | None = None) -> None:
+        """``leto``: the job file's section, for this run and every ``run``."""
+        self.scheduler, self.extra, self.leto = scheduler, extra, leto
         tmp.mkdir(parents=True, exist_ok=True)
         self.digests, _ = fault_free_run(
-            tmp, steps=STEPS, script=SCRIPT, model_args=_args(tmp, scheduler, *extra)
+            tmp, steps=STEPS, script=SCRIPT, model_args=_args(tmp, scheduler, *extra), leto=leto
         )
         self.traces = [trace(tmp, rank) for rank in range(2)]
         assert sorted(self.traces[0]) == list(range(STEPS))
@@ -99,6 +100,7 @@ class Reference:
             faults=faults,
             script=SCRIPT,
             model_args=_args(tmp, self.scheduler, *self.extra),
+            leto=self.leto,
             **kwargs,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -255,3 +257,13 @@ def test_one_rank_job_equals_plain_torch(tmp_path: Path) -> None:
             assert torch.equal(value, b["optim"]["state"][i][key]), (i, key)
     assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
     assert (a["scheduler"], a["cursor"]) == (b["scheduler"], b["cursor"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_snapshot_consistency_recovers_exactly(tmp_path: Path) -> None:
+    """The same under ``consistency: snapshot`` (torch's optimizer.step() on a restored snapshot)."""
+    ref = Reference(tmp_path / "ref", "lambda", leto={"consistency": "snapshot"})
+    events = ref.run(tmp_path, KILLS)
+    assert_recovered(ref.digests, events, KILLS, nproc=2, resumed_at=RESUMED_AT)
+    _assert_capture_use(events)
