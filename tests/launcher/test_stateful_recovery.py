@@ -10,9 +10,10 @@ after it replayed), a fatal failure restarts from the checkpoint. Every (rank, s
 the state region (buffers included) and the stateful objects' capture at the commit — and
 every step's hyperparameters equal the fault-free run's; the fault-free hyperparameters
 equal torch's own scheduler's. CI runs LambdaLR (the Hugging Face pattern) and OneCycleLR
-(it cycles beta1 too; with a checkpoint restart); ``--run-slow`` runs CosineAnnealingWarmRestarts,
-torchdata's StatefulDataLoader, random schedules (``LETO_SOAK=N`` of them), ``consistency:
-snapshot`` and a one-rank job against plain torch. Their in-process twins: tests/trainer/test_extras.py, test_buffers.py.
+(it cycles beta1 too; with a checkpoint restart); ``--run-slow`` runs
+CosineAnnealingWarmRestarts, torchdata's StatefulDataLoader, random schedules (``LETO_SOAK=N``
+of them), ``consistency: snapshot`` and a one-rank job against plain torch. Their in-process
+twins: tests/trainer/test_extras.py, test_buffers.py.
 """
 
 from __future__ import annotations
