@@ -144,14 +144,14 @@ def soak(tmp: Path, steps: int, kills: int, mean_s: float, seed: int, both_every
 
 def _calibrated_steps(tmp: Path, kill_s: float, probe_steps: int = 200) -> int:
     """Steps that keep the job running through the kills: the step rate of a short
-    fault-free probe (start-up excluded), times the kills' expected duration, tripled for
+    fault-free probe (start-up excluded), times the kills' expected duration, half again for
     the recoveries."""
     (tmp / "probe").mkdir()
     subprocess.run(_command(tmp / "probe" / "p.jsonl", probe_steps), env=_env(), cwd=tmp / "probe",
                    capture_output=True, check=True)
-    done = [e["t"] for e in read_events(tmp / "probe" / "p.jsonl") if e["kind"] == "step_done"]
+    done = [e["t"] for e in read_events(tmp / "probe" / "p.jsonl") if e["kind"] == "step_done" and e["rank"] == 0]
     rate = (len(done) - 1) / max(1e-3, done[-1] - done[0])
-    return int(rate * kill_s * 3) + 100
+    return int(rate * kill_s * 1.5) + 100
 
 
 def main() -> None:
