@@ -7,7 +7,8 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
 * for every local rank, an active trainer and a shadow trainer: the same script with
   ``LETO_ROLE=active|shadow`` and a generation number. Each generation is one torch
   ``PContext``, so logs, redirects and tee behave exactly as torchrun's;
-* failure handling in ``_monitor_workers`` (policy in ``leto_run/failures.py``), job-wide through the recovery epoch
+* failure handling in ``_monitor_workers`` (the decision in ``leto_run/policy.py``, its
+  facts and the epoch in ``leto_run/failures.py``), job-wide through the recovery epoch
   (``leto.epoch``): the agent that sees a failure classifies it (``leto.health``: HOF =
   killed by a signal or hung; FF = reported fatal by the trainer, or a dead state
   manager; ERROR = the script raised) and publishes one record per generation in the
@@ -23,8 +24,10 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
   the highest level that fits once every active has reported the retried step's memory.
 
 Shadows are spawned only after every local active has called ``leto.init()``, so a plain
-torchrun script never sees one. Replacements after a recovery are spawned once every
-promoted trainer has finished its first step, so they never slow the recovery itself.
+torchrun script never sees one. Replacements after a recovery are spawned right after the
+promotion (forked from the warm fork server), so a failure in the promoted generation's
+first steps finds them; where a node has no shadows at all, a cold generation attaches to
+the retained state (``leto_run.policy``).
 """
 
 from __future__ import annotations
