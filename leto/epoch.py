@@ -11,8 +11,8 @@ decision:
 * ``restart``  — every agent stops its workers and takes torchrun's group restart, after
   which trainers load the newest checkpoint.
 
-A node that cannot follow an ``in_place`` record (its shadows died) publishes ``restart``
-for the next generation, which the others, now at g+1, see and follow.
+A node that cannot follow an ``in_place`` record (its shadows died) publishes a ``cold``
+``in_place`` record for the next generation, which the others, now at g+1, see and follow.
 """
 
 from __future__ import annotations

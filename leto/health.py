@@ -211,7 +211,7 @@ class HangWatch:
             if progress != last or steps & _FINISHED:
                 self._seen[slot] = (progress, now)
                 continue
-            limit = self.hang_timeout_s if steps > 0 else self._first_limit_s
+            limit = self._limit(steps)
             if now - since > limit:
                 stalls.append(Stall(slot, now - since, limit))
         return sorted(stalls, key=lambda s: -s.idle_s)
@@ -219,8 +219,11 @@ class HangWatch:
     def idle(self, slot: int) -> Stall:
         """How long ``slot`` has been idle, and its current limit (stalled or not)."""
         _, steps = self.board.read(slot)
-        limit = self.hang_timeout_s if steps > 0 else self._first_limit_s
-        return Stall(slot, self._clock() - self._seen[slot][1], limit)
+        return Stall(slot, self._clock() - self._seen[slot][1], self._limit(steps))
+
+    def _limit(self, steps: int) -> float:
+        """A slot's limit: the hang timeout once it stepped, its first-step limit before."""
+        return self.hang_timeout_s if steps > 0 else self._first_limit_s
 
     def culprit(self, stalls: list[Stall], states: dict[int, str]) -> Stall | None:
         """The stall to kill, given every watched slot's process state letter, or None yet.

@@ -7,8 +7,9 @@ record in the recovery epoch (``leto.epoch``); every node's agent follows the sa
 * ``in_place`` — stop the local actives, promote the local shadows (``LetoAgent._recover``);
 * ``restart`` — torchrun's group restart; trainers then load the newest checkpoint.
 
-A node that cannot follow ``in_place`` (a shadow died) publishes ``restart`` for the next
-epoch. A multi-node agent whose trainers only raised (a peer's death breaks collectives)
+A node that cannot follow a plain ``in_place`` record (its shadows died since) follows it
+with a cold generation; on a multi-node job it also publishes a cold ``in_place`` record for
+the next epoch, which every node then follows. A multi-node agent whose trainers only raised (a peer's death breaks collectives)
 first waits ``peer_failure_grace_s`` for the record that explains them.
 """
 
@@ -191,5 +192,3 @@ class FailurePolicy(_Base):
         except ProcessLookupError:
             pass
         self._hangs.arm()  # one verdict per stall; the kill is seen by _detect_killed_active
-
-
