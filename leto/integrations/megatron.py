@@ -435,16 +435,23 @@ def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size
                   loss_fn: Callable[[GPTModel], torch.Tensor], layer_spec: Any = None, **gpt_kwargs: Any) -> None:
     """One forward and backward of a fresh ``GPTModel(config)`` on ``device``, then dropped.
 
-    Megatron's RNG tracker is restored afterwards and its global attention buffer emptied;
-    the caller forks torch's RNG if it must not move (``warm_model`` does)."""
+    Megatron's RNG tracker and its MoE aux-loss tracker are restored afterwards and its global
+    attention buffer emptied; the caller forks torch's RNG if it must not move (``warm_model``
+    does). The aux-loss tracker matters: Megatron sizes each loss's per-layer values by the
+    ``num_layers`` of the first model that logged it, so a one-layer throwaway left in it
+    breaks the job's own MoE forward after a promotion."""
     require_megatron()
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     check_moe(config)
     tracker = get_cuda_rng_tracker()
     states = dict(tracker.get_states())
+    aux_losses = get_moe_layer_wise_logging_tracker()
+    logged = {name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+              for name, entry in aux_losses.items()}
     try:
         with torch.device(device):
             model = GPTModel(config=config, transformer_layer_spec=layer_spec or local_layer_spec(config),
@@ -452,6 +459,8 @@ def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size
         loss_fn(model).backward()
     finally:
         tracker.set_states(states)
+        aux_losses.clear()
+        aux_losses.update(logged)
         parallel_state.get_global_memory_buffer().buffer.clear()
 
 

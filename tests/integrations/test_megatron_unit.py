@@ -289,6 +289,31 @@ def _moe_config(**kw):
     return _config(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, **kw)
 
 
+def test_throwaway_run_leaves_the_moe_aux_loss_tracker_as_it_was(parallel):
+    """A one-layer MoE throwaway must not size Megatron's aux-loss tracker for one layer:
+    the job's two-layer forward after it (a promoted shadow's first step) must still log."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    lm = parallel
+    config = _moe_config(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+
+    def loss_fn(m):
+        tokens = torch.randint(0, 64, (2, 16))
+        return m(tokens, torch.arange(16).expand(2, -1), lm.causal_mask(16, torch.device("cpu")), labels=tokens).mean()
+
+    cut = dataclasses.replace(config, num_layers=1)
+    lm.run_throwaway(torch.device("cpu"), cut, vocab_size=64, max_sequence_length=16, loss_fn=loss_fn)
+    assert tracker == {}, "the throwaway's aux losses stayed in Megatron's tracker"
+    model = lm.build_gpt(FakeCtx(False), config, vocab_size=64, max_sequence_length=16)
+    loss_fn(model).backward()  # IndexError in save_to_aux_losses_tracker if the cut sized it
+    assert all(entry["values"].numel() == config.num_layers for entry in tracker.values()) and tracker
+    tracker.clear()
+
+
 def test_moe_clipping_counts_expert_grads_with_the_dense_norm(parallel):
     # World of one: Megatron's ChainedOptimizer norm sqrt(dense² + expert²) is the norm of all.
     lm = parallel
