@@ -35,9 +35,11 @@ logger = logging.getLogger(__name__)
 MAX_MSG = 1 << 20
 WARM_MODULES = (
     "torch", "torch.distributed", "torch.nn", "torch.nn.functional", "torch.optim",
-    # torch.use_deterministic_algorithms and torch.compile import these (2.6 s on CPU, 4.9 s
-    # on an H200 in a fresh process)
-    "torch._dynamo", "torch._inductor.config",
+    # Not torch._dynamo: with it loaded, a served DDP script on gloo deadlocks at exit often
+    # enough to matter (the last gloo work, holding the backward's stashed Python context, is
+    # freed on a gloo thread that needs the GIL while the main thread joins it in
+    # ~ProcessGroupGloo). A script that compiles, or sets deterministic algorithms, pays for
+    # that import itself.
     # what a leto trainer imports next (a shadow forked from here starts with them loaded);
     # imports only: no autograd, no CUDA, no threads before the fork
     "leto", "leto.trainer.context", "leto.trainer.state",
