@@ -23,11 +23,16 @@ GIB = 1 << 30
 # Each rank's emulated device: 10 GiB, 4 GiB of it the trainer's. L3 needs 1.5 GiB + a
 # 0.25 GiB margin, L2 0.75 + 0.25 GiB (PreinitConfig's defaults).
 LETO = {"preinit": {"emulated_device_bytes": 10 * GIB, "emulated_trainer_bytes": 4 * GIB}}
+# Each fault waits (a step ahead) for its rank's shadow to be ready: an OOM only happens while
+# the shadows hold memory, and a kill is meant for the level-lowered shadows, however slowly
+# a loaded machine starts them.
 FAULTS = [
-    FaultSpec(rank=1, step=4, phase="backward", kind="oom", oom_bytes=GIB * 9 // 2),  # 1.5 GiB left: L2
-    FaultSpec(rank=0, step=9, phase="forward"),  # recovered from the L2 shadows
-    FaultSpec(rank=0, step=14, phase="forward", kind="oom", oom_bytes=GIB * 11 // 2),  # 0.5 GiB left: L1
-    FaultSpec(rank=1, step=19, phase="backward"),  # recovered from the L1 shadows
+    FaultSpec(rank=1, step=4, phase="backward", kind="oom", oom_bytes=GIB * 9 // 2,  # 1.5 GiB left: L2
+              shadow_ready_steps_before=1),
+    FaultSpec(rank=0, step=9, phase="forward", shadow_ready_steps_before=1),  # recovered from the L2 shadows
+    FaultSpec(rank=0, step=14, phase="forward", kind="oom", oom_bytes=GIB * 11 // 2,  # 0.5 GiB left: L1
+              shadow_ready_steps_before=1),
+    FaultSpec(rank=1, step=19, phase="backward", shadow_ready_steps_before=1),  # recovered from the L1 shadows
 ]
 
 
@@ -68,7 +73,8 @@ def test_oom_reclaims_shadows_and_kills_recover_from_lower_levels(tmp_path, refe
 @pytest.mark.timeout(600)
 def test_oom_without_memory_reports_steps_the_level_down(tmp_path, reference) -> None:
     """No emulated device (plain CPU): a reclaim lowers the level by one, L3 -> L2."""
-    faults = [FaultSpec(rank=0, step=5, phase="forward", kind="oom"), FaultSpec(rank=1, step=11, phase="update")]
+    faults = [FaultSpec(rank=0, step=5, phase="forward", kind="oom", shadow_ready_steps_before=1),
+              FaultSpec(rank=1, step=11, phase="update", shadow_ready_steps_before=1)]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
