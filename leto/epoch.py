@@ -26,7 +26,7 @@ from typing import Literal, TypeVar
 
 import torch.distributed as dist
 
-from leto.errors import ProtocolError
+from leto.errors import StoreLostError
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +96,7 @@ class EpochBoard:
         try:
             return op()
         except dist.DistError as e:
-            raise ProtocolError(
-                f"lost the job's store at {self._where} ({' '.join(str(e).split())[:200]}); "
-                "the agent of another node (the one hosting the store) has probably died — "
-                "this node stops too; restart the job"
-            ) from None
+            raise StoreLostError(self._where, e) from None
 
 
 def _decode(raw: bytes | str) -> EpochRecord:

@@ -19,6 +19,17 @@ class ProtocolError(LetoError):
     """A peer (state manager, agent, trainer) broke the wire protocol or a state machine."""
 
 
+class StoreLostError(ProtocolError):
+    """The job's c10d store (hosted by another node's agent) stopped answering."""
+
+    def __init__(self, where: str, cause: BaseException | str) -> None:
+        super().__init__(
+            f"lost the job's store at {where} ({' '.join(str(cause).split())[:200]}); "
+            "the agent of another node (the one hosting the store) has probably died — "
+            "this node stops too; restart the job"
+        )
+
+
 class PoolError(LetoError):
     """The state manager refused a request (bad name, size mismatch on reattach, ...)."""
 

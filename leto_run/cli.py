@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from leto.config import CheckpointConfig, FaultSpec, LetoConfig
-from leto.errors import ConfigError, LetoError
+from leto.errors import ConfigError, LetoError, StoreLostError
 from leto_run.jobfile import JobFile, launch_actions, load_jobfile
 
 if TYPE_CHECKING:
@@ -265,11 +265,15 @@ def _launch(argv: Sequence[str]) -> None:
     from leto_run.launch import launch
 
     torch.multiprocessing._set_thread_name("pt_elastic")  # as torch.distributed.run.run
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
     try:
         record(launch)(config, cmd, cmd_args, leto)
     except ChildFailedError as e:  # torchrun's exit code, with torch's failure report
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)
+    except RendezvousConnectionError as e:  # torch's rendezvous met the same loss first
+        _die(str(StoreLostError(config.rdzv_endpoint, e.__cause__ or e)), code=1)
 
 
 def _run_sim(argv: Sequence[str]) -> None:

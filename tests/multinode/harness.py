@@ -46,9 +46,19 @@ def start_nodes(tmp: Path, *, backend: str, steps: int, faults: list[FaultSpec] 
         log = open(tmp / f"node{node_rank}.log", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
         nodes.append(Node(node_rank, proc, events))
-        if node_rank == 0:
-            time.sleep(0.5)  # node 0 first: it hosts the c10d store (and is rank 0 of static)
+        if node_rank == 0 and backend == "c10d":
+            _wait_listening(port, proc)  # node 0 first: it hosts the c10d store
     return nodes
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"node 0 never listened on {port} (exit {proc.poll()})")
 
 
 def wait_nodes(nodes: list[Node], timeout_s: float) -> list[int]:
