@@ -242,6 +242,9 @@ class LetoConfig:
     failure_loop_limit: int = 32
     """Trainer failures in a row without any committed step after which the job stops
     recovering in place and takes a group restart (a failure loop, not bad luck)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics (text format) on this TCP port of every node's agent, at
+    ``/metrics``; None: no endpoint. 0 picks a free port (printed, and in the events)."""
 
     def __post_init__(self) -> None:
         if self.lend_activation_memory and self.consistency != "rmu":
@@ -259,6 +262,8 @@ class LetoConfig:
             )
         if self.failure_loop_limit < 1:
             raise ConfigError(f"leto.failure_loop_limit must be >= 1, got {self.failure_loop_limit}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"leto.metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.peer_failure_grace_s < 0:
             raise ConfigError(f"leto.peer_failure_grace_s must be >= 0, got {self.peer_failure_grace_s}")
 

@@ -107,3 +107,40 @@ def iter_events(path: str | os.PathLike[str], offset: int = 0) -> Iterator[dict[
                         continue
     except FileNotFoundError:
         return
+
+
+_TAIL_READ_BYTES = 1 << 18
+
+
+class EventTail:
+    """Reads the events appended to a file since the last call (the dashboard, the metrics).
+
+    Only complete lines are taken; a line still being written waits for the next call, and
+    one that does not parse (cut short by a kill) is skipped.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], offset: int = 0) -> None:
+        self.path = Path(path)
+        self.offset = offset
+
+    def new_events(self) -> Iterator[dict[str, Any]]:
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115 - closed below, also on a generator exit
+        except FileNotFoundError:
+            return
+        with f:
+            while True:
+                f.seek(self.offset)
+                data = f.read(_TAIL_READ_BYTES)
+                end = data.rfind(b"\n") + 1
+                if not end:
+                    if len(data) == _TAIL_READ_BYTES:  # no event is this long: skip it
+                        self.offset += len(data)
+                        continue
+                    return  # nothing, or one line still being written
+                self.offset += end
+                for line in data[:end].splitlines():
+                    try:
+                        yield json.loads(line)
+                    except ValueError:
+                        continue

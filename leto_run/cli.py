@@ -120,6 +120,9 @@ def _add_leto_group(parser: argparse.ArgumentParser) -> None:
                    help="Keep a torch.distributed.checkpoint here for fatal failures.")
     g.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="Checkpoint every N steps (default: Young's interval for the FF rate).")
+    g.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="Serve Prometheus metrics at http://HOST:PORT/metrics on every node "
+                   "(0: a free port).")
 
 
 def _leto_choices(name: str) -> list[object]:
@@ -174,7 +177,7 @@ def _unset_by_env(launch: dict[str, object], parser: argparse.ArgumentParser) ->
 def _merge_leto(base: LetoConfig, args: argparse.Namespace) -> LetoConfig:
     """The job file's leto section with the given flags on top; faults are concatenated."""
     names = ("recovery", "consistency", "shadow_level", "dashboard", "events_file", "digest",
-             "hang_timeout_s", "first_step_timeout_s", "warm_restarts")
+             "hang_timeout_s", "first_step_timeout_s", "warm_restarts", "metrics_port")
     changes = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.checkpoint_dir is not None or args.checkpoint_every is not None:
         ckpt = base.checkpoint
