@@ -38,6 +38,7 @@ class Kind(str, Enum):
     RECOVERY_DONE = "recovery_done"
     GROUP_RESTART = "group_restart"
     JOB_FINISHED = "job_finished"
+    METRICS_SERVING = "metrics_serving"
     TRAINER_STARTED = "trainer_started"
     SHADOW_READY = "shadow_ready"
     KERNELS_WARMED = "kernels_warmed"

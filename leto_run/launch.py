@@ -27,6 +27,7 @@ from leto.errors import ConfigError
 from leto.events import EventLog, Kind
 from leto.lifetime import ENV_AGENT_PID, sweep_leftovers
 from leto_run.agent import GenerationLogsSpecs, LetoAgent
+from leto_run.metrics import MetricsServer
 from leto_run.warm_start import ForkServer
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,10 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
     dashboard = Dashboard(events_path, enabled=leto.dashboard, offset=events_offset)
     shutdown_rdzv = True
     dashboard.start()
+    metrics = MetricsServer(events, leto.metrics_port, node_rank=lambda: agent.get_worker_group().group_rank,
+                            offset=events_offset)
     try:
+        metrics.start()  # a port in use ends the job here, as any launch error does
         result = agent.run()
         elastic_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
@@ -120,6 +124,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
         raise
     finally:
         dashboard.stop()
+        metrics.stop()
         events.close()
         if forkserver is not None:
             forkserver.close()
