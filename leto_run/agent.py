@@ -267,6 +267,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
         self._events.emit(
             Kind.WORKERS_STARTED, restart=self._restart_count(), pids=pcontext.pids(),
+            ranks=[w.global_rank for w in worker_group.workers],
             warm=self.forkserver is not None and self._restart_count() > 0,
         )
         return pcontext.pids()

@@ -153,6 +153,8 @@ class RetainedState:
         self.attach_s = time.perf_counter() - t0
         self._committed_this_step = True
         self._announced = False
+        self._total: int | None = None
+        """The ``total`` of ``steps()``, reported with each step (progress, ETA)."""
         self._step_started = 0.0
         self._phases = PhaseTimes(self.device, 0.0, enabled=False)
         self._install_fault_hooks()
@@ -386,6 +388,7 @@ class RetainedState:
     # -- the step loop -----------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run; resumes exactly where the job was interrupted."""
+        self._total = total
         self.extras.discover()  # the LR schedulers: a shadow's script builds them after retain()
         if self.reattached:
             step = self._resume()
@@ -531,7 +534,7 @@ class RetainedState:
             self.ctx.store.set(contract.stepped(self.ctx.env.generation, self.ctx.rank), "1")
             self._announced = True
         self.ctx.events.emit(
-            Kind.STEP_DONE, rank=self.ctx.rank, step=step,
+            Kind.STEP_DONE, rank=self.ctx.rank, step=step, total=self._total,
             iter_s=time.perf_counter() - self._step_started,
             loss=None if loss is None else float(loss.detach()),
             **self._phases.fields(),
