@@ -11,14 +11,17 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,sim]'
 	touch $(STAMP)
 
-.PHONY: venv demo test bench gpu-test gpu-megatron
+.PHONY: venv demo test lint bench gpu-test gpu-megatron
 venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/leto-run --config configs/demo.yaml
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/recovery_cpu.py
