@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +28,30 @@ def _pyplot() -> Any:
 
 
 def write_plots(results: list[ScenarioResult], out_dir: Path) -> list[Path]:
-    """Write the three figures into ``out_dir``; return their paths."""
+    """Write the figures into ``out_dir``; return their paths. ETTR against scale needs
+    scenarios of at least two GPU counts, and is left out otherwise."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
-        _sweep_figure(plt, results, "hof_sweep", "HOF ratio", out_dir / "ettr_vs_hof_ratio.png"),
-        _sweep_figure(
-            plt, results, "mttf_sweep", "MTTF (min)", out_dir / "ettr_vs_mttf.png", log_x=True
-        ),
-        _scale_figure(plt, results, out_dir / "ettr_vs_scale.png"),
+        _sweep_figure(plt, results, "hof_sweep", "HOF ratio", out_dir / "ettr_vs_hof_ratio.png",
+                      fixed=lambda r: f"MTTF {r.scenario.failures.mttf_min:g} min"),
+        _sweep_figure(plt, results, "mttf_sweep", "MTTF (min)", out_dir / "ettr_vs_mttf.png", log_x=True,
+                      fixed=lambda r: f"HOF ratio {r.scenario.failures.hof_ratio:g}"),
     ]
+    if len({r.scenario.workload.num_gpus for r in results}) > 1:
+        paths.append(_scale_figure(plt, results, out_dir / "ettr_vs_scale.png"))
+    else:
+        log.info("one scale only: no ettr_vs_scale.png (give scenarios of two or more GPU counts)")
     log.info("wrote %s", ", ".join(str(p) for p in paths))
     return paths
 
 
 def _sweep_figure(
-    plt: Any, results: list[ScenarioResult], attr: str, xlabel: str, path: Path, log_x: bool = False
+    plt: Any, results: list[ScenarioResult], attr: str, xlabel: str, path: Path, *,
+    fixed: Callable[[ScenarioResult], str], log_x: bool = False,
 ) -> Path:
-    """One panel per scenario, one closed-form line per system."""
+    """One panel per scenario, one closed-form line per system; ``fixed`` names the
+    scenario's parameter that the sweep holds still (in the panel's title)."""
     fig, axes = plt.subplots(
         1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False, sharey=True
     )
@@ -53,7 +60,7 @@ def _sweep_figure(
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, [100 * y for y in ys], marker="o", label=system)
         ax.set_title(
-            f"{result.scenario.workload.name}, {result.scenario.workload.num_gpus:,} GPUs",
+            f"{result.scenario.workload.name}, {result.scenario.workload.num_gpus:,} GPUs, {fixed(result)}",
             fontsize=9,
         )
         ax.set_xlabel(xlabel)
@@ -84,6 +91,7 @@ def _scale_figure(plt: Any, results: list[ScenarioResult], path: Path) -> Path:
             xs, ys = zip(*points, strict=True)
             color = colors.setdefault(name, f"C{len(colors) % 10}")
             ax.plot(xs, ys, style, color=color, marker="o", label=f"{name}, {h:.0%} HOF")
+    ax.set_title("ETTR against scale, at each scenario's MTTF", fontsize=9)
     ax.set_xscale("log")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("ETTR (%)")

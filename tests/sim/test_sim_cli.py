@@ -105,8 +105,16 @@ def test_json_and_plots(tmp_path: Path) -> None:
     }
     assert all(s["monte_carlo"]["runs"] == 4 for s in systems)
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert pngs == ["ettr_vs_hof_ratio.png", "ettr_vs_mttf.png", "ettr_vs_scale.png"]
+    assert pngs == ["ettr_vs_hof_ratio.png", "ettr_vs_mttf.png"]  # one scale: no plot against it
     assert all((tmp_path / "plots" / p).stat().st_size > 1000 for p in pngs)
+
+
+def test_plots_against_scale_need_two_scales(tmp_path: Path) -> None:
+    scenarios = [str(CONFIGS / "deepseek-v2-1k.yaml"), str(CONFIGS / "deepseek-v3-16k.yaml")]
+    result = CliRunner().invoke(sim, [*scenarios, "--plots", str(tmp_path / "plots"), "--monte-carlo-runs", "2"])
+    assert result.exit_code == 0, result.output
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == ["ettr_vs_hof_ratio.png", "ettr_vs_mttf.png", "ettr_vs_scale.png"]
 
 
 def test_override_out_of_range_is_one_line() -> None:
