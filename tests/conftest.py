@@ -1,7 +1,8 @@
 """Suite-wide options: ``--run-slow`` also runs the long soaks (tests marked ``slow``).
 
 CI (``make test``, 2 cores) stays under ~20 minutes by leaving them out; each slow test has
-a faster in-process twin that CI runs (named in its docstring).
+a sibling that CI runs on the same mechanism (named in its docstring or its mark's comment):
+the slow one widens it (more phases, layouts, levels or kill schedules).
 """
 
 from __future__ import annotations

@@ -119,6 +119,7 @@ def _parameters(path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
+@pytest.mark.slow  # CI runs test_megatron_distopt_recovery_is_bit_exact
 @pytest.mark.timeout(300)
 def test_distributed_optimizer_equals_megatron_ddp(tmp_path):
     steps = 8

@@ -48,7 +48,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.slow)])  # CI: L1, and L2 via the reclaim
 def test_low_level_shadows_recover_exactly(tmp_path, reference, level):
     events = _run(tmp_path, KILLS, shadow_level=level)
     injected = [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"]

@@ -88,6 +88,7 @@ def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[Fau
     assert _tied(proc.stdout) == tied, "the recovered run's tied embedding differs from the fault-free run's"
 
 
+@pytest.mark.slow  # CI runs the TP, EP and DP Megatron recoveries
 @pytest.mark.timeout(400)
 def test_pp2_recovery_is_bit_exact(tmp_path):
     faults = [

@@ -43,6 +43,7 @@ JOBS = MegatronJobs(LETO, MODEL)
 _job, _run, _losses = JOBS.job, JOBS.run, MegatronJobs.losses
 
 
+@pytest.mark.slow  # CI runs test_tp2_recovery_is_bit_exact
 @pytest.mark.timeout(300)
 def test_tp2_matches_tp1_with_clipping(tmp_path):
     # No dropout (the TP ranks' dropout streams differ from one rank's), a clip that bites
@@ -77,6 +78,7 @@ def test_tp2_recovery_is_bit_exact(tmp_path):
                            script_args=_tp(2), timeout_s=200)
 
 
+@pytest.mark.slow  # CI runs test_tp2_recovery_is_bit_exact
 @pytest.mark.timeout(600)
 def test_tp2_dp2_matches_dp2(tmp_path):
     # The same two data-parallel replicas (batches keyed by DP rank), each sharded over 2 ranks.
@@ -94,6 +96,7 @@ def test_tp2_dp2_matches_dp2(tmp_path):
         assert got == pytest.approx(want, rel=1e-5, abs=0), f"replica {dp_rank}: TP=2 {got} != TP=1 {want}"
 
 
+@pytest.mark.slow  # CI runs test_tp2_recovery_is_bit_exact
 @pytest.mark.timeout(900)
 def test_tp2_dp2_recovery_is_bit_exact(tmp_path):
     faults = [

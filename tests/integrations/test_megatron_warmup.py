@@ -42,6 +42,7 @@ def _run(tmp_path, faults, *script_args):
     return events, firsts
 
 
+@pytest.mark.slow  # CI runs tests/preinit/test_model_warmup.py
 @pytest.mark.timeout(700)
 def test_warmed_shadows_recover_exactly_without_compiling(tmp_path):
     reference, _ = fault_free_run(tmp_path, steps=STEPS, leto=LETO, script=SCRIPT, steps_flag="--train-iters",
@@ -65,6 +66,7 @@ def test_warmed_shadows_recover_exactly_without_compiling(tmp_path):
     assert all(compiled == 0 for *_, compiled in firsts), firsts
 
 
+@pytest.mark.slow  # CI runs tests/preinit/test_model_warmup.py
 @pytest.mark.timeout(400)
 def test_without_the_warm_up_the_promoted_trainer_compiles(tmp_path):
     events, firsts = _run(tmp_path, FAULTS[:1], "--no-shadow-warm-up")

@@ -54,6 +54,7 @@ def test_a_kill_while_no_shadows_exist_attaches_a_cold_generation(tmp_path, refe
     assert_exact(reference, events)
 
 
+@pytest.mark.slow  # CI runs the other cascades and tests/launcher/test_erasure_recovery.py
 @pytest.mark.timeout(400)
 def test_a_kill_in_the_middle_of_a_page_rebuild_leaves_the_losses_to_the_successor(tmp_path) -> None:
     """Pages lost at the first recovery; the promoted trainer dies after their chunks were

@@ -51,6 +51,7 @@ def test_hof_plus_h1_lost_pages_per_group_recovers_bit_identically(tmp_path, ref
     assert _lost(events, 0, gen=1) == {"data": 0, "tier1": 0, "tier2": 0}
 
 
+@pytest.mark.slow  # CI runs test_beyond_tolerance_without_restarts_fails_loudly
 @pytest.mark.timeout(600)
 def test_more_than_h1_lost_pages_fall_back_and_say_so(tmp_path, reference) -> None:
     """H1+1 lost pages in one group: the promoted trainer refuses to resume, the event

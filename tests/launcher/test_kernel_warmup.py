@@ -23,7 +23,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("level", [3, 2])
+@pytest.mark.parametrize("level", [3, pytest.param(2, marks=pytest.mark.slow)])  # CI: L3
 def test_level_3_shadows_warm_kernels_and_recover_exactly(tmp_path, reference, monkeypatch, level: int) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(ENV_CPU, "1")

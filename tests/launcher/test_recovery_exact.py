@@ -21,7 +21,7 @@ from tests.launcher.harness import (
 )
 
 STEPS = 24
-SCHEDULES = int(os.environ.get("LETO_SOAK", "2"))
+SCHEDULES = int(os.environ.get("LETO_SOAK", "1"))
 
 
 @pytest.fixture(scope="module")

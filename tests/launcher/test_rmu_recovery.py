@@ -111,8 +111,10 @@ def test_rmp_alone_without_incremental_parity_diverges(tmp_path, reference, monk
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("region", "point", "in_place"), [
     ("rmu.undo", "optimizer", False),  # chunk saved, half updated: the undo copy is the record
-    ("rmu.parity", "boundary", False),  # mid-update: the working parity is authoritative
-    ("rmu.undo", "boundary", True),  # between chunks the undo copy is not needed
+    # mid-update: the working parity is authoritative; between chunks the undo copy is not
+    # needed (CI runs the first case)
+    pytest.param("rmu.parity", "boundary", False, marks=pytest.mark.slow),
+    pytest.param("rmu.undo", "boundary", True, marks=pytest.mark.slow),
 ])
 def test_lost_update_buffers_mid_update_take_the_checkpoint_path(tmp_path, reference, region, point, in_place) -> None:
     """The undo copy and the working parity are unprotected device regions. Losing one

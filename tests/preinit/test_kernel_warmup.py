@@ -110,6 +110,7 @@ def _real_launches(rig: Rig) -> None:
                     g.rebuild(rnd.sample(range(g.num_pages), nd), rnd.sample(range(h1), n1), rnd.sample(range(h2), n2))
 
 
+@pytest.mark.slow  # CI runs test_warm_up_touches_no_retained_memory and tests/launcher/test_kernel_warmup.py
 def test_warm_up_launches_every_specialisation_a_recovery_launches(recorders: dict[str, Recorder]) -> None:
     rig = _rig()
     target = _target(rig)
