@@ -7,9 +7,11 @@ validate ranges, so a typo is a one-line :class:`~leto.errors.ConfigError` namin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
 from leto.erasure.config import ErasureConfig
@@ -31,6 +33,17 @@ DEVICE_REGIONS = ("state", "grads", "rmu.undo", "rmu.parity")
 the distributed optimizer's full parameter buffer, ``ddp.params.<dtype>``)."""
 FaultKind = Literal["kill", "fatal", "hang", "device", "oom", "kill_shadow", "shadow_crash"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
+
+
+class SettingError(ConfigError):
+    """A setting out of range or in conflict with another: ``key``, its dotted path in the
+    job file (``leto.hang_timeout_s``), and ``detail``, what is wrong. The CLI names the
+    flag instead of the key when the value came from one."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        super().__init__(f"{key}: {detail}")
+        self.key = key
+        self.detail = detail
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,13 +147,16 @@ class FaultSpec:
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
         """Parse ``rank=1,step=5,phase=backward`` (the ``--inject-fault`` flag)."""
+        where = f"--inject-fault {text!r}"
         fields: dict[str, Any] = {}
         for part in text.split(","):
-            key, sep, value = part.partition("=")
-            if not sep:
-                raise ConfigError(f"--inject-fault {text!r}: expected key=value pairs like rank=1,step=5,phase=update")
-            fields[key.strip()] = value.strip()
-        return from_dict(cls, fields, where="--inject-fault")
+            key, sep, value = (s.strip() for s in part.partition("="))
+            if not sep or not key:
+                raise ConfigError(f"{where}: expected key=value pairs like rank=1,step=5,phase=update")
+            if key in fields:
+                raise ConfigError(f"{where}: {key} is given twice")
+            fields[key] = value
+        return from_dict(cls, fields, where=where)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,13 +177,13 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.interval_steps is not None and self.interval_steps < 1:
-            raise ConfigError(f"checkpoint.interval_steps must be >= 1, got {self.interval_steps}")
-        if self.mttf_s <= 0:
-            raise ConfigError(f"checkpoint.mttf_s must be > 0, got {self.mttf_s}")
+            raise SettingError("leto.checkpoint.interval_steps", f"must be >= 1, got {self.interval_steps}")
+        if not self.mttf_s > 0:
+            raise SettingError("leto.checkpoint.mttf_s", f"must be > 0, got {self.mttf_s}")
         if not 0.0 <= self.hof_ratio < 1.0:
-            raise ConfigError(f"checkpoint.hof_ratio must be in [0, 1), got {self.hof_ratio}")
+            raise SettingError("leto.checkpoint.hof_ratio", f"must be in [0, 1), got {self.hof_ratio}")
         if self.keep < 1:
-            raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
+            raise SettingError("leto.checkpoint.keep", f"must be >= 1, got {self.keep}")
 
     @property
     def ff_mttf_s(self) -> float:
@@ -248,86 +264,126 @@ class LetoConfig:
 
     def __post_init__(self) -> None:
         if self.lend_activation_memory and self.consistency != "rmu":
-            raise ConfigError("leto.lend_activation_memory: true needs consistency: rmu (it lends the undo buffer)")
+            raise SettingError("leto.lend_activation_memory",
+                               "true needs consistency: rmu (it lends the undo buffer)")
         if self.rmu_chunk_bytes is not None and self.rmu_chunk_bytes < 4096:
-            raise ConfigError(f"leto.rmu_chunk_bytes must be >= 4096, got {self.rmu_chunk_bytes}")
+            raise SettingError("leto.rmu_chunk_bytes", f"must be >= 4096, got {self.rmu_chunk_bytes}")
         if not 0.001 <= self.poll_interval_s <= 0.05:
-            raise ConfigError(f"leto.poll_interval_s must be in [0.001, 0.05] s, got {self.poll_interval_s}")
+            raise SettingError("leto.poll_interval_s", f"must be in [0.001, 0.05] s, got {self.poll_interval_s}")
         if self.erasure is None and any(f.erases for f in self.faults):
-            raise ConfigError("faults erase pages, but leto.erasure is not configured")
-        if self.hang_timeout_s <= 0 or self.first_step_timeout_s < self.hang_timeout_s:
-            raise ConfigError(
-                "leto.hang_timeout_s must be > 0 and first_step_timeout_s >= hang_timeout_s, got "
-                f"{self.hang_timeout_s} and {self.first_step_timeout_s}"
-            )
+            raise SettingError("leto.faults", "a fault erases pages, but leto.erasure is not configured")
+        if not self.hang_timeout_s > 0:
+            raise SettingError("leto.hang_timeout_s", f"must be > 0, got {self.hang_timeout_s}")
+        if not self.first_step_timeout_s >= self.hang_timeout_s:
+            raise SettingError("leto.first_step_timeout_s", f"must be >= hang_timeout_s "
+                               f"({self.hang_timeout_s}), got {self.first_step_timeout_s}")
         if self.failure_loop_limit < 1:
-            raise ConfigError(f"leto.failure_loop_limit must be >= 1, got {self.failure_loop_limit}")
+            raise SettingError("leto.failure_loop_limit", f"must be >= 1, got {self.failure_loop_limit}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"leto.metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.peer_failure_grace_s < 0:
-            raise ConfigError(f"leto.peer_failure_grace_s must be >= 0, got {self.peer_failure_grace_s}")
+            raise SettingError("leto.metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        if not self.peer_failure_grace_s >= 0:
+            raise SettingError("leto.peer_failure_grace_s", f"must be >= 0, got {self.peer_failure_grace_s}")
 
 
-def from_dict(cls: type, data: Any, *, where: str) -> Any:
-    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
+def closest(key: object, known: Iterable[str]) -> str | None:
+    """The known key a mistyped ``key`` most likely meant (``nproc-per-node`` for
+    ``nproc_per_node``, ``consistancy`` for ``consistency``), or None."""
+    known = list(known)
+    text = str(key).replace("-", "_")
+    if text in known:
+        return text
+    matches = difflib.get_close_matches(text, known, n=1)
+    return matches[0] if matches else None
+
+
+def unknown_key(key: object, known: Iterable[str]) -> str:
+    """``unknown key 'x'``, with the closest known key, or the known keys when none is close."""
+    known = list(known)
+    guess = closest(key, known)
+    if guess is not None:
+        return f"unknown key {key!r}; did you mean {guess!r}?"
+    return f"unknown key {key!r} (known: {', '.join(sorted(known))})"
+
+
+def from_dict(cls: type, data: Any, *, where: str, key: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown, missing and mistyped keys.
+
+    ``where`` is the file or flag the mapping came from, ``key`` its dotted path there
+    (``leto``, ``leto.checkpoint``); errors read ``WHERE: KEY: what is wrong``.
+    """
+    at = f"{where}: {key}" if key else where
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{at}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
-    kwargs = {k: _coerce(hints[k], v, where=f"{where}.{k}") for k, v in data.items()}
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    for name in data:
+        if name not in names:
+            raise ConfigError(f"{at}: {unknown_key(name, names)}")
+    for f in fields:
+        if f.name not in data and f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(f"{at}: {f.name} is missing")
+    kwargs = {k: _coerce(hints[k], v, where=where, key=f"{key}.{k}" if key else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
-    except ConfigError as e:
+    except SettingError as e:  # it names its own key, from the job file's top
         raise ConfigError(f"{where}: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{at}: {e}") from None
 
 
-def _coerce(tp: Any, value: Any, *, where: str) -> Any:
+def _coerce(tp: Any, value: Any, *, where: str, key: str) -> Any:
+    at = f"{where}: {key}"
     origin, args = get_origin(tp), get_args(tp)
     if origin is Literal:
         for choice in args:
             if value == choice or (isinstance(value, str) and str(choice) == value):
                 return choice
-        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, args))}")
+        raise ConfigError(f"{at}: {value!r} is not one of {', '.join(map(str, args))}")
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
             return None
-        return _coerce(next(a for a in args if a is not type(None)), value, where=where)
+        return _coerce(next(a for a in args if a is not type(None)), value, where=where, key=key)
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
-        return [_coerce(args[0], v, where=f"{where}[{i}]") for i, v in enumerate(value)]
+            raise ConfigError(f"{at}: expected a list, got {type(value).__name__}")
+        return [_coerce(args[0], v, where=where, key=f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
-        return value if isinstance(value, tp) else from_dict(tp, value, where=where)
+        return value if isinstance(value, tp) else from_dict(tp, value, where=where, key=key)
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
             return value.lower() in ("true", "1")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{at}: expected true or false, got {value!r}")
     if tp in (int, float, str):
-        if isinstance(value, bool) or (tp is str and not isinstance(value, str)):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+        if (isinstance(value, bool) or (tp is str and not isinstance(value, str))
+                or (tp is int and isinstance(value, float) and not value.is_integer())):
+            raise ConfigError(f"{at}: expected {tp.__name__}, got {value!r}")
         try:
             return tp(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+            raise ConfigError(f"{at}: expected {tp.__name__}, got {value!r}") from None
     return value
 
 
 def read_yaml(path: Any, what: str = "file") -> Any:
-    """Parse a YAML file; a missing file or a syntax error is one ConfigError line."""
+    """Parse a YAML file; a missing or unreadable file, one that is not UTF-8 text, or a
+    syntax error is one ConfigError line."""
     import yaml
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise ConfigError(f"{what} {str(path)!r} does not exist") from None
     except OSError as e:
         raise ConfigError(f"cannot read {what} {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what} {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+            f"{e.start}); save it as UTF-8"
+        ) from None
     try:
         return yaml.safe_load(text)
     except yaml.MarkedYAMLError as e:

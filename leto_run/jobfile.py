@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leto.config import LetoConfig, from_dict, read_yaml
+from leto.config import LetoConfig, closest, from_dict, read_yaml
 from leto.errors import ConfigError
 
 # Parser destinations that are not torchrun launch options: the job file spells the
@@ -70,16 +70,16 @@ def load_jobfile(path: str | Path, parser: argparse.ArgumentParser) -> JobFile:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at top level, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(_TOP_LEVEL_KEYS), key=str)
+    unknown = [k for k in data if k not in _TOP_LEVEL_KEYS]
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown top-level key {unknown[0]!r} (known: {', '.join(_TOP_LEVEL_KEYS)})"
-        )
+        guess = closest(unknown[0], _TOP_LEVEL_KEYS)
+        hint = f"did you mean {guess!r}?" if guess else f"known: {', '.join(_TOP_LEVEL_KEYS)}"
+        raise ConfigError(f"{where}: unknown top-level key {unknown[0]!r} ({hint})")
     return JobFile(
         launch=_check_launch(data.get("launch") or {}, launch_actions(parser), where=where),
         script=_check_script(data.get("script"), where=where),
         script_args=_check_script_args(data.get("script_args") or [], where=where),
-        leto=from_dict(LetoConfig, data.get("leto") or {}, where=f"{where}: leto"),
+        leto=from_dict(LetoConfig, data.get("leto") or {}, where=where, key="leto"),
     )
 
 
@@ -98,13 +98,22 @@ def _check_launch(
     for key, value in launch.items():
         action = actions.get(key)
         if action is None:
-            hint = " (write script/script_args at top level)" if key in _NOT_LAUNCH_KEYS else ""
-            raise ConfigError(
-                f"{where}: launch: unknown key {key!r}{hint}; keys are torchrun options by "
-                f"their dest name, e.g. nproc_per_node, max_restarts, rdzv_backend"
-            )
+            raise ConfigError(f"{where}: launch: unknown key {key!r}{_launch_hint(key, actions)}")
         out[key] = _launch_value(action, value, where=f"{where}: launch.{key}")
     return out
+
+
+def _launch_hint(key: Any, actions: dict[str, argparse.Action]) -> str:
+    """What an unknown ``launch`` key should have been."""
+    if key in _NOT_LAUNCH_KEYS:
+        return " (write script/script_args at top level)"
+    if key in LetoConfig.__dataclass_fields__:
+        return " (a Leto setting: write it under leto:)"
+    guess = closest(key, actions)
+    if guess is not None:
+        return f"; did you mean {guess!r}?"
+    return ("; keys are torchrun options by their dest name, e.g. nproc_per_node, max_restarts, "
+            "rdzv_backend")
 
 
 def _launch_value(action: argparse.Action, value: Any, *, where: str) -> Any:

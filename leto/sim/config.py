@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from leto.config import unknown_key
 from leto.errors import ConfigError
 from leto.sim.itermodel import IterationModelConfig
 from leto.sim.schema import build, check, read_mapping
@@ -253,7 +254,7 @@ _PROFILE_KEYS = ("source", "iteration_time_s", "systems")
 def load_scenario(path: str | Path) -> Scenario:
     """Read, merge the profile into, and validate the scenario at ``path``."""
     path = Path(path)
-    data = read_mapping(path)
+    data = read_mapping(path, "scenario file")
     workload = data.get("workload")
     if isinstance(workload, dict) and workload.get("profile") is not None:
         data = _merge_profile(data, path)
@@ -265,12 +266,10 @@ def load_scenario(path: str | Path) -> Scenario:
 def _merge_profile(data: dict[str, Any], path: Path) -> dict[str, Any]:
     """Fill unset workload/system keys from the measured profile JSON."""
     profile_path = path.parent / str(data["workload"]["profile"])
-    profile = read_mapping(profile_path)
+    profile = read_mapping(profile_path, "profile")
     unknown = [k for k in profile if k not in _PROFILE_KEYS]
     if unknown:
-        raise ConfigError(
-            f"{profile_path}: unknown key {unknown[0]!r} (known: {', '.join(_PROFILE_KEYS)})"
-        )
+        raise ConfigError(f"{profile_path}: {unknown_key(unknown[0], _PROFILE_KEYS)}")
     merged = copy.deepcopy(data)
     workload = merged["workload"]
     if "iteration_time_s" in profile and "iteration_model" not in workload:

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from leto.config import read_yaml
+from leto.config import read_yaml, unknown_key
 from leto.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def read_mapping(path: Path) -> dict[str, Any]:
-    """Parse the YAML (or JSON, a YAML subset) file at ``path`` into a mapping."""
-    data = read_yaml(path)
+def read_mapping(path: Path, what: str = "file") -> dict[str, Any]:
+    """Parse the YAML (or JSON, a YAML subset) at ``path`` into a mapping; ``what`` names
+    the file in errors."""
+    data = read_yaml(path, what)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
     return data
@@ -40,7 +41,7 @@ def build(cls: type[T], data: Any, *, where: str, key: str = "") -> T:
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     unknown = [k for k in data if k not in names]
     if unknown:
-        raise ConfigError(f"{prefix}unknown key {unknown[0]!r} (known: {', '.join(names)})")
+        raise ConfigError(f"{prefix}{unknown_key(unknown[0], names)}")
     kwargs = {
         name: _convert(hints[name], value, where=where, key=_join(key, name))
         for name, value in data.items()
