@@ -18,11 +18,12 @@ import sys
 import typing
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from leto.config import CheckpointConfig, FaultSpec, LetoConfig
+from leto.config import FaultSpec, LetoConfig, SettingError
 from leto.errors import ConfigError, LetoError, StoreLostError
 from leto_run.jobfile import JobFile, launch_actions, load_jobfile
 
@@ -32,6 +33,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SIM_COMMAND = "sim"
+
+LETO_FLAGS: dict[str, str] = {
+    "--no-dashboard": "dashboard",
+    "--events": "events_file",
+    "--inject-fault": "faults",
+    "--consistency": "consistency",
+    "--shadow-level": "shadow_level",
+    "--recovery": "recovery",
+    "--digest": "digest",
+    "--hang-timeout": "hang_timeout_s",
+    "--first-step-timeout": "first_step_timeout_s",
+    "--no-warm-restarts": "warm_restarts",
+    "--checkpoint-dir": "checkpoint.dir",
+    "--checkpoint-every": "checkpoint.interval_steps",
+    "--metrics-port": "metrics_port",
+}
+"""Each Leto flag and the :class:`LetoConfig` setting it overrides (a dotted path below
+``leto:``; the flag's argparse dest is that path with ``_`` for ``.``). The one table behind
+merging the flags into the job file's settings and naming, in an error, the flag a bad
+value came from rather than its YAML key."""
 
 _DESCRIPTION = """\
 Leto: a drop-in replacement for torchrun with in-place recovery of failed trainers.
@@ -86,6 +107,8 @@ def make_parser() -> argparse.ArgumentParser:
 def _add_leto_group(parser: argparse.ArgumentParser) -> None:
     """Leto's flags. Each defaults to None so that "not given" leaves the job file's value."""
     g = parser.add_argument_group("leto", "Leto's options (override the job file's leto section).")
+    g.add_argument("--version", action="version", version=_version(),
+                   help="Print leto-run's and torch's versions and exit.")
     g.add_argument("--config", metavar="FILE", help="Job YAML (see 'job file' below).")
     g.add_argument(
         "--no-dashboard", dest="dashboard", action="store_const", const=False,
@@ -96,7 +119,7 @@ def _add_leto_group(parser: argparse.ArgumentParser) -> None:
         help="Write the JSON-lines event stream to FILE.",
     )
     g.add_argument(
-        "--inject-fault", dest="faults", action="append", type=FaultSpec.parse, metavar="SPEC",
+        "--inject-fault", dest="faults", action="append", metavar="SPEC",
         help="Kill a trainer, e.g. rank=1,step=5,phase=update (repeatable).",
     )
     g.add_argument("--consistency", choices=_leto_choices("consistency"),
@@ -118,11 +141,29 @@ def _add_leto_group(parser: argparse.ArgumentParser) -> None:
                    help="Group restarts start workers cold, as torchrun does.")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="Keep a torch.distributed.checkpoint here for fatal failures.")
-    g.add_argument("--checkpoint-every", type=int, metavar="N",
+    g.add_argument("--checkpoint-every", dest="checkpoint_interval_steps", type=int, metavar="N",
                    help="Checkpoint every N steps (default: Young's interval for the FF rate).")
     g.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="Serve Prometheus metrics at http://HOST:PORT/metrics on every node "
                    "(0: a free port).")
+
+
+def _version() -> str:
+    """``leto-run 0.1.0 (torch 2.13.0)``: the installed package's version and torch's."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        ours = importlib.metadata.version("leto")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        ours = "unknown"
+    return f"leto-run {ours} (torch {torch.__version__})"
+
+
+def _dest(setting: str) -> str:
+    """The argparse dest of the flag for a :data:`LETO_FLAGS` setting."""
+    return setting.replace(".", "_")
 
 
 def _leto_choices(name: str) -> list[object]:
@@ -142,8 +183,76 @@ def _parser_error(message: str) -> NoReturn:
 # ---------------------------------------------------------------------------- parsing
 
 
+@dataclass(frozen=True, slots=True)
+class Origins:
+    """Where the values of one invocation came from, so that an error names a value as the
+    user wrote it: the flag as typed, the ``PET_*`` variable, or the job file and key."""
+
+    parser: argparse.ArgumentParser
+    options: list[str]
+    """The arguments before the training script: the launcher's own."""
+    job_path: str | None = None
+    job_launch: frozenset[str] = frozenset()
+    """The ``launch:`` keys the job file sets."""
+    job_faults: int = 0
+    """How many of ``leto.faults`` come from the job file; the ``--inject-fault`` ones follow."""
+    fault_texts: tuple[str, ...] = ()
+    """The ``--inject-fault`` specs as typed."""
+
+    def typed(self, dest: str) -> str | None:
+        """The spelling of the option for ``dest`` in the arguments (the last one, whose
+        value argparse keeps): exact, ``--opt=value`` or an abbreviation; None if absent."""
+        action = _action(self.parser, dest)
+        found = None
+        for token in self.options:
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if not name.startswith("-") or name == "-":
+                continue
+            exact = self.parser._option_string_actions.get(name)
+            if exact is action or (
+                exact is None and name.startswith("--")
+                and any(o.startswith(name) for o in action.option_strings)
+            ):
+                found = name
+        return found
+
+    def launch(self, dest: str) -> str:
+        """Where torchrun option ``dest`` came from (flags > ``PET_*`` > job file > default)."""
+        from torch.distributed.argparse_util import check_env, env
+
+        if (typed := self.typed(dest)) is not None:
+            return typed
+        action = _action(self.parser, dest)
+        if isinstance(action, (env, check_env)) and f"PET_{dest.upper()}" in os.environ:
+            return f"PET_{dest.upper()}"
+        if dest in self.job_launch:
+            return f"{self.job_path}: launch.{dest}"
+        return max(action.option_strings, key=len)
+
+    def leto(self, key: str) -> str:
+        """Where the Leto setting ``key`` (``leto.hang_timeout_s``) came from."""
+        setting = key.removeprefix("leto.")
+        if setting in LETO_FLAGS.values() and (typed := self.typed(_dest(setting))) is not None:
+            return typed
+        return f"{self.job_path}: {key}" if self.job_path is not None else key
+
+    def fault(self, index: int) -> str:
+        """Where ``leto.faults[index]`` came from."""
+        if index < self.job_faults:
+            return f"{self.job_path}: leto.faults[{index}]"
+        return f"--inject-fault {self.fault_texts[index - self.job_faults]!r}"
+
+
 def parse_launch_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LetoConfig]:
     """Parse ``argv`` merged with its job file: torchrun's namespace and Leto's settings."""
+    args, leto, _ = _parse(argv)
+    return args, leto
+
+
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LetoConfig, Origins]:
+    """:func:`parse_launch_args`, and where each value came from."""
     argv = list(argv)
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -152,6 +261,12 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LetoConf
         job = load_jobfile(args.config, parser)
         parser.set_defaults(**_unset_by_env(job.launch, parser))
         args = parser.parse_args(argv)  # flags win over the job file's defaults
+    script_tail = 0 if args.training_script is None else 1 + len(args.training_script_args)
+    origins = Origins(
+        parser=parser, options=argv[: len(argv) - script_tail], job_path=args.config,
+        job_launch=frozenset(job.launch), job_faults=len(job.leto.faults),
+        fault_texts=tuple(args.faults or ()),
+    )
     if args.training_script is None:
         if job.script is None:
             raise ConfigError(
@@ -159,7 +274,7 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LetoConf
             )
         args.training_script = job.script
         args.training_script_args = list(job.script_args)
-    return args, _merge_leto(job.leto, args)
+    return args, _merge_leto(job.leto, args, origins), origins
 
 
 def _unset_by_env(launch: dict[str, object], parser: argparse.ArgumentParser) -> dict[str, object]:
@@ -174,22 +289,50 @@ def _unset_by_env(launch: dict[str, object], parser: argparse.ArgumentParser) ->
     }
 
 
-def _merge_leto(base: LetoConfig, args: argparse.Namespace) -> LetoConfig:
-    """The job file's leto section with the given flags on top; faults are concatenated."""
-    names = ("recovery", "consistency", "shadow_level", "dashboard", "events_file", "digest",
-             "hang_timeout_s", "first_step_timeout_s", "warm_restarts", "metrics_port")
-    changes = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    if args.checkpoint_dir is not None or args.checkpoint_every is not None:
-        ckpt = base.checkpoint
-        if ckpt is None and args.checkpoint_dir is None:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir (or leto.checkpoint.dir)")
-        fields = {"dir": args.checkpoint_dir} if args.checkpoint_dir is not None else {}
-        if args.checkpoint_every is not None:
-            fields["interval_steps"] = args.checkpoint_every
-        changes["checkpoint"] = (
-            CheckpointConfig(**fields) if ckpt is None else dataclasses.replace(ckpt, **fields)
-        )
-    return dataclasses.replace(base, **changes, faults=[*base.faults, *(args.faults or [])])
+def _merge_leto(base: LetoConfig, args: argparse.Namespace, origins: Origins) -> LetoConfig:
+    """The job file's leto section with the given flags on top; faults are concatenated.
+
+    A value out of range is named as it was given: ``--hang-timeout``, not
+    ``leto.hang_timeout_s``, when the flag set it.
+    """
+    given = {
+        setting: getattr(args, _dest(setting))
+        for setting in LETO_FLAGS.values()
+        if setting != "faults" and getattr(args, _dest(setting)) is not None
+    }
+    faults = [FaultSpec.parse(text) for text in origins.fault_texts]
+    try:
+        return _with_settings(base, given, [*base.faults, *faults], origins)
+    except SettingError as e:
+        raise ConfigError(f"{origins.leto(e.key)}: {e.detail}") from None
+
+
+def _with_settings(
+    base: LetoConfig, given: dict[str, object], faults: list[FaultSpec], origins: Origins
+) -> LetoConfig:
+    """``base`` with the settings ``given`` by dotted path; a section the job file leaves
+    unset (``checkpoint``) is made from the flags, which must then give its required keys."""
+    top: dict[str, object] = {k: v for k, v in given.items() if "." not in k}
+    for section in dict.fromkeys(k.split(".")[0] for k in given if "." in k):
+        fields = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith(f"{section}.")}
+        current = getattr(base, section)
+        if current is not None:
+            top[section] = dataclasses.replace(current, **fields)
+            continue
+        cls = _section_class(section)
+        for f in dataclasses.fields(cls):
+            if f.name not in fields and f.default is dataclasses.MISSING:
+                flags = " and ".join(origins.leto(f"leto.{section}.{k}") for k in fields)
+                need = next(flag for flag, s in LETO_FLAGS.items() if s == f"{section}.{f.name}")
+                raise ConfigError(f"{flags} needs {need} (or leto.{section}.{f.name} in the job file)")
+        top[section] = cls(**fields)
+    return dataclasses.replace(base, **top, faults=faults)
+
+
+def _section_class(section: str) -> type:
+    """The dataclass of an optional section of :class:`LetoConfig` (``checkpoint``)."""
+    hint = typing.get_type_hints(LetoConfig)[section]
+    return next(a for a in typing.get_args(hint) if dataclasses.is_dataclass(a))
 
 
 def apply_torchrun_run_defaults(args: argparse.Namespace) -> None:
@@ -228,25 +371,89 @@ def _check_script_exists(args: argparse.Namespace) -> None:
     )
 
 
-def _check_nnodes(nnodes: str) -> None:
+def _check_nnodes(nnodes: str, origins: Origins) -> None:
     """torchrun raises a bare ValueError for a malformed --nnodes; name the flag instead."""
     from torch.distributed.run import parse_min_max_nnodes
 
+    where = origins.launch("nnodes")
     try:
-        parse_min_max_nnodes(nnodes)
+        lo, hi = parse_min_max_nnodes(nnodes)
     except (ValueError, RuntimeError):
-        raise ConfigError(f"--nnodes {nnodes!r}: expected N or MIN:MAX, e.g. 2 or 1:4") from None
+        raise ConfigError(f"{where} {nnodes!r}: expected N or MIN:MAX, e.g. 2 or 1:4") from None
+    if not 0 < lo <= hi:
+        raise ConfigError(f"{where} {nnodes!r}: needs 1 <= MIN <= MAX")
+
+
+def _check_launch_values(args: argparse.Namespace, origins: Origins) -> int:
+    """torchrun asserts on these deep inside its agent (a traceback); refuse them up front.
+    Returns the number of workers per node."""
+    from torch.distributed.run import determine_local_world_size
+
+    where = origins.launch("nproc_per_node")
+    try:
+        nproc = determine_local_world_size(args.nproc_per_node)
+    except ValueError as e:
+        raise ConfigError(
+            f"{where}: expected a number of workers per node, or auto, cpu, gpu; got "
+            f"{args.nproc_per_node!r} ({e})"
+        ) from None
+    if nproc < 1:
+        raise ConfigError(f"{where}: must be >= 1 (workers per node), got {nproc}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"{origins.launch('max_restarts')}: must be >= 0, got {args.max_restarts}")
+    return nproc
+
+
+def _check_events_file(leto: LetoConfig, origins: Origins) -> None:
+    """The agent opens the events file only after the launch; a path it cannot create is
+    refused before."""
+    path = leto.events_file
+    if path is None:
+        return
+    where = origins.leto("leto.events_file")
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{where}: {path!r} is a directory; give a file path")
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"{where}: cannot create {path!r}: directory {parent!r} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: cannot create {path!r}: directory {parent!r} is not writable")
+
+
+def _check_faults_can_fire(leto: LetoConfig, nnodes: str, nproc: int, origins: Origins) -> None:
+    """A fault at a rank the job never has is refused: it would be ignored, and a test or
+    demo that relies on it would pass without its failure. Checked when the node count is
+    fixed (the world size is then nnodes x nproc_per_node)."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    min_nodes, max_nodes = parse_min_max_nnodes(nnodes)
+    if min_nodes != max_nodes:
+        return
+    world = max_nodes * nproc
+    for i, fault in enumerate(leto.faults):
+        if fault.rank >= world:
+            raise ConfigError(
+                f"{origins.fault(i)}: rank {fault.rank} never exists: the job has {world} ranks "
+                f"(0..{world - 1}: {max_nodes} node(s) x {nproc} per node)"
+            )
 
 
 def build_launch(
     argv: Sequence[str],
 ) -> tuple[LaunchConfig, Callable[..., object] | str, list[str], LetoConfig]:
-    """All of ``leto-run ARGV`` short of launching: torchrun's config, cmd, args, and Leto's."""
+    """All of ``leto-run ARGV`` short of launching: torchrun's config, cmd, args, and Leto's.
+
+    Every value that could only fail after the launch is checked here first.
+    """
     from torch.distributed.run import config_from_args
 
-    args, leto = parse_launch_args(argv)
+    args, leto, origins = _parse(argv)
     _check_script_exists(args)
-    _check_nnodes(args.nnodes)
+    _check_nnodes(args.nnodes, origins)
+    nproc = _check_launch_values(args, origins)
+    _check_events_file(leto, origins)
+    _check_faults_can_fire(leto, args.nnodes, nproc, origins)
     try:
         apply_torchrun_run_defaults(args)
         config, cmd, cmd_args = config_from_args(args)
@@ -282,10 +489,10 @@ def _launch(argv: Sequence[str]) -> None:
 def _run_sim(argv: Sequence[str]) -> None:
     """``leto-run sim ...``: hand the rest of the arguments to the simulator's click command."""
     try:
-        from leto_run.sim_cmd import sim
+        from leto_run.sim_cmd import main as sim_main
     except ImportError as e:
         _die(f"the '{SIM_COMMAND}' subcommand is not available: {e}", code=2)
-    sim.main(args=list(argv), prog_name=f"leto-run {SIM_COMMAND}")
+    sim_main(argv, prog_name=f"leto-run {SIM_COMMAND}")
 
 
 def _die(message: str, *, code: int) -> NoReturn:

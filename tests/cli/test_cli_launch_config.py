@@ -149,7 +149,8 @@ def test_script_args_are_not_parsed_as_leto_flags(script: str) -> None:
 def test_leto_flags(script: str) -> None:
     _, _, _, leto = build_launch(
         [
-            "--no-dashboard", "--events", "ev.jsonl", "--consistency", "rmu", "--shadow-level", "1",
+            "--nproc-per-node", "2", "--no-dashboard", "--events", "ev.jsonl", "--consistency", "rmu",
+            "--shadow-level", "1",
             "--recovery", "restart", "--digest", "--inject-fault", "rank=1,step=5,phase=update",
             "--inject-fault", "rank=0,step=2", script,
         ]
@@ -229,6 +230,7 @@ def test_script_from_job_file_unless_given(script: str, tmp_path: Path) -> None:
 def test_leto_flags_override_job_file_and_faults_concatenate(script: str, tmp_path: Path) -> None:
     job = write_job(
         tmp_path,
+        "launch: {nproc_per_node: 2}\n"
         "leto:\n  consistency: rmu\n  shadow_level: 1\n  digest: true\n"
         "  faults: [{rank: 1, step: 5, phase: update}]\n",
     )
