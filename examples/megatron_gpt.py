@@ -144,7 +144,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-leto", action="store_true", help="a plain loop without Leto (run under torchrun)")
     p.add_argument("--compare-baseline", action="store_true", help="also train without Leto, same process")
     p.add_argument("--bench-out", default=None, help="with --no-leto or --compare-baseline: JSON of iteration times")
-    return p.parse_args()
+    args = p.parse_args()
+    for flag, value in (("--train-iters", args.train_iters), ("--micro-batch-size", args.micro_batch_size)):
+        if value < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
+            p.exit(2, f"{p.prog}: error: {flag} must be >= 1, got {value}\n")
+    return args
 
 
 def transformer_config(args: argparse.Namespace):  # -> TransformerConfig

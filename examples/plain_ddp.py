@@ -25,6 +25,8 @@ def main() -> None:
     p.add_argument("--kill-at-step", type=int, default=-1)
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.steps < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
+        p.exit(2, f"{p.prog}: error: --steps must be >= 1, got {args.steps}\n")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])

@@ -44,6 +44,9 @@ def main() -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="GPU: examples/train_gpt.py's deterministic kernels and math attention")
     args = p.parse_args()
+    for flag, value, least in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1)):
+        if value < least:  # one line, as leto-run's errors (argparse's error adds the usage)
+            p.exit(2, f"{p.prog}: error: {flag} must be >= {least}, got {value}\n")
     torch.set_num_threads(1)
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,

@@ -159,6 +159,8 @@ def main() -> None:
     p.add_argument("--oom-ballast-over-mib", type=int, default=256, metavar="MIB",
                    help="how far the ballast exceeds the free memory (less than the shadows' footprint)")
     args = p.parse_args()
+    if args.steps < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
+        p.exit(2, f"{p.prog}: error: --steps must be >= 1, got {args.steps}\n")
     torch.set_num_threads(1)
     if torch.cuda.is_available():  # bit-exact recovery needs deterministic kernels
         deterministic_cuda()

@@ -210,6 +210,9 @@ def main() -> None:
     )
     p.add_argument("--plain", action="store_true", help="torch alone, one process (the reference)")
     args = p.parse_args()
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
+        if value < least:  # one line, as leto-run's errors (argparse's error adds the usage)
+            p.exit(2, f"{p.prog}: error: {flag} must be >= {least}, got {value}\n")
     torch.set_num_threads(1)
     if args.plain:
         train_plain(args)
