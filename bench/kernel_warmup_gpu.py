@@ -56,7 +56,8 @@ def _rows(events: list[dict]) -> list[dict]:
 
         warmed, ready, rebuilt, resumed = one("kernels_warmed"), one("shadow_ready"), one("pages_rebuilt"), one("resumed")
         fail_t = max((t for t in failures if t <= p["t"]), default=None)
-        first = next((e for e in events if e["kind"] == "step_done" and e["rank"] == rank and e["t"] > p["t"]), None)
+        first = next((e for e in events if e["kind"] == "step_done" and e["rank"] == rank and e["t"] > p["t"]
+                      and not e.get("finished_in_recovery")), None)
         rows.append({
             "rank": rank, "gen": gen,
             "warm_up_s": warmed.get("seconds") if warmed and warmed["ran"] else None,

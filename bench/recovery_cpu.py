@@ -76,7 +76,8 @@ def main() -> None:
         leto_steps = 150 + gap * args.kills
         leto_events = run_leto(tmp, leto_steps, [150 + gap * i for i in range(args.kills)])
         recs = [r for r in summary.recoveries(leto_events) if r.total_s is not None]
-        iter_s = statistics.median(e["iter_s"] for e in leto_events if e["kind"] == "step_done")
+        iter_s = statistics.median(e["iter_s"] for e in leto_events
+                                   if e["kind"] == "step_done" and not e.get("finished_in_recovery"))
         # Checkpoint cost C: measured by a calibration run of the baseline (no kill).
         (tmp / "calib").mkdir()
         calib = run_torchrun(tmp / "calib", 40, 10, -1)

@@ -262,7 +262,8 @@ def main() -> None:
         print(f"[{time.time() - t_start:.0f}s] torchrun + in-memory checkpoint done", flush=True)
         disk = baseline(run_torchrun(tmp, Path(args.disk_dir), 5, 6, 9, "disk", args.nproc))
         print(f"[{time.time() - t_start:.0f}s] torchrun + disk checkpoint done", flush=True)
-    leto_iter = statistics.median(e["iter_s"] for e in leto_events if e["kind"] == "step_done")
+    leto_iter = statistics.median(e["iter_s"] for e in leto_events
+                                  if e["kind"] == "step_done" and not e.get("finished_in_recovery"))
     params = next((e for e in leto_events if e["kind"] == "step_done"), {})
     leto_median = statistics.median(r.total_s for r in recs)
     print(f"model ~1.1B params (dim 2048 x 20 layers, vocab 32000), bf16 compute, fp32 AdamW; leto iteration "

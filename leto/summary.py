@@ -57,8 +57,8 @@ class _Tracker:
         if t < self.t_det:
             return
         if kind == "step_done":
-            if self.gen is None or t < self.t_promote or e["src"] in self.done:
-                return
+            if self.gen is None or t < self.t_promote or e["src"] in self.done or e.get("finished_in_recovery"):
+                return  # a step finished inside the recovery is part of attach+decide
             target = self.step if self.step is not None else self._resume_step()
             if target is not None and e["step"] >= target:
                 self.done[e["src"]] = t
@@ -145,16 +145,22 @@ class Summary:
             tracker.add(e)
         if kind == "step_done":
             self.worked = True
-            if "rank" in e:
-                self._step_done(e["rank"], e["t"], e["iter_s"])
+            if "rank" in e:  # a step finished inside a recovery is recovery time, not productive
+                self._step_done(e["rank"], e["t"], 0.0 if e.get("finished_in_recovery") else e["iter_s"])
         elif kind == "failure_detected":
             self.worked = True
             if e.get("failure", "hof") == "hof":  # an FF or a script error restarts instead
+                self._detected(e)
+        elif kind == "epoch":
+            # Another node saw the failure: this node's file has no failure_detected for it.
+            if e.get("remote") and e.get("action") == "in_place" and not self._awaiting_promotion():
                 self._detected(e)
         elif kind == "fault_injected":
             self._faults.append((e["t"], e.get("step")))
         elif kind == "group_restart":
             self.restarts += 1
+            # the failures it answered get no promotion: the next one must not pair with them
+            self._trackers = deque((t for t in self._trackers if t.gen is not None), maxlen=self._trackers.maxlen)
         elif kind == "shadows_promoted":
             self.promotions += 1
         elif kind == "shadow_level":
@@ -173,15 +179,24 @@ class Summary:
         totals.productive += iter_s
 
     def _detected(self, e: dict[str, Any]) -> None:
+        """A failure to be answered in place (``failure_detected``, or another node's
+        ``epoch``): its fault is the latest injected before the detection, if any since the
+        previous failure."""
         t_det = e.get("detected_t", e["t"])
         fault = next((f for f in reversed(self._faults) if f[0] <= t_det), None)
+        self._faults.clear()
         tracker = _Tracker(
             t_det=t_det,
             t0=fault[0] if fault else t_det,
-            failed_ranks=sorted(int(r) for r in e.get("root_ranks", e["ranks"])),
+            failed_ranks=sorted(e.get("root_ranks", ())),
             step=fault[1] if fault else None,
         )
         self._trackers.append(tracker)
+
+    def _awaiting_promotion(self) -> bool:
+        """The newest failure is not answered yet (a remote epoch may follow a local
+        detection when two nodes saw failures at once)."""
+        return bool(self._trackers) and self._trackers[-1].gen is None
 
     def recoveries(self) -> list[Recovery]:
         """Each failure paired with the promotion and first steps that answered it."""

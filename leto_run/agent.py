@@ -57,11 +57,12 @@ from leto import contract, faults
 from leto.config import LetoConfig
 from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
-from leto.events import ENV_EVENTS_FILE, EventLog, Kind
+from leto.events import ENV_EVENTS_FILE, EventLog, EventTail, Kind
 from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard, dying_signal
 from leto.pool.process import StateManagerProcess
 from leto.preinit.controller import PreinitController, ShadowState
 from leto.preinit.levels import LevelChoice, ShadowLevel
+from leto.summary import Summary
 from leto.trainer.context import ENV_CHECKPOINT, ENV_PREINIT, ROLE_ACTIVE, ROLE_SHADOW
 from leto_run.failures import FailurePolicy
 from leto_run.warm_start import ForkServer, warm_spawns
@@ -131,6 +132,13 @@ class ProcessExit:
     exitcode: int | None = None
 
 
+def _pids_of(worker_group: WorkerGroup, pcontext: PContext) -> dict[str, list[int]]:
+    """A generation's processes for its event: ``pids[i]`` is global rank ``ranks[i]``'s."""
+    pids = pcontext.pids()
+    return {"pids": [pids[w.local_rank] for w in worker_group.workers],
+            "ranks": [w.global_rank for w in worker_group.workers]}
+
+
 class LetoAgent(FailurePolicy, LocalElasticAgent):
     """A LocalElasticAgent whose worker group survives trainer failures in place."""
 
@@ -138,6 +146,10 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         super().__init__(spec, logs_specs=logs_specs, **kwargs)
         self._leto = leto
         self._events = events
+        self._summary = Summary(keep_recoveries=4)
+        """This node's recoveries phase by phase (``leto.summary``), for ``recovery_done``."""
+        self._tail = None if events.path is None else EventTail(events.path, os.path.getsize(events.path))
+        """The events file from where this job began (the trainers' events feed the summary)."""
         self._sm: StateManagerProcess | None = None
         self._shadows: PContext | None = None
         self._generation = 0
@@ -266,8 +278,7 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._launches, self._shadow_deaths, self._no_shadows_reason = {}, 0, ""
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
         self._events.emit(
-            Kind.WORKERS_STARTED, restart=self._restart_count(), pids=pcontext.pids(),
-            ranks=[w.global_rank for w in worker_group.workers],
+            Kind.WORKERS_STARTED, restart=self._restart_count(), **_pids_of(worker_group, pcontext),
             warm=self.forkserver is not None and self._restart_count() > 0,
         )
         return pcontext.pids()
@@ -376,7 +387,8 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
         self._shadows = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
         self._preinit.spawned(level)
-        self._events.emit(Kind.SHADOWS_SPAWNED, gen=gen, pids=self._shadows.pids(), level=int(level), launch=launch)
+        self._events.emit(Kind.SHADOWS_SPAWNED, gen=gen, **_pids_of(worker_group, self._shadows), level=int(level),
+                          launch=launch)
         self._store.set(contract.shadows(gen, worker_group.group_rank), "1")
 
     def _detect_killed_active(self) -> None:
@@ -572,14 +584,28 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             pool.close()
 
     def _watch_recovery(self, worker_group: WorkerGroup) -> None:
-        """When every promoted trainer has stepped once, the recovery is done."""
+        """When every promoted trainer has stepped once, the recovery is done: its phases
+        are the summary's of this node's events (each trainer writes its first step's
+        ``step_done`` before it says it stepped)."""
+        self._read_events()
         if self._recovery is None or self._store is None:
             return
         if self._store.check(self._local_keys(worker_group, "stepped", self._recovery.gen)):
             recovery, self._recovery = self._recovery, None
             self._failures_in_a_row = 0
-            self._events.emit(Kind.RECOVERY_DONE, **dataclasses.asdict(recovery), done_t=time.time())
+            self._read_events()
+            rec = next((r for r in reversed(self._summary.recoveries()) if r.gen == recovery.gen), None)
+            self._events.emit(
+                Kind.RECOVERY_DONE, **dataclasses.asdict(recovery), done_t=time.time(),
+                phases_s={} if rec is None else rec.phases, total_s=None if rec is None else rec.total_s,
+            )
             self._raise_shadow_level(worker_group)
+
+    def _read_events(self) -> None:
+        """Feed the summary what was appended to the events file since the last call."""
+        if self._tail is not None:
+            for event in self._tail.new_events():
+                self._summary.add(event)
 
     def _raise_shadow_level(self, worker_group: WorkerGroup) -> None:
         """The replacements were spawned at promotion, at the level the previous actives'

@@ -29,7 +29,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from leto.events import EventTail
+from leto.events import SCHEMA_VERSION, EventTail, Kind
 from leto.summary import Summary
 
 
@@ -316,8 +316,8 @@ class Dashboard:
                 r.shadow = "reclaimed"
         elif kind == "failure_detected":
             self.state, self._recovering_since = "recovering", e.get("detected_t", e["t"])
-            for failed in e.get("ranks", {}):
-                self.ranks.setdefault(int(failed), _Rank()).role = "failed"
+            for failed in e["ranks"]:
+                self.ranks.setdefault(failed, _Rank()).role = "failed"
         elif kind == "recovery_done":
             self.state, self._recovering_since = "training", None
         elif kind == "group_restart":
@@ -341,8 +341,8 @@ class Dashboard:
 
     def _progress_fields(self, now: float) -> dict[str, Any]:
         p = self.progress
-        fields: dict[str, Any] = {"t": now, "kind": "progress", "src": "dashboard", "step": p.done,
-                                  "total": p.total}
+        fields: dict[str, Any] = {"t": now, "kind": Kind.PROGRESS.value, "src": "dashboard",
+                                  "schema_version": SCHEMA_VERSION, "step": p.done, "total": p.total}
         frac = p.fraction()
         if frac is not None:
             fields["percent"] = round(100 * frac, 1)

@@ -98,9 +98,11 @@ class FailurePolicy(_Base):
         root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(result.failures)
         detected_t = self._detected_t or time.time()
         self._failures_in_a_row += 1
+        ranks = sorted(result.failures)
         self._events.emit(
-            Kind.FAILURE_DETECTED, ranks=failed, root_ranks=root, gen=self._generation,
-            detected_t=detected_t, failure=failure.value, in_a_row=self._failures_in_a_row,
+            Kind.FAILURE_DETECTED, ranks=ranks, exit_codes=[result.failures[r].exitcode for r in ranks],
+            root_ranks=root, gen=self._generation, detected_t=detected_t, failure=failure.value,
+            in_a_row=self._failures_in_a_row,
         )
         decision = decide(self._facts(worker_group, failure))
         record = self._epochs.publish(EpochRecord(
@@ -140,7 +142,7 @@ class FailurePolicy(_Base):
         self._events.emit(
             Kind.EPOCH, epoch=record.epoch, action=record.action, failure=record.failure,
             node=record.node, remote=record.node != worker_group.group_rank, cold=record.cold,
-            reason=record.reason,
+            reason=record.reason, detected_t=record.detected_t, root_ranks=record.root_ranks,
         )
         if record.action == "in_place":
             self._recover(worker_group, record)

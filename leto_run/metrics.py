@@ -74,7 +74,9 @@ class _State:
         if kind == "step_done":
             r = self._rank(e)
             r.steps += 1
-            r.last_step, r.iter_s = e["step"], e["iter_s"]
+            r.last_step = e["step"]
+            if not e.get("finished_in_recovery"):  # then iter_s is the recovery's finishing work
+                r.iter_s = e["iter_s"]
             if e.get("loss") is not None:
                 r.loss = e["loss"]
         elif kind == "pages_rebuilt":

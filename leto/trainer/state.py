@@ -41,7 +41,7 @@ import torch.distributed as dist
 from leto import contract
 from leto.erasure import padded_bytes
 from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStateError
-from leto.events import Kind
+from leto.events import Kind, last_event
 from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.warmup import warm_shadow
@@ -530,9 +530,6 @@ class RetainedState:
         self._phases.mark("update")
         self._committed_this_step = True
         self.ctx.preinit.report()  # memory after the step, before the agent may read it
-        if not self._announced:  # tells the agent this generation is training (recovery done)
-            self.ctx.store.set(contract.stepped(self.ctx.env.generation, self.ctx.rank), "1")
-            self._announced = True
         self.ctx.events.emit(
             Kind.STEP_DONE, rank=self.ctx.rank, step=step, total=self._total,
             iter_s=time.perf_counter() - self._step_started,
@@ -541,6 +538,10 @@ class RetainedState:
             **({} if self.device.type != "cuda" else {"device_peak_bytes": self._device_peak_bytes()}),
             **({} if self._lender is None else {"lent_bytes": self._lender.arena.lent_bytes()}),
         )
+        if not self._announced:  # this generation is training: the agent ends the recovery
+            # After step_done, so the agent finds this first step in the events file.
+            self.ctx.store.set(contract.stepped(self.ctx.env.generation, self.ctx.rank), "1")
+            self._announced = True
         self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
 
     def _device_peak_bytes(self) -> int:
@@ -652,6 +653,7 @@ class RetainedState:
         finish = any(s == low + 1 or (s == low and ph in UPDATE_PHASES) for s, ph in points)
         step, phase = self.marker.step, self.marker.phase
         action = "none"
+        t_finish = time.perf_counter()
         if finish and step == low:  # the update reads the hyperparameters of its own step
             self.extras.load_pre(step)
         if finish and step == low and self.updater is not None:
@@ -683,6 +685,7 @@ class RetainedState:
         elif not finish:
             action = "rerun"
         resume_at = low + 1 if finish else low
+        self._report_unreported(resume_at - 1, time.perf_counter() - t_finish if finish and step == low else 0.0)
         # Step resume_at's forward may have begun on this rank: its buffers back to its start.
         buffers = self.buffer_undo is not None and self.buffer_undo.restore(resume_at)
         extras = self.extras.resume(resume_at)
@@ -695,6 +698,20 @@ class RetainedState:
         if self.ctx.env.digest:
             self.emit_digest()
         return resume_at
+
+    def _report_unreported(self, step: int, iter_s: float) -> None:
+        """Write the ``step_done`` of ``step``, the last one committed on this rank, unless
+        this rank's last ``step_done`` in the events file already covers it: the promoted
+        trainer finished it here (``iter_s``: that work), or its predecessor was killed
+        between committing it and saying so. Its loss died with the predecessor."""
+        path = self.ctx.events.path
+        if step < 0 or path is None:
+            return
+        src = self.ctx.events.source
+        last = last_event(path, lambda e: e.get("kind") == "step_done" and e.get("src") == src)
+        if last is None or last.get("step", -1) < step:
+            self.ctx.events.emit(Kind.STEP_DONE, rank=self.ctx.rank, step=step, total=self._total, iter_s=iter_s,
+                                 loss=None, finished_in_recovery=True)
 
     def emit_digest(self) -> str:
         """Digest of the state region (with a sharded optimizer: and of the full parameters)

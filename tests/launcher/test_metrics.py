@@ -16,58 +16,59 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from leto.errors import ConfigError
-from leto.events import EventLog, read_events
+from leto.events import EventLog, read_events, validate
 from leto.summary import Summary
 from leto_run.metrics import MetricsServer, _State
 from tests.launcher.harness import GPT, LETO_RUN, _env
 
 JOB = """\
-{"t":100.0,"kind":"agent_started","src":"agent","entrypoint":"examples/train_gpt.py","nproc":2}
-{"t":100.5,"kind":"workers_started","src":"agent","restart":0,"pids":{"0":10,"1":11},"warm":false}
-{"t":101.0,"kind":"trainer_started","src":"trainer0","rank":0,"gen":0,"role":"active","pid":10,"before_init_s":4.3,"store_s":0.01,"context_s":0.002}
-{"t":101.0,"kind":"trainer_started","src":"trainer1","rank":1,"gen":0,"role":"active","pid":11,"before_init_s":4.3,"store_s":0.01,"context_s":0.002}
-{"t":101.0,"kind":"shadow_level","src":"agent","gen":1,"level":3,"reason":"configured","headroom_bytes":null,"free_bytes":null,"peak_bytes":null,"needed_bytes":0}
-{"t":101.25,"kind":"shadows_spawned","src":"agent","gen":1,"pids":{"0":20,"1":21},"level":3,"launch":0}
-{"t":102.0,"kind":"step_done","src":"trainer0","rank":0,"step":0,"iter_s":0.5,"loss":5.0}
-{"t":102.0,"kind":"step_done","src":"trainer1","rank":1,"step":0,"iter_s":0.5,"loss":5.0}
-{"t":102.25,"kind":"shadow_ready","src":"trainer0","rank":0,"gen":1,"level":3,"init_s":1.0}
-{"t":102.25,"kind":"shadow_ready","src":"trainer1","rank":1,"gen":1,"level":3,"init_s":1.0}
-{"t":102.5,"kind":"step_done","src":"trainer0","rank":0,"step":1,"iter_s":0.5,"loss":4.9375}
-{"t":102.5,"kind":"step_done","src":"trainer1","rank":1,"step":1,"iter_s":0.5,"loss":4.9375}
-{"t":103.0,"kind":"step_done","src":"trainer0","rank":0,"step":2,"iter_s":0.5,"loss":4.875}
-{"t":103.0,"kind":"step_done","src":"trainer1","rank":1,"step":2,"iter_s":0.5,"loss":4.875}
-{"t":103.5,"kind":"step_done","src":"trainer0","rank":0,"step":3,"iter_s":0.5,"loss":4.8125}
-{"t":103.5,"kind":"step_done","src":"trainer1","rank":1,"step":3,"iter_s":0.5,"loss":4.8125}
-{"t":104.0,"kind":"step_done","src":"trainer0","rank":0,"step":4,"iter_s":0.5,"loss":4.75}
-{"t":104.0,"kind":"step_done","src":"trainer1","rank":1,"step":4,"iter_s":0.5,"loss":4.75}
-{"t":104.5,"kind":"step_done","src":"trainer0","rank":0,"step":5,"iter_s":0.5,"loss":4.6875}
-{"t":104.5,"kind":"fault_injected","src":"trainer1","rank":1,"step":5,"phase":"update","fault":0,"point":null,"chunk":null,"fault_kind":"kill"}
-{"t":104.75,"kind":"failure_detected","src":"agent","ranks":{"1":-9,"0":-9},"root_ranks":[1],"gen":0,"detected_t":104.625,"failure":"hof","in_a_row":1}
-{"t":104.75,"kind":"epoch","src":"agent","epoch":1,"action":"in_place","failure":"hof","node":0,"remote":false,"cold":false,"reason":"trainer killed"}
-{"t":104.75,"kind":"actives_stopped","src":"agent","gen":0,"stop_s":0.125}
-{"t":105.0,"kind":"shadows_promoted","src":"agent","gen":1,"epoch":1,"promote_t":105.0,"node":0,"cold":false}
-{"t":105.0,"kind":"shadow_level","src":"agent","gen":2,"level":3,"reason":"recovery","headroom_bytes":null,"free_bytes":null,"peak_bytes":null,"needed_bytes":0}
-{"t":105.25,"kind":"promoted","src":"trainer1","rank":1,"gen":1,"level":3,"device_check_s":0.002}
-{"t":105.25,"kind":"promoted","src":"trainer0","rank":0,"gen":1,"level":3,"device_check_s":0.002}
-{"t":105.25,"kind":"shadows_spawned","src":"agent","gen":2,"pids":{"0":30,"1":31},"level":3,"launch":0}
-{"t":105.375,"kind":"pages_rebuilt","src":"trainer1","rank":1,"gen":1,"rebuild_s":0.01,"localize_s":0.001,"phase":"UPDATE","lost":{"state":{"data":2,"tier1":1,"tier2":0},"grads":{"data":1,"tier1":0,"tier2":0}}}
-{"t":105.5,"kind":"resumed","src":"trainer0","rank":0,"gen":1,"step":6,"action":"none","points":[[6,0],[5,4]],"attach_s":0.03,"decide_s":0.02}
-{"t":105.5,"kind":"resumed","src":"trainer1","rank":1,"gen":1,"step":6,"action":"restore+finish","points":[[6,0],[5,4]],"attach_s":0.03,"decide_s":0.02}
-{"t":106.0,"kind":"step_done","src":"trainer1","rank":1,"step":6,"iter_s":0.5,"loss":4.625}
-{"t":106.0,"kind":"step_done","src":"trainer0","rank":0,"step":6,"iter_s":0.5,"loss":4.625}
-{"t":106.0,"kind":"recovery_done","src":"agent","gen":1,"epoch":1,"detected_t":104.625,"stopped_t":104.75,"cold":false,"done_t":106.0}
-{"t":107.0,"kind":"fault_injected","src":"trainer0","rank":0,"step":7,"phase":"forward","fault":1,"point":null,"chunk":null,"fault_kind":"fatal"}
-{"t":107.25,"kind":"failure_detected","src":"agent","ranks":{"0":-9,"1":-15},"root_ranks":[0],"gen":1,"detected_t":107.125,"failure":"ff","in_a_row":1}
-{"t":107.25,"kind":"epoch","src":"agent","epoch":2,"action":"restart","failure":"ff","node":0,"remote":false,"cold":false,"reason":"fatal failure: hardware or retained state unusable"}
-{"t":107.5,"kind":"group_restart","src":"agent","restart":1,"recoveries":1,"reason":"ff on node 0: fatal failure: hardware or retained state unusable"}
-{"t":108.0,"kind":"workers_started","src":"agent","restart":1,"pids":{"0":40,"1":41},"warm":true}
-{"t":108.5,"kind":"shadow_level","src":"agent","gen":1,"level":1,"reason":"headroom","headroom_bytes":1073741824,"free_bytes":2147483648,"peak_bytes":1073741824,"needed_bytes":536870912}
-{"t":108.75,"kind":"shadows_spawned","src":"agent","gen":1,"pids":{"0":50,"1":51},"level":1,"launch":0}
-{"t":109.0,"kind":"shadow_ready","src":"trainer0","rank":0,"gen":1,"level":1,"init_s":0.25}
-{"t":109.5,"kind":"step_done","src":"trainer0","rank":0,"step":6,"iter_s":0.5,"loss":4.625}
-{"t":109.5,"kind":"step_done","src":"trainer1","rank":1,"step":6,"iter_s":0.5,"loss":4.625}
-{"t":110.0,"kind":"step_done","src":"trainer0","rank":0,"step":7,"iter_s":0.5,"loss":4.5625}
-{"t":110.0,"kind":"step_done","src":"trainer1","rank":1,"step":7,"iter_s":0.5,"loss":4.5625}
+{"t":100.0,"kind":"agent_started","src":"agent","schema_version":1,"entrypoint":"examples/train_gpt.py","nproc":2}
+{"t":100.5,"kind":"workers_started","src":"agent","schema_version":1,"restart":0,"pids":[10,11],"ranks":[0,1],"warm":false}
+{"t":101.0,"kind":"trainer_started","src":"trainer0","schema_version":1,"rank":0,"gen":0,"role":"active","pid":10,"before_init_s":4.3,"store_s":0.01,"context_s":0.002,"deterministic":false}
+{"t":101.0,"kind":"trainer_started","src":"trainer1","schema_version":1,"rank":1,"gen":0,"role":"active","pid":11,"before_init_s":4.3,"store_s":0.01,"context_s":0.002,"deterministic":false}
+{"t":101.0,"kind":"shadow_level","src":"agent","schema_version":1,"gen":1,"level":3,"reason":"configured","headroom_bytes":null,"free_bytes":null,"peak_bytes":null,"needed_bytes":0}
+{"t":101.25,"kind":"shadows_spawned","src":"agent","schema_version":1,"gen":1,"pids":[20,21],"ranks":[0,1],"level":3,"launch":0}
+{"t":102.0,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":0,"iter_s":0.5,"loss":5.0}
+{"t":102.0,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":0,"iter_s":0.5,"loss":5.0}
+{"t":102.25,"kind":"shadow_ready","src":"trainer0","schema_version":1,"rank":0,"gen":1,"level":3,"init_s":1.0}
+{"t":102.25,"kind":"shadow_ready","src":"trainer1","schema_version":1,"rank":1,"gen":1,"level":3,"init_s":1.0}
+{"t":102.5,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":1,"iter_s":0.5,"loss":4.9375}
+{"t":102.5,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":1,"iter_s":0.5,"loss":4.9375}
+{"t":103.0,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":2,"iter_s":0.5,"loss":4.875}
+{"t":103.0,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":2,"iter_s":0.5,"loss":4.875}
+{"t":103.5,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":3,"iter_s":0.5,"loss":4.8125}
+{"t":103.5,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":3,"iter_s":0.5,"loss":4.8125}
+{"t":104.0,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":4,"iter_s":0.5,"loss":4.75}
+{"t":104.0,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":4,"iter_s":0.5,"loss":4.75}
+{"t":104.5,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":5,"iter_s":0.5,"loss":4.6875}
+{"t":104.5,"kind":"fault_injected","src":"trainer1","schema_version":1,"rank":1,"step":5,"phase":"update","fault":0,"point":null,"chunk":null,"fault_kind":"kill"}
+{"t":104.75,"kind":"failure_detected","src":"agent","schema_version":1,"ranks":[0,1],"exit_codes":[-9,-9],"root_ranks":[1],"gen":0,"detected_t":104.625,"failure":"hof","in_a_row":1}
+{"t":104.75,"kind":"epoch","src":"agent","schema_version":1,"epoch":1,"action":"in_place","failure":"hof","node":0,"remote":false,"cold":false,"reason":"trainer killed","detected_t":104.625,"root_ranks":[1]}
+{"t":104.75,"kind":"actives_stopped","src":"agent","schema_version":1,"gen":0,"stop_s":0.125}
+{"t":105.0,"kind":"shadows_promoted","src":"agent","schema_version":1,"gen":1,"epoch":1,"promote_t":105.0,"node":0,"cold":false}
+{"t":105.0,"kind":"shadow_level","src":"agent","schema_version":1,"gen":2,"level":3,"reason":"recovery","headroom_bytes":null,"free_bytes":null,"peak_bytes":null,"needed_bytes":0}
+{"t":105.25,"kind":"promoted","src":"trainer1","schema_version":1,"rank":1,"gen":1,"level":3,"device_check_s":0.002}
+{"t":105.25,"kind":"promoted","src":"trainer0","schema_version":1,"rank":0,"gen":1,"level":3,"device_check_s":0.002}
+{"t":105.25,"kind":"shadows_spawned","src":"agent","schema_version":1,"gen":2,"pids":[30,31],"ranks":[0,1],"level":3,"launch":0}
+{"t":105.375,"kind":"pages_rebuilt","src":"trainer1","schema_version":1,"rank":1,"gen":1,"rebuild_s":0.01,"localize_s":0.001,"phase":"UPDATE","lost":{"state":{"data":2,"tier1":1,"tier2":0},"grads":{"data":1,"tier1":0,"tier2":0}}}
+{"t":105.4375,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":5,"total":null,"iter_s":0.0625,"loss":null,"finished_in_recovery":true}
+{"t":105.5,"kind":"resumed","src":"trainer0","schema_version":1,"rank":0,"gen":1,"step":6,"action":"none","points":[[6,0],[5,4]],"attach_s":0.03,"decide_s":0.02}
+{"t":105.5,"kind":"resumed","src":"trainer1","schema_version":1,"rank":1,"gen":1,"step":6,"action":"restore+finish","points":[[6,0],[5,4]],"attach_s":0.03,"decide_s":0.02}
+{"t":106.0,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":6,"iter_s":0.5,"loss":4.625}
+{"t":106.0,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":6,"iter_s":0.5,"loss":4.625}
+{"t":106.0,"kind":"recovery_done","src":"agent","schema_version":1,"gen":1,"epoch":1,"detected_t":104.625,"stopped_t":104.75,"cold":false,"done_t":106.0,"phases_s":{"detect":0.125,"stop":0.125,"promote":0.25,"wake":0.25,"attach+decide":0.25,"first step":0.5},"total_s":1.5}
+{"t":107.0,"kind":"fault_injected","src":"trainer0","schema_version":1,"rank":0,"step":7,"phase":"forward","fault":1,"point":null,"chunk":null,"fault_kind":"fatal"}
+{"t":107.25,"kind":"failure_detected","src":"agent","schema_version":1,"ranks":[0,1],"exit_codes":[-9,-15],"root_ranks":[0],"gen":1,"detected_t":107.125,"failure":"ff","in_a_row":1}
+{"t":107.25,"kind":"epoch","src":"agent","schema_version":1,"epoch":2,"action":"restart","failure":"ff","node":0,"remote":false,"cold":false,"reason":"fatal failure: hardware or retained state unusable","detected_t":107.125,"root_ranks":[0]}
+{"t":107.5,"kind":"group_restart","src":"agent","schema_version":1,"restart":1,"recoveries":1,"reason":"ff on node 0: fatal failure: hardware or retained state unusable"}
+{"t":108.0,"kind":"workers_started","src":"agent","schema_version":1,"restart":1,"pids":[40,41],"ranks":[0,1],"warm":true}
+{"t":108.5,"kind":"shadow_level","src":"agent","schema_version":1,"gen":1,"level":1,"reason":"headroom","headroom_bytes":1073741824,"free_bytes":2147483648,"peak_bytes":1073741824,"needed_bytes":536870912}
+{"t":108.75,"kind":"shadows_spawned","src":"agent","schema_version":1,"gen":1,"pids":[50,51],"ranks":[0,1],"level":1,"launch":0}
+{"t":109.0,"kind":"shadow_ready","src":"trainer0","schema_version":1,"rank":0,"gen":1,"level":1,"init_s":0.25}
+{"t":109.5,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":6,"iter_s":0.5,"loss":4.625}
+{"t":109.5,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":6,"iter_s":0.5,"loss":4.625}
+{"t":110.0,"kind":"step_done","src":"trainer0","schema_version":1,"rank":0,"step":7,"iter_s":0.5,"loss":4.5625}
+{"t":110.0,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":7,"iter_s":0.5,"loss":4.5625}
 """
 """Two ranks, as the agent and the trainers write them (shapes from a real run's file): rank 1
 killed in step 5's update and recovered in place (the kill at 104.5 until step 6 on both ranks
@@ -107,6 +108,7 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
     with open(path, "a") as f:
         f.write(JOB)
     events = [json.loads(line) for line in JOB.splitlines()]
+    assert [p for e in events for p in validate(e)] == []
     log = EventLog(path, source="agent")
     server = MetricsServer(log, 0, node_rank=3, offset=offset)
     server.start()
@@ -130,10 +132,10 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
             _labels(**node, state="failed"): 0.0,
         }
         assert _get(s, "leto_job_start_time_seconds", **node) == 100.0
-        # rank 0: steps 0-5, 6 after the recovery, 6-7 after the restart; rank 1's step 5
-        # was finished by its promoted shadow (restore+finish), which reports no step_done.
+        # steps 0-5, 6 after the recovery, 6-7 after the restart; rank 1's step 5 was finished
+        # by its promoted shadow (restore+finish), which reports it
         assert _get(s, "leto_steps_total", **node, rank="0") == 9
-        assert _get(s, "leto_steps_total", **node, rank="1") == 8
+        assert _get(s, "leto_steps_total", **node, rank="1") == 9
         assert _get(s, "leto_last_step", **node, rank="1") == 7
         assert _get(s, "leto_iteration_seconds", **node, rank="0") == 0.5
         assert _get(s, "leto_loss", **node, rank="1") == 5.0 - 7 / 16
@@ -170,7 +172,7 @@ def test_causes_of_hangs_and_of_restarts_without_an_epoch() -> None:
     state = _State()
     for line in (
         '{"t":1.0,"kind":"hang_detected","src":"agent","rank":0,"gen":0,"idle_s":61.0,"timeout_s":60.0,"proc_state":"S"}',
-        '{"t":1.5,"kind":"failure_detected","src":"agent","ranks":{"0":-9},"root_ranks":[0],"gen":0,"detected_t":1.5,"failure":"hof","in_a_row":1}',
+        '{"t":1.5,"kind":"failure_detected","src":"agent","ranks":[0],"exit_codes":[-9],"root_ranks":[0],"gen":0,"detected_t":1.5,"failure":"hof","in_a_row":1}',
         '{"t":1.5,"kind":"epoch","src":"agent","epoch":1,"action":"in_place","failure":"hof","node":0,"remote":false,"cold":false,"reason":"trainer killed"}',
         '{"t":1.75,"kind":"shadows_promoted","src":"agent","gen":1,"epoch":1,"promote_t":1.75,"node":0,"cold":false}',
         # a script without the leto API: torchrun's restart, which no epoch decided
