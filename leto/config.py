@@ -258,6 +258,11 @@ class LetoConfig:
     failure_loop_limit: int = 32
     """Trainer failures in a row without any committed step after which the job stops
     recovering in place and takes a group restart (a failure loop, not bad luck)."""
+    deterministic: bool = False
+    """Deterministic kernels in every trainer (``leto.kernels``): a recovered run is then bit
+    for bit a fault-free one. Off, the state a promoted trainer resumes from is still bit
+    for bit the state committed before the failure; only re-run steps may differ in the
+    last bits, as two fault-free runs with PyTorch's default GPU kernels do."""
     metrics_port: int | None = None
     """Serve Prometheus metrics (text format) on this TCP port of every node's agent, at
     ``/metrics``; None: no endpoint. 0 picks a free port (printed, and in the events)."""

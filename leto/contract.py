@@ -1,4 +1,8 @@
-"""The agent↔trainer contract in the job's store: one place for every key.
+"""The agent↔trainer contract: the environment of a generation and every store key.
+
+:class:`GenerationEnv` is what an agent tells one generation of trainers through their
+environment, beyond torch's own variables: the agent writes it with ``to_environ`` and
+each trainer reads it back with ``from_environ``, so a variable is spelled once.
 
 The agent (``leto_run``) and its trainers (``leto.trainer``) meet in the per-attempt worker
 TCPStore. Every key lives under :func:`store_prefix`, which carries the job's secret
@@ -15,8 +19,17 @@ the rendezvous store, which keeps out anyone who does not know leto's key names 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from leto.erasure.config import ErasureConfig
+from leto.errors import ProtocolError
+from leto.preinit.config import PreinitConfig
 
 ENV_JOB_TOKEN = "LETO_JOB_TOKEN"
 """The job's token, as the agent hands it to its trainers."""
@@ -69,3 +82,82 @@ def fault_claim(fault: int) -> str:
 def device_fault(rank: int) -> str:
     """Test hook: rank's device was broken by an injected ``kind: device`` fault."""
     return f"/leto/device_fault/{rank}"
+
+
+_TRISTATE = {None: "auto", True: "1", False: "0"}
+ENV_DETERMINISTIC = "LETO_DETERMINISTIC"
+"""``1`` under ``leto-run --deterministic`` (``leto.kernels``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationEnv:
+    """The settings an agent hands one generation of trainers (``LETO_*`` variables)."""
+
+    role: Literal["active", "shadow"]
+    generation: int
+    pool_socket: str
+    """The node's state manager."""
+    shadow_level: int = 3
+    shadow_launch: int = 0
+    """How many times this shadow generation was launched before (relaunches after a reclaim)."""
+    consistency: str = "rmu"
+    rmu_chunk_bytes: int = 0
+    """0 until the trainer's context resolves it for its device (``leto.config.default_rmu_chunk_bytes``)."""
+    rmu_fused: bool | None = None
+    lend_activations: bool | None = None
+    """``leto.lend_activation_memory`` (None: on with rmu on a CUDA device)."""
+    digest: bool = False
+    deterministic: bool = False
+    """``leto-run --deterministic``: deterministic kernels in every trainer (``leto.kernels``)."""
+    erasure: ErasureConfig | None = None
+    preinit: PreinitConfig = dataclasses.field(default_factory=PreinitConfig)
+    job_token: str = ""
+    """The job's secret: every store key lives under it (:func:`store_prefix`)."""
+
+    def to_environ(self) -> dict[str, str]:
+        return {
+            "LETO_ROLE": self.role,
+            "LETO_GENERATION": str(self.generation),
+            "LETO_POOL_SOCKET": self.pool_socket,
+            "LETO_SHADOW_LEVEL": str(self.shadow_level),
+            "LETO_SHADOW_LAUNCH": str(self.shadow_launch),
+            "LETO_CONSISTENCY": self.consistency,
+            "LETO_RMU_CHUNK_BYTES": str(self.rmu_chunk_bytes),
+            "LETO_RMU_FUSED": _TRISTATE[self.rmu_fused],
+            "LETO_LEND_ACTIVATIONS": _TRISTATE[self.lend_activations],
+            "LETO_DIGEST": "1" if self.digest else "0",
+            ENV_DETERMINISTIC: "1" if self.deterministic else "0",
+            "LETO_ERASURE": json.dumps(dataclasses.asdict(self.erasure)) if self.erasure else "",
+            "LETO_PREINIT": json.dumps(dataclasses.asdict(self.preinit)),
+            ENV_JOB_TOKEN: self.job_token,
+        }
+
+    @staticmethod
+    def fields_from_environ(env: Mapping[str, str]) -> dict[str, object]:
+        """The fields as keyword arguments (a subclass adds its own); raises
+        ``ProtocolError`` naming a variable the agent should have set."""
+        tristate = {v: k for k, v in _TRISTATE.items()}
+        try:
+            return {
+                "role": env["LETO_ROLE"],
+                "generation": int(env["LETO_GENERATION"]),
+                "pool_socket": env["LETO_POOL_SOCKET"],
+                "shadow_level": int(env.get("LETO_SHADOW_LEVEL", "3")),
+                "shadow_launch": int(env.get("LETO_SHADOW_LAUNCH", "0")),
+                "consistency": env.get("LETO_CONSISTENCY", "rmu"),
+                "rmu_chunk_bytes": int(env.get("LETO_RMU_CHUNK_BYTES", "0")),
+                "rmu_fused": tristate[env.get("LETO_RMU_FUSED", "auto")],
+                "lend_activations": tristate[env.get("LETO_LEND_ACTIVATIONS", "auto")],
+                "digest": env.get("LETO_DIGEST", "0") == "1",
+                "deterministic": env.get(ENV_DETERMINISTIC, "0") == "1",
+                "erasure": ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
+                "preinit": PreinitConfig(**json.loads(env["LETO_PREINIT"])) if env.get("LETO_PREINIT")
+                else PreinitConfig(),
+                "job_token": env[ENV_JOB_TOKEN],
+            }
+        except KeyError as e:
+            raise ProtocolError(f"leto-run did not set {e.args[0]} for this trainer") from None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> GenerationEnv:
+        return cls(**cls.fields_from_environ(env))  # type: ignore[arg-type]

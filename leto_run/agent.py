@@ -53,7 +53,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest, PContext
 
-from leto import contract, faults
+from leto import contract, faults, kernels
 from leto.config import LetoConfig
 from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
@@ -63,7 +63,7 @@ from leto.pool.process import StateManagerProcess
 from leto.preinit.controller import PreinitController, ShadowState
 from leto.preinit.levels import LevelChoice, ShadowLevel
 from leto.summary import Summary
-from leto.trainer.context import ENV_CHECKPOINT, ENV_PREINIT, ROLE_ACTIVE, ROLE_SHADOW
+from leto.trainer.context import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto_run.failures import FailurePolicy
 from leto_run.warm_start import ForkServer, warm_spawns
 
@@ -196,22 +196,20 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
     ) -> PContext:
         """Start one generation of trainers for every local rank; returns its PContext."""
         assert self._sm is not None
+        generation_env = contract.GenerationEnv(
+            role=role, generation=generation, pool_socket=self._sm.socket_path,
+            shadow_level=level or self._leto.shadow_level, shadow_launch=launch,
+            consistency=self._leto.consistency,
+            rmu_chunk_bytes=self._leto.rmu_chunk_bytes or 0,  # 0: the trainer's device decides
+            rmu_fused=self._leto.rmu_fused, lend_activations=self._leto.lend_activation_memory,
+            digest=self._leto.digest, deterministic=self._leto.deterministic, erasure=self._leto.erasure,
+            preinit=self._leto.preinit, job_token=self._job_token,
+        )
         self._spawn_env = {
-            "LETO_ROLE": role,
-            "LETO_GENERATION": str(generation),
-            "LETO_POOL_SOCKET": self._sm.socket_path,
-            "LETO_SHADOW_LEVEL": str(level or self._leto.shadow_level),
-            "LETO_SHADOW_LAUNCH": str(launch),
-            ENV_PREINIT: json.dumps(dataclasses.asdict(self._leto.preinit)),
-            "LETO_CONSISTENCY": self._leto.consistency,
-            "LETO_RMU_CHUNK_BYTES": str(self._leto.rmu_chunk_bytes or 0),  # 0: the trainer's device decides
-            "LETO_RMU_FUSED": {None: "auto", True: "1", False: "0"}[self._leto.rmu_fused],
-            "LETO_LEND_ACTIVATIONS": {None: "auto", True: "1", False: "0"}[self._leto.lend_activation_memory],
-            "LETO_DIGEST": "1" if self._leto.digest else "0",
-            contract.ENV_JOB_TOKEN: self._job_token,
+            **generation_env.to_environ(),
+            **(kernels.deterministic_env(os.environ) if self._leto.deterministic else {}),
             faults.ENV_FAULTS: faults.encode(self._leto.faults),
             faults.ENV_FAULTS_FIRED: ",".join(map(str, sorted(self._fired))),
-            "LETO_ERASURE": json.dumps(dataclasses.asdict(self._leto.erasure)) if self._leto.erasure else "",
             ENV_EVENTS_FILE: str(self._events.path or ""),
             ENV_HEARTBEAT: self._board.path if self._board is not None else "",
             ENV_CHECKPOINT: json.dumps(dataclasses.asdict(self._leto.checkpoint)) if self._leto.checkpoint else "",

@@ -42,6 +42,7 @@ LETO_FLAGS: dict[str, str] = {
     "--shadow-level": "shadow_level",
     "--recovery": "recovery",
     "--digest": "digest",
+    "--deterministic": "deterministic",
     "--hang-timeout": "hang_timeout_s",
     "--first-step-timeout": "first_step_timeout_s",
     "--no-warm-restarts": "warm_restarts",
@@ -143,6 +144,10 @@ def _add_leto_group(parser: argparse.ArgumentParser) -> None:
                    help="Keep a torch.distributed.checkpoint here for fatal failures.")
     g.add_argument("--checkpoint-every", dest="checkpoint_interval_steps", type=int, metavar="N",
                    help="Checkpoint every N steps (default: Young's interval for the FF rate).")
+    g.add_argument("--deterministic", action="store_const", const=True,
+                   help="Deterministic kernels in every trainer: a recovered run is bit for bit a "
+                   "fault-free one (slower on GPUs; default: PyTorch's kernels, and a promoted "
+                   "trainer resumes from exactly the committed state).")
     g.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="Serve Prometheus metrics at http://HOST:PORT/metrics on every node "
                    "(0: a free port).")

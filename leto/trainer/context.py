@@ -26,21 +26,19 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from leto import contract
+from leto import contract, kernels
 from leto.config import default_rmu_chunk_bytes
 from leto.device_health import DeviceUnhealthyError, check_device
-from leto.erasure import ErasureConfig
 from leto.errors import LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
 from leto.health import Heartbeat
 from leto.pool.client import PoolClient
-from leto.preinit.config import PreinitConfig
 from leto.preinit.guard import OomGuard
 from leto.preinit.probe import probe_for
 from leto.trainer.grad_sync import GradSync
@@ -56,39 +54,22 @@ logger = logging.getLogger(__name__)
 
 ROLE_ACTIVE, ROLE_SHADOW = "active", "shadow"
 ENV_CHECKPOINT = "LETO_CHECKPOINT"  # JSON of leto.config.CheckpointConfig, or empty
-ENV_PREINIT = "LETO_PREINIT"  # JSON of leto.preinit.PreinitConfig, or empty
 _WAIT_SLICE = timedelta(seconds=60)
 
 
-@dataclass(frozen=True, slots=True)
-class TrainerEnv:
-    """What the agent tells a trainer through its environment."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerEnv(contract.GenerationEnv):
+    """What a trainer is told through its environment: its agent's
+    :class:`~leto.contract.GenerationEnv` plus torch's own variables."""
 
-    role: Literal["active", "shadow"]
-    generation: int
     rank: int
     local_rank: int
     world_size: int
     restart_count: int
     master_addr: str
     master_port: int
-    pool_socket: str
-    shadow_level: int
-    shadow_launch: int
-    """How many times this shadow generation was launched before (relaunches after a reclaim)."""
-    consistency: str
-    rmu_chunk_bytes: int
-    """0 until the context resolves it for its device (``leto.config.default_rmu_chunk_bytes``)."""
-    rmu_fused: bool | None
-    lend_activations: bool | None
-    """``leto.lend_activation_memory`` (None: on with rmu on a CUDA device)."""
-    digest: bool
-    phase_times: bool
+    phase_times: bool = False
     """``LETO_PHASE_TIMES=1``: each step's phases in ``step_done`` (``leto.trainer.timing``)."""
-    erasure: ErasureConfig | None
-    preinit: PreinitConfig
-    job_token: str = ""
-    """The job's secret: every store key lives under it (``leto.contract``)."""
 
     @property
     def holds_device(self) -> bool:
@@ -96,35 +77,23 @@ class TrainerEnv:
         return self.role != ROLE_SHADOW or self.shadow_level >= 2
 
     @classmethod
-    def from_environ(cls) -> TrainerEnv:
-        env = os.environ
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> TrainerEnv:
+        env = os.environ if env is None else env
         if "LETO_POOL_SOCKET" not in env:
             raise LetoError("leto.init() must run under leto-run (LETO_POOL_SOCKET is not set)")
         try:
-            return cls(
-                role=env["LETO_ROLE"],  # type: ignore[arg-type]
-                generation=int(env["LETO_GENERATION"]),
-                rank=int(env["RANK"]),
-                local_rank=int(env["LOCAL_RANK"]),
-                world_size=int(env["WORLD_SIZE"]),
-                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                master_addr=env["MASTER_ADDR"],
-                master_port=int(env["MASTER_PORT"]),
-                pool_socket=env["LETO_POOL_SOCKET"],
-                shadow_level=int(env.get("LETO_SHADOW_LEVEL", "3")),
-                shadow_launch=int(env.get("LETO_SHADOW_LAUNCH", "0")),
-                consistency=env.get("LETO_CONSISTENCY", "rmu"),
-                rmu_chunk_bytes=int(env.get("LETO_RMU_CHUNK_BYTES", "0")),
-                rmu_fused={"auto": None, "1": True, "0": False}[env.get("LETO_RMU_FUSED", "auto")],
-                lend_activations={"auto": None, "1": True, "0": False}[env.get("LETO_LEND_ACTIVATIONS", "auto")],
-                digest=env.get("LETO_DIGEST", "0") == "1",
-                phase_times=phase_times_enabled(),
-                erasure=ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
-                preinit=PreinitConfig(**json.loads(env[ENV_PREINIT])) if env.get(ENV_PREINIT) else PreinitConfig(),
-                job_token=env[contract.ENV_JOB_TOKEN],
-            )
+            torch_env = {
+                "rank": int(env["RANK"]),
+                "local_rank": int(env["LOCAL_RANK"]),
+                "world_size": int(env["WORLD_SIZE"]),
+                "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                "master_addr": env["MASTER_ADDR"],
+                "master_port": int(env["MASTER_PORT"]),
+            }
         except KeyError as e:
             raise ProtocolError(f"leto-run did not set {e.args[0]} for this trainer") from None
+        return cls(**contract.GenerationEnv.fields_from_environ(env), **torch_env,  # type: ignore[arg-type]
+                   phase_times=phase_times_enabled())
 
 
 class Context:
@@ -408,6 +377,8 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     t_entry = time.time()
     env = TrainerEnv.from_environ()
     _die_with_agent()
+    if env.deterministic:  # before the script builds anything (leto.kernels)
+        kernels.use_deterministic()
     raw = dist.TCPStore(
         env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
@@ -421,7 +392,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         # where a start-up goes: the process until leto.init (interpreter, imports, the
         # script's top), the store, the context (the device's CUDA context among it)
         before_init_s=round(t_entry - _process_start_t(), 3), store_s=round(t_store - t_entry, 3),
-        context_s=round(now - t_store, 3),
+        context_s=round(now - t_store, 3), deterministic=torch.are_deterministic_algorithms_enabled(),
     )
     # A relaunched shadow generation (after a reclaim) must not meet the killed one's keys.
     launch = f".{env.shadow_launch}" if env.shadow_launch else ""

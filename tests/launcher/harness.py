@@ -25,14 +25,21 @@ GPT_ARGS = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list[str] = (),
              script_args: list[str] = (), leto: dict | None = None, nproc: int = 2,
              model_args: list[str] = GPT_ARGS, timeout_s: float = 240, script: str = GPT,
-             steps_flag: str = "--steps") -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+             steps_flag: str = "--steps", deterministic: bool | None = None,
+             ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """One leto-run job; ``leto`` is a job file's ``leto:`` section (faults go there too).
 
     ``script`` (default: the demo GPT) gets ``steps_flag`` (its step-count argument) and
-    ``model_args`` then ``script_args``."""
+    ``model_args`` then ``script_args``. ``deterministic`` (None: where there is a GPU)
+    runs it with ``--deterministic``, as a comparison with a fault-free run needs on a GPU
+    (on CPU the default kernels are deterministic already)."""
     events = tmp / f"events-{len(list(tmp.glob('events-*')))}.jsonl"
+    if deterministic is None:
+        import torch
+
+        deterministic = torch.cuda.is_available()
     cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard", "--digest",
-           "--events", str(events), *extra]
+           "--events", str(events), *(["--deterministic"] if deterministic else []), *extra]
     section = dict(leto or {})
     section["faults"] = [dataclasses.asdict(f) for f in faults]
     job = tmp / f"job-{events.stem}.yaml"
