@@ -14,6 +14,10 @@ with NCCL (or ``--nproc 2``: DP=2, one GPU per rank, each shadow with its own NC
     added from the measured iteration time.
 (c) the same with the checkpoint on local disk.
 
+Every job runs the same kernels: PyTorch's defaults, or ``--kernels deterministic``
+(leto-run ``--deterministic`` and the baseline's ``--deterministic``); the baseline updates
+with torch's fused AdamW. ``--iteration-only`` compares the steady iteration alone.
+
     python bench/recovery_gpu.py --json OUT.json [--mem-dir /dev/shm/x] [--disk-dir /tmp/x]
     python bench/recovery_gpu.py --profile-from OUT.json   # only (re)write OUT_profile.json
 """
@@ -50,12 +54,20 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+KERNELS = {"mode": "default"}
+"""``--kernels``: every job of the call runs PyTorch's default kernels or deterministic ones."""
+
+
+def _deterministic() -> list[str]:
+    return ["--deterministic"] if KERNELS["mode"] == "deterministic" else []
+
+
 def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int, consistency: str,
              extra: tuple[str, ...] = (), **env: str) -> list[dict]:
     events = tmp / "leto.jsonl"
     events.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard",
-           "--events", str(events), "--consistency", consistency, *extra]
+           "--events", str(events), "--consistency", consistency, *_deterministic(), *extra]
     for rank, step, phase in kills:
         cmd += ["--inject-fault", f"rank={rank},step={step},phase={phase}"]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
@@ -66,12 +78,12 @@ def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: in
 
 
 def run_torchrun(tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, name: str, nproc: int,
-                 deterministic: bool = False, **env: str) -> list[dict]:
+                 **env: str) -> list[dict]:
     events = tmp / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "1", str(REPO / "examples/torchrun_gpt_ckpt.py"), "--steps", str(steps),
            "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(every), "--kill-at-step", str(kill), *MODEL,
-           *(["--deterministic"] if deterministic else [])]
+           *_deterministic()]
     proc = subprocess.run(cmd, check=False, env=_env(LETO_EVENTS_FILE=str(events), **env), cwd=tmp, capture_output=True, text=True)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     if proc.returncode:
@@ -158,9 +170,9 @@ def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]
 
 
 def torchrun_phases(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
-    """:func:`median_phases` of a torchrun run on leto-run's deterministic kernels."""
-    return median_phases(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det_phases",
-                                      args.nproc, deterministic=True, LETO_PHASE_TIMES="1"))
+    """:func:`median_phases` of a torchrun run on the same kernels."""
+    return median_phases(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_phases",
+                                      args.nproc, LETO_PHASE_TIMES="1"))
 
 
 def print_phases(timed: dict[str, dict[str, float]]) -> None:
@@ -171,11 +183,9 @@ def print_phases(timed: dict[str, dict[str, float]]) -> None:
 
 def iteration_only(args: argparse.Namespace) -> None:
     """Steady-state iteration of leto-run (its default protection, ``--consistency``) and of
-    plain torchrun on the same model, one after the other; the first 5 steps left out, and
-    for leto-run the steps before its shadows' warm-ups finished (they share the GPU).
-    torchrun runs twice: with the deterministic kernels leto-run's example uses (the
-    overhead of Leto itself) and with PyTorch's defaults (flash attention: the price of
-    bit-exact recovery on top)."""
+    plain torchrun with torch's fused AdamW, on the same model and kernels, one after the
+    other; the first 5 steps left out, and for leto-run the steps before its shadows'
+    warm-ups finished (they share the GPU)."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
 
@@ -185,35 +195,31 @@ def iteration_only(args: argparse.Namespace) -> None:
         if args.no_shadows_only:  # diagnostic: leto-run without shadows on the GPU, and torchrun
             timed = {"leto-run, no shadows": median_phases(run_leto(
                 tmp, args.steps, [], args.nproc, args.consistency, ("--recovery", "restart"), LETO_PHASE_TIMES="1")),
-                "torchrun (deterministic)": torchrun_phases(tmp, args)}
+                "torchrun": torchrun_phases(tmp, args)}
             print_phases(timed)
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "phases_s": timed}, indent=2))
+            Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "kernels": KERNELS["mode"],
+                                                   "phases_s": timed}, indent=2))
             return
         leto_events = run_leto(tmp, args.steps, [], args.nproc, args.consistency)
         leto_all = steady(leto_events)
         leto, quiet_steps = after_shadows_settled(leto_events)
         phases: dict = {}
         if args.phase_times:  # a second run, synchronised at every phase boundary
-            phases = median_phases(run_leto(tmp, args.steps, [], args.nproc, args.consistency, LETO_PHASE_TIMES="1"),
-                                   settled=True)
-        det_events = run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_det", args.nproc,
-                                  deterministic=True)
-        det = steady(det_events)
-        if args.phase_times:
-            phases = {"leto-run": phases, "torchrun (deterministic)": torchrun_phases(tmp, args)}
+            phases = {"leto-run": median_phases(run_leto(tmp, args.steps, [], args.nproc, args.consistency,
+                                                         LETO_PHASE_TIMES="1"), settled=True),
+                      "torchrun": torchrun_phases(tmp, args)}
             print_phases(phases)
-        fast = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc))
+        base = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc))
     result = {"date": time.strftime("%Y-%m-%d"), "nproc": args.nproc, "consistency": args.consistency,
-              "leto_iteration_s": leto, "leto_steps_after_shadows_settled": quiet_steps,
-              "leto_iteration_all_steps_s": leto_all, "torchrun_deterministic_iteration_s": det, "torchrun_iteration_s": fast,
-              "overhead_vs_deterministic": leto / det - 1, "overhead_vs_default": leto / fast - 1,
-              "leto_phases_synchronised_s": phases}
-    print(f"leto-run, every step from step 5 (shadows warming up on the same GPU early on): {leto_all * 1e3:.1f} ms")
+              "kernels": KERNELS["mode"], "leto_iteration_s": leto, "leto_steps_after_shadows_settled": quiet_steps,
+              "leto_iteration_all_steps_s": leto_all, "torchrun_fused_adamw_iteration_s": base,
+              "overhead": leto / base - 1, "leto_phases_synchronised_s": phases}
+    print(f"kernels: {KERNELS['mode']}; leto-run, every step from step 5 (shadows warming up on the same GPU "
+          f"early on): {leto_all * 1e3:.1f} ms")
     print(f"leto-run ({args.consistency}) iteration {leto * 1e3:.1f} ms ({quiet_steps} steps after the shadows "
-          f"settled); torchrun, same deterministic kernels "
-          f"{det * 1e3:.1f} ms ({100 * (leto / det - 1):+.1f} %); torchrun, PyTorch's default kernels "
-          f"{fast * 1e3:.1f} ms ({100 * (leto / fast - 1):+.1f} %)")
+          f"settled); torchrun with fused AdamW, same kernels, {base * 1e3:.1f} ms; "
+          f"leto-run / torchrun = {leto / base:.3f} ({100 * (leto / base - 1):+.1f} %)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
 
@@ -234,11 +240,14 @@ def main() -> None:
     p.add_argument("--no-shadows-only", action="store_true",
                    help="with --iteration-only: only leto-run without shadows (--recovery restart) and torchrun, "
                         "both timed by phase (is the shadow on the GPU what slows the compute phase?)")
+    p.add_argument("--kernels", choices=("default", "deterministic"), default="default",
+                   help="PyTorch's default kernels (what users run) or deterministic ones, in every job")
     p.add_argument("--iteration-only", action="store_true",
                    help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call")
     p.add_argument("--profile-from", type=Path, metavar="RESULT_JSON",
                    help="write RESULT_JSON's simulator profile (<stem>_profile.json beside it) and exit")
     args = p.parse_args()
+    KERNELS["mode"] = args.kernels
     if args.profile_from is not None:
         print(f"wrote {profile_from(args.profile_from)}")
         return
@@ -266,7 +275,7 @@ def main() -> None:
                                   if e["kind"] == "step_done" and not e.get("finished_in_recovery"))
     params = next((e for e in leto_events if e["kind"] == "step_done"), {})
     leto_median = statistics.median(r.total_s for r in recs)
-    print(f"model ~1.1B params (dim 2048 x 20 layers, vocab 32000), bf16 compute, fp32 AdamW; leto iteration "
+    print(f"kernels: {KERNELS['mode']}; model ~1.1B params (dim 2048 x 20 layers, vocab 32000), bf16 compute, fp32 AdamW; leto iteration "
           f"{leto_iter * 1e3:.0f} ms ({args.consistency} consistency)")
     for r in recs:
         print(f"  leto recovery at step {r.step}: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
@@ -280,7 +289,7 @@ def main() -> None:
     print(f"{'(b) torchrun + in-memory checkpoint':42s} {mem['recovery_s']:12.3f}")
     print(f"{'(c) torchrun + disk checkpoint':42s} {disk['recovery_s']:12.3f}")
     ettr = summary.ettr(leto_events)
-    result = {"date": time.strftime("%Y-%m-%d"), "leto_recovery_s": [r.total_s for r in recs],
+    result = {"date": time.strftime("%Y-%m-%d"), "kernels": KERNELS["mode"], "leto_recovery_s": [r.total_s for r in recs],
               "leto_phases_s": [r.phases for r in recs], "leto_iteration_s": leto_iter, "leto_ettr": ettr, "consistency": args.consistency,
               "torchrun_mem": mem, "torchrun_disk": disk, "first_step_event": params,
               "speedup_vs_mem": mem["recovery_s"] / leto_median, "speedup_vs_disk": disk["recovery_s"] / leto_median}

@@ -43,9 +43,10 @@ contiguous parameter buffer ("ddp.params.float32") as part of the update.
 
 ``--bf16`` is Megatron's bf16 mixed precision as Leto retains it: parameters, gradients and
 Adam state stay fp32 (Megatron's fp32 main params are here the model's own, retained), the
-compute runs in bf16 (autocast). On a GPU the kernels are deterministic
-(``torch.use_deterministic_algorithms``, Megatron's ``deterministic_mode``), which exact
-recovery needs.
+compute runs in bf16 (autocast). Under ``leto-run --deterministic`` (or ``--deterministic``
+with ``--no-leto``) the kernels are deterministic (``torch.use_deterministic_algorithms``,
+Megatron's ``deterministic_mode``), which a bit-exact comparison with a fault-free run needs
+on a GPU; otherwise PyTorch's and Megatron's defaults.
 
 Without Leto, for comparison: ``--no-leto`` under ``torchrun`` trains the same model with a
 plain loop (torch AdamW, one flat all-reduce, clipping) and writes its iteration times to
@@ -67,7 +68,6 @@ import sys
 import time
 import warnings
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 import torch
@@ -142,6 +142,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--parameters-out", default=None,
                    help="rank 0 saves the final parameters here (torch.save, by name) for comparisons")
     p.add_argument("--no-leto", action="store_true", help="a plain loop without Leto (run under torchrun)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels, as leto-run --deterministic gives a Leto run")
     p.add_argument("--compare-baseline", action="store_true", help="also train without Leto, same process")
     p.add_argument("--bench-out", default=None, help="with --no-leto or --compare-baseline: JSON of iteration times")
     args = p.parse_args()
@@ -165,7 +167,7 @@ def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
         attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(), bias_dropout_fusion=args.fusions,
         masked_softmax_fusion=False, bias_activation_fusion=args.fusions, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, deterministic_mode=True, add_bias_linear=not args.disable_bias_linear,
+        gradient_accumulation_fusion=False, deterministic_mode=deterministic(args), add_bias_linear=not args.disable_bias_linear,
         **moe_config(args),
     )
 
@@ -433,12 +435,22 @@ def report_parameters(model: torch.nn.Module) -> None:
     print(f"megatron_gpt: rank {dist.get_rank()} parameters {digest}", flush=True)
 
 
-def setup_torch() -> None:
-    """Deterministic kernels on a GPU (exact recovery needs them); the CPU shims otherwise."""
+def deterministic(args: argparse.Namespace) -> bool:
+    """Deterministic kernels: under ``leto-run --deterministic``, or ``--no-leto --deterministic``."""
+    from leto import kernels
+
+    return kernels.requested() or args.deterministic
+
+
+def setup_torch(args: argparse.Namespace) -> None:
+    """Deterministic kernels when asked (``deterministic``); the CPU shims without CUDA."""
     torch.set_num_threads(1)
     if torch.cuda.is_available():
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        if deterministic(args):  # leto.init() applies the same under leto-run; cuBLAS reads its variable later
+            from leto import kernels
+
+            os.environ.update(kernels.deterministic_env(os.environ))
+            kernels.use_deterministic()
     else:  # no CUDA: Megatron-Core runs on CPU with the documented shims
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import megatron_cpu_shims
@@ -506,7 +518,7 @@ def main() -> None:
         raise SystemExit("megatron_gpt: --no-leto and --compare-baseline run one micro-batch without pipelining "
                          "(drop --pipeline-model-parallel-size and --global-batch-size)")
     lm.require_megatron()
-    setup_torch()
+    setup_torch(args)
     if args.no_leto:
         train_plain(args)
         return

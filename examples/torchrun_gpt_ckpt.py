@@ -23,8 +23,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_gpt import GPT, batch, deterministic_cuda, lr_at
+from train_gpt import GPT, batch, lr_at
 
+from leto import kernels
 from leto.events import EventLog, Kind
 from leto.trainer.timing import PhaseTimes
 
@@ -42,7 +43,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--deterministic", action="store_true",
-                   help="GPU: examples/train_gpt.py's deterministic kernels and math attention")
+                   help="GPU: the deterministic kernels leto-run --deterministic uses")
+    p.add_argument("--adamw", choices=("fused", "foreach"), default="fused",
+                   help="torch's AdamW implementation (fused: the fastest, the baseline a careful user runs)")
     args = p.parse_args()
     for flag, value, least in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1)):
         if value < least:  # one line, as leto-run's errors (argparse's error adds the usage)
@@ -56,8 +59,9 @@ def main() -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        if args.deterministic:
-            deterministic_cuda()
+        if args.deterministic:  # what leto-run --deterministic applies (cuBLAS reads its variable later)
+            os.environ.update(kernels.deterministic_env(os.environ))
+            kernels.use_deterministic()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = "nccl" if device.type == "cuda" and local <= torch.cuda.device_count() else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world,
@@ -66,7 +70,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     with device:
         model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
+    # The strongest plain-torch update: one fused kernel (or foreach, to compare with it)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
+                            **({"fused": True} if args.adamw == "fused" else {"foreach": True}))
     start = 0
     ckpts = sorted(Path(args.ckpt_dir).glob("step_*/.done"), key=lambda d: int(d.parent.name[5:]))
     if ckpts:

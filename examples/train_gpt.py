@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
-
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 
 import torch
 import torch.nn.functional as F
@@ -119,17 +116,6 @@ class ActivationBallast:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.ctx.device)
 
 
-def deterministic_cuda() -> None:
-    """The numerics bit-exact recovery needs on a GPU (and what examples/torchrun_gpt_ckpt.py
-    --deterministic uses, so a comparison measures Leto rather than the kernel choice):
-    deterministic algorithms, no cuDNN autotuning, the math attention path (flash and
-    memory-efficient attention backward are not deterministic)."""
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-
-
 def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor, ballast: torch.Tensor | None, args: argparse.Namespace) -> torch.Tensor:
     """The compute phase (``RetainedState.compute`` retries it if the shadows were in the way)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -162,8 +148,6 @@ def main() -> None:
     if args.steps < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
         p.exit(2, f"{p.prog}: error: --steps must be >= 1, got {args.steps}\n")
     torch.set_num_threads(1)
-    if torch.cuda.is_available():  # bit-exact recovery needs deterministic kernels
-        deterministic_cuda()
 
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     torch.manual_seed(args.seed)
