@@ -446,10 +446,9 @@ def setup_torch(args: argparse.Namespace) -> None:
     """Deterministic kernels when asked (``deterministic``); the CPU shims without CUDA."""
     torch.set_num_threads(1)
     if torch.cuda.is_available():
-        if deterministic(args):  # leto.init() applies the same under leto-run; cuBLAS reads its variable later
+        if deterministic(args):  # leto.init() applies the same under leto-run (before cuBLAS first runs)
             from leto import kernels
 
-            os.environ.update(kernels.deterministic_env(os.environ))
             kernels.use_deterministic()
     else:  # no CUDA: Megatron-Core runs on CPU with the documented shims
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -59,8 +59,7 @@ def main() -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        if args.deterministic:  # what leto-run --deterministic applies (cuBLAS reads its variable later)
-            os.environ.update(kernels.deterministic_env(os.environ))
+        if args.deterministic:  # what leto-run --deterministic applies (before cuBLAS first runs)
             kernels.use_deterministic()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = "nccl" if device.type == "cuda" and local <= torch.cuda.device_count() else "gloo"

@@ -36,8 +36,11 @@ def requested() -> bool:
 def use_deterministic() -> None:
     """Deterministic kernels in this process: what ``--deterministic`` applies in ``leto.init()``.
 
-    A torchrun baseline calls it itself to run on the same kernels."""
+    A torchrun baseline calls it itself to run on the same kernels; ``DETERMINISTIC_ENV`` is
+    set here too for it (effective if cuBLAS has not run yet in this process)."""
     import torch
+
+    os.environ.update(deterministic_env(os.environ))
 
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False

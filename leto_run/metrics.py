@@ -198,21 +198,14 @@ class _Collector(Collector):
                 pages.add_metric(labels, stats.pages_rebuilt)
         yield from (steps, last, iter_s, loss, ettr, pages)
 
-        recoveries = CounterMetricFamily(
-            "leto_recoveries",
-            "In-place recoveries (shadow generations promoted)",
-            labels=["node", "cause"],
-        )
-        for cause, n in sorted(s.recoveries.items()):
-            recoveries.add_metric([node, cause], n)
-        restarts = CounterMetricFamily(
-            "leto_group_restarts",
-            "Group restarts (torchrun's path, counted against --max-restarts)",
-            labels=["node", "cause"],
-        )
-        for cause, n in sorted(s.restarts.items()):
-            restarts.add_metric([node, cause], n)
-        yield from (recoveries, restarts)
+        for name, doc, counts in (
+            ("leto_recoveries", "In-place recoveries (shadow generations promoted)", s.recoveries),
+            ("leto_group_restarts", "Group restarts (torchrun's path, counted against --max-restarts)", s.restarts),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["node", "cause"])
+            for cause, n in sorted(counts.items()):
+                family.add_metric([node, cause], n)
+            yield family
 
         total = GaugeMetricFamily(
             "leto_last_recovery_seconds",
