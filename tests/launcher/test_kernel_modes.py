@@ -26,13 +26,22 @@ def test_promoted_trainers_resume_from_the_committed_state(tmp_path) -> None:
     assert started and not any(e["deterministic"] for e in started), "default kernels are the default"
     resumed = [e for e in events if e["kind"] == Kind.RESUMED.value]
     assert len(resumed) == 2 * len(FAULTS)
+    # The killed rank re-runs its step. A peer may still have been inside the previous
+    # step's update when the group stopped (ranks drift by up to one step): its promoted
+    # trainer finishes that update, a state no predecessor committed, so it has no digest
+    # to compare with here (the exactness tests compare it with a fault-free run).
+    checked = set()
     for r in resumed:
+        if r["action"] == "restore+finish":
+            continue
         src, step = f"trainer{r['rank']}", r["step"]
         digests = [e for e in events if e["kind"] == Kind.DIGEST.value and e["src"] == src and e["step"] == step]
         before = [e for e in digests if e["t"] < r["t"]]
         after = [e for e in digests if e["t"] > r["t"]]
-        assert r["action"] == "rerun" and before and after, (r, digests)
+        assert r["action"] in ("rerun", "none") and before and after, (r, digests)
         assert after[0]["digest"] == before[-1]["digest"], f"rank {r['rank']} resumed at {step} from other state"
+        checked.add((r["rank"], step))
+    assert checked >= {(f.rank, f.step) for f in FAULTS}, "every killed rank resumed from its committed state"
 
 
 @pytest.mark.timeout(300)
