@@ -22,6 +22,7 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/recovery_cpu.py

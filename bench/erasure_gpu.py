@@ -60,7 +60,8 @@ def timeit(fn: Callable[[], None], dev: torch.device, reps: int, warmup: int = 2
 
 def rand_bytes(n: int, dev: torch.device) -> torch.Tensor:
     return torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=dev).view(
-        torch.uint8)
+        torch.uint8
+    )
 
 
 def check(dev: torch.device, pb: int, d: int, h: int) -> dict[str, bool]:
@@ -117,8 +118,9 @@ def check(dev: torch.device, pb: int, d: int, h: int) -> dict[str, bool]:
     t1[:pb] = 0
     t2.zero_()
     g.rebuild([0], [0], [0])
-    res["decode_tiers"] = torch.equal(data, want) and torch.equal(t1, want1) and torch.equal(
-        t2, want2)
+    res["decode_tiers"] = (
+        torch.equal(data, want) and torch.equal(t1, want1) and torch.equal(t2, want2)
+    )
     return res
 
 
@@ -140,8 +142,11 @@ def graph_of(fn: Callable[[], None], dev: torch.device) -> Callable[[], None]:
 
 def variants(tiny: bool) -> list[dict[str, int]]:
     shapes = [(1, 256, 2), (1, 512, 4), (2, 512, 4), (2, 256, 2), (2, 128, 1), (4, 256, 4)]
-    out = [{"out_block": ob, "block_n": bn, "num_warps": nw, "prefetch": pf}
-           for ob, bn, nw in shapes for pf in (0, 1)]
+    out = [
+        {"out_block": ob, "block_n": bn, "num_warps": nw, "prefetch": pf}
+        for ob, bn, nw in shapes
+        for pf in (0, 1)
+    ]
     return out[:2] if tiny else out
 
 
@@ -152,7 +157,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="one encode + one k=32 update only")
     ap.add_argument("--tuning", default=None, help="JSON with a 'tuning' table to use")
-    ap.add_argument("--no-sweep", action="store_true", help="time gf16_mac's current TUNING only (no launch sweep)")
+    ap.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="time gf16_mac's current TUNING only (no launch sweep)",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     pb, d, h = (2 << 20, 1024, 16) if not args.tiny else (4096, 8, 4)
@@ -160,9 +169,14 @@ def main() -> None:
     ks = [kk for kk in (1, 8, 32) if kk <= d] if not args.tiny else [1, 4]
     import triton
 
-    out: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                 "torch": torch.__version__, "triton": triton.__version__, "page_bytes": pb,
-                 "data_pages": d, "tier1": h}
+    out: dict = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "page_bytes": pb,
+        "data_pages": d,
+        "tier1": h,
+    }
     nbytes = d * pb
     code = CauchyCode(d, h)
     masks = plane_masks(code.coef()).to(dev)
@@ -175,18 +189,31 @@ def main() -> None:
     pars = [rand_bytes(h * pb, dev) for _ in range(n_par)]
 
     def enc(par: torch.Tensor, **kw) -> object:
-        return k.gf16_mac(masks, src, src_off, par.view(torch.int32), dst_off, n_tiles,
-                   accumulate=False, **kw)
+        return k.gf16_mac(
+            masks, src, src_off, par.view(torch.int32), dst_off, n_tiles, accumulate=False, **kw
+        )
 
     def upd_chunks(kk: int, **kw) -> Callable[[], object]:
         def run() -> object:
             ck = None
             for c, j0 in enumerate(range(0, d - kk + 1, kk)):
-                ck = k.gf16_mac_strided(masks, j0, kk, new_w[j0 * pb // 4 :], pb // 4,
-                                   pars[c % n_par].view(torch.int32), 0, pb // 4, n_tiles,
-                                   accumulate=True, src2=src[j0 * pb // 4 :],
-                                   src2_stride=pb // 4, **kw)
+                ck = k.gf16_mac_strided(
+                    masks,
+                    j0,
+                    kk,
+                    new_w[j0 * pb // 4 :],
+                    pb // 4,
+                    pars[c % n_par].view(torch.int32),
+                    0,
+                    pb // 4,
+                    n_tiles,
+                    accumulate=True,
+                    src2=src[j0 * pb // 4 :],
+                    src2_stride=pb // 4,
+                    **kw,
+                )
             return ck
+
         return run
 
     if args.profile:
@@ -194,8 +221,20 @@ def main() -> None:
             with open(args.tuning) as f:
                 k.TUNING.update(json.load(f)["tuning"])
         enc(pars[0])
-        k.gf16_mac_strided(masks, 0, 32, new_w, pb // 4, pars[0].view(torch.int32), 0,
-                           pb // 4, n_tiles, accumulate=True, src2=src, src2_stride=pb // 4)
+        k.gf16_mac_strided(
+            masks,
+            0,
+            32,
+            new_w,
+            pb // 4,
+            pars[0].view(torch.int32),
+            0,
+            pb // 4,
+            n_tiles,
+            accumulate=True,
+            src2=src,
+            src2_stride=pb // 4,
+        )
         torch.cuda.synchronize()
         return
 
@@ -207,10 +246,16 @@ def main() -> None:
     dst = torch.empty_like(data)
     t_copy = timeit(lambda: dst.copy_(data), dev, reps)
     copy_rate = 2 * nbytes / t_copy  # bytes read + written per second
-    out["copy"] = {"seconds": t_copy, "GBps": nbytes / t_copy / 1e9,
-                   "traffic_GBps": copy_rate / 1e9}
-    print(f"copy {nbytes / 2**30:.2f} GiB: {t_copy * 1e3:.3f} ms = {nbytes / t_copy / 1e9:.0f} "
-          f"GB/s ({copy_rate / 1e9:.0f} GB/s read+write)", flush=True)
+    out["copy"] = {
+        "seconds": t_copy,
+        "GBps": nbytes / t_copy / 1e9,
+        "traffic_GBps": copy_rate / 1e9,
+    }
+    print(
+        f"copy {nbytes / 2**30:.2f} GiB: {t_copy * 1e3:.3f} ms = {nbytes / t_copy / 1e9:.0f} "
+        f"GB/s ({copy_rate / 1e9:.0f} GB/s read+write)",
+        flush=True,
+    )
 
     # reference outputs of the default kernel: every variant must reproduce them
     enc(pars[0])
@@ -252,10 +297,12 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
                 print(f"  {name:13s} {tag}: failed {type(e).__name__}: {e}"[:200], flush=True)
                 continue
-            sweep[b].append(dict(var, seconds=t, ok=ok, vs_copy=rate / copy_rate,
-                                 regs_spills=regs))
-            print(f"  {name:13s} {tag:12s} {t * 1e6:10.1f} us  {rate / copy_rate:5.2f}x copy"
-                  f"  regs/spills {regs}{'' if ok else '  WRONG'}", flush=True)
+            sweep[b].append(dict(var, seconds=t, ok=ok, vs_copy=rate / copy_rate, regs_spills=regs))
+            print(
+                f"  {name:13s} {tag:12s} {t * 1e6:10.1f} us  {rate / copy_rate:5.2f}x copy"
+                f"  regs/spills {regs}{'' if ok else '  WRONG'}",
+                flush=True,
+            )
     best = {}
     for b, rows in sweep.items():
         good = [r for r in rows if r["ok"]]
@@ -273,8 +320,10 @@ def main() -> None:
     # final numbers with the chosen tuning
     t_enc = timeit(lambda: enc(pars[0]), dev, reps)
     res: dict = {}
-    rows = [("copy (baseline)", t_copy, nbytes, 2 * nbytes),
-            ("encode (1024 -> 16 pages)", t_enc, nbytes, nbytes + h * pb)]
+    rows = [
+        ("copy (baseline)", t_copy, nbytes, 2 * nbytes),
+        ("encode (1024 -> 16 pages)", t_enc, nbytes, nbytes + h * pb),
+    ]
     cfg = ErasureConfig(page_bytes=pb, data_pages=d, tier1_parity=h, tier2_parity=1)
     pin = dev.type == "cuda"
     t1 = torch.empty(h * pb, dtype=torch.uint8, pin_memory=pin)
@@ -287,8 +336,14 @@ def main() -> None:
 
         def api(kk: int = kk, n_calls: int = n_calls) -> None:
             for c in range(n_calls):
-                grp.update_pages(pars[c % n_par], c * kk, kk, 0, pages_old[c * kk : (c + 1) * kk],
-                                 pages_new[c * kk : (c + 1) * kk])
+                grp.update_pages(
+                    pars[c % n_par],
+                    c * kk,
+                    kk,
+                    0,
+                    pages_old[c * kk : (c + 1) * kk],
+                    pages_new[c * kk : (c + 1) * kk],
+                )
 
         api()  # warm-up
         if dev.type == "cuda":
@@ -303,12 +358,14 @@ def main() -> None:
             walls.append((time.perf_counter() - t0) / n_calls)
             hosts.append(t_host / n_calls)
         t_api, t_host = statistics.median(walls), statistics.median(hosts)
-        res[f"update_k{kk}"] = {"kernel_seconds_per_chunk": t_graph,
-                                "api_seconds_per_chunk": t_api,
-                                "api_host_seconds_per_call": t_host,
-                                "moved_bytes_per_chunk": moved(kk),
-                                "kernel_vs_copy": moved(kk) / t_graph / copy_rate,
-                                "api_vs_copy": moved(kk) / t_api / copy_rate}
+        res[f"update_k{kk}"] = {
+            "kernel_seconds_per_chunk": t_graph,
+            "api_seconds_per_chunk": t_api,
+            "api_host_seconds_per_call": t_host,
+            "moved_bytes_per_chunk": moved(kk),
+            "kernel_vs_copy": moved(kk) / t_graph / copy_rate,
+            "api_vs_copy": moved(kk) / t_api / copy_rate,
+        }
         rows.append((f"update k={kk}, graph replay", t_graph, kk * pb, moved(kk)))
         rows.append((f"update k={kk}, update_pages", t_api, kk * pb, moved(kk)))
 
@@ -320,18 +377,32 @@ def main() -> None:
     syn = ProtectionGroup(syn_cfg, data, q_in, empty, backend="triton", syndromes=True)
     syn.encode_tier1()
     syn.update_pages(q_out, 0, d, 0, pages_old, pages_new, parity_in=q_in)
-    fresh = ProtectionGroup(syn_cfg, new, torch.empty_like(q_in), empty, backend="triton", syndromes=True)
+    fresh = ProtectionGroup(
+        syn_cfg, new, torch.empty_like(q_in), empty, backend="triton", syndromes=True
+    )
     out["check"]["syndrome_update_exact"] = torch.equal(q_out, fresh.encode_tier1())
     del fresh
     syn_ks = [kk for kk in (32, 128, 1024) if kk <= d] if not args.tiny else [4]
     for kk in syn_ks:
+
         def fold(kk: int = kk) -> None:
             for j0 in range(0, d - kk + 1, kk):
-                syn.update_pages(q_out, j0, kk, 0, pages_old[j0 : j0 + kk], pages_new[j0 : j0 + kk], parity_in=q_in)
+                syn.update_pages(
+                    q_out,
+                    j0,
+                    kk,
+                    0,
+                    pages_old[j0 : j0 + kk],
+                    pages_new[j0 : j0 + kk],
+                    parity_in=q_in,
+                )
 
         t = timeit(fold, dev, reps) / (d // kk)
-        res[f"syndrome_update_k{kk}"] = {"seconds_per_chunk": t, "moved_bytes_per_chunk": moved(kk),
-                                         "vs_copy": moved(kk) / t / copy_rate}
+        res[f"syndrome_update_k{kk}"] = {
+            "seconds_per_chunk": t,
+            "moved_bytes_per_chunk": moved(kk),
+            "vs_copy": moved(kk) / t / copy_rate,
+        }
         rows.append((f"update k={kk}, syndrome form", t, kk * pb, moved(kk)))
 
     # rebuild 16 lost data pages of the group, tier-1 parity in pinned host memory: the
@@ -363,10 +434,16 @@ def main() -> None:
         grp._run_plan_t1(plan)
         return t_plan
 
-    t_reb, t_plan, out["check"]["rebuild_exact"] = timed(lambda: grp.rebuild(lost, [], []).plan_seconds)
+    t_reb, t_plan, out["check"]["rebuild_exact"] = timed(
+        lambda: grp.rebuild(lost, [], []).plan_seconds
+    )
     t_old, t_plan_old, out["check"]["rebuild_one_pass_exact"] = timed(one_pass)
-    out["rebuild"] = {"wall_seconds": t_reb, "plan_seconds": t_plan, "one_pass_wall_seconds": t_old,
-                      "one_pass_plan_seconds": t_plan_old}
+    out["rebuild"] = {
+        "wall_seconds": t_reb,
+        "plan_seconds": t_plan,
+        "one_pass_wall_seconds": t_old,
+        "one_pass_plan_seconds": t_plan_old,
+    }
     rows.append(("rebuild 16 pages, wall", t_reb, nbytes, nbytes + 2 * h * pb))
     rows.append(("rebuild 16 pages, one-pass plan", t_old, nbytes, nbytes + 2 * h * pb))
 
@@ -381,20 +458,28 @@ def main() -> None:
     out["cpu_threads"] = torch.get_num_threads()
 
     out["results"] = res
-    print(f"\n{'operation':34s} {'ms':>9s} {'data GB/s':>10s} {'moved GB/s':>11s} "
-          f"{'vs copy':>8s}")
+    print(f"\n{'operation':34s} {'ms':>9s} {'data GB/s':>10s} {'moved GB/s':>11s} {'vs copy':>8s}")
     for name, t, data_b, mv in rows:
         ratio = mv / t / copy_rate
-        res[name] = {"seconds": t, "data_GBps": data_b / t / 1e9, "moved_GBps": mv / t / 1e9,
-                     "moved_vs_copy": ratio}
-        print(f"{name:34s} {t * 1e3:9.4f} {data_b / t / 1e9:10.1f} {mv / t / 1e9:11.1f} "
-              f"{ratio:8.2f}")
-    print(f"rebuild of 16 pages: {t_reb * 1e3:.2f} ms wall (plan {t_plan * 1e3:.2f}); the one-pass plan "
-          f"{t_old * 1e3:.2f} ms (plan {t_plan_old * 1e3:.2f})")
+        res[name] = {
+            "seconds": t,
+            "data_GBps": data_b / t / 1e9,
+            "moved_GBps": mv / t / 1e9,
+            "moved_vs_copy": ratio,
+        }
+        print(
+            f"{name:34s} {t * 1e3:9.4f} {data_b / t / 1e9:10.1f} {mv / t / 1e9:11.1f} {ratio:8.2f}"
+        )
+    print(
+        f"rebuild of 16 pages: {t_reb * 1e3:.2f} ms wall (plan {t_plan * 1e3:.2f}); the one-pass plan "
+        f"{t_old * 1e3:.2f} ms (plan {t_plan_old * 1e3:.2f})"
+    )
     for kk in ks:
         r = res[f"update_k{kk}"]
-        print(f"update k={kk}: host per update_pages call {r['api_host_seconds_per_call'] * 1e6:.1f}"
-              f" us, kernel {r['kernel_seconds_per_chunk'] * 1e6:.1f} us")
+        print(
+            f"update k={kk}: host per update_pages call {r['api_host_seconds_per_call'] * 1e6:.1f}"
+            f" us, kernel {r['kernel_seconds_per_chunk'] * 1e6:.1f} us"
+        )
     print(f"CPU reference {out['cpu_reference_MBps']:.1f} MB/s ({out['cpu_threads']} threads)")
     print("checks:", out["check"], "all variants exact:", out["all_variants_exact"])
     head = {kk: res[f"update_k{kk}"]["kernel_vs_copy"] for kk in ks}
@@ -404,11 +489,13 @@ def main() -> None:
     out["rebuild_16_pages_seconds"] = t_reb
     with open(args.json, "w") as f:
         json.dump(out, f, indent=2)
-    print("headline: update vs copy-bound rate (graph replay) "
-          + ", ".join(f"k={kk} {v:.2f}x" for kk, v in head.items())
-          + "; the updater's syndrome form (update_pages) "
-          + ", ".join(f"k={kk} {v:.2f}x" for kk, v in syn_head.items())
-          + f" (goal >= 0.50); rebuild of 16 pages {t_reb * 1e3:.1f} ms wall (goal <= 20)")
+    print(
+        "headline: update vs copy-bound rate (graph replay) "
+        + ", ".join(f"k={kk} {v:.2f}x" for kk, v in head.items())
+        + "; the updater's syndrome form (update_pages) "
+        + ", ".join(f"k={kk} {v:.2f}x" for kk, v in syn_head.items())
+        + f" (goal >= 0.50); rebuild of 16 pages {t_reb * 1e3:.1f} ms wall (goal <= 20)"
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,21 @@ sys.path.insert(0, str(REPO))
 
 from leto.events import read_events
 
-MODEL = ["--vocab", "32000", "--dim", "2048", "--layers", "20", "--heads", "16", "--seq", "512",
-         "--batch", "4", "--bf16"]
+MODEL = [
+    "--vocab",
+    "32000",
+    "--dim",
+    "2048",
+    "--layers",
+    "20",
+    "--heads",
+    "16",
+    "--seq",
+    "512",
+    "--batch",
+    "4",
+    "--bf16",
+]
 SMALL = ["--dim", "64", "--layers", "2", "--seq", "32", "--batch", "4"]
 JOBS = {
     "snapshot": {"consistency": "snapshot"},
@@ -51,35 +64,73 @@ def run(tmp: Path, name: str, section: dict, steps: int, model: list[str]) -> di
     events = tmp / f"{len(list(tmp.glob('*.jsonl')))}.jsonl"
     job = events.with_suffix(".yaml")
     job.write_text(yaml.safe_dump({"leto": section}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
-    cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", "1", "--no-dashboard", "--digest",
-           "--events", str(events), "--config", str(job), str(REPO / "examples/train_gpt.py"), "--steps", str(steps),
-           *model]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "leto_run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "--no-dashboard",
+        "--digest",
+        "--events",
+        str(events),
+        "--config",
+        str(job),
+        str(REPO / "examples/train_gpt.py"),
+        "--steps",
+        str(steps),
+        *model,
+    ]
     proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"lend_gpu: job {name!r} failed:\n{proc.stderr[-4000:]}")
     got = read_events(events)
     done = [e for e in got if e["kind"] == "step_done" and e["step"] >= 5]
-    peaks = [e["device_peak_bytes"] for e in got if e["kind"] == "step_done" and "device_peak_bytes" in e]
-    return {"iteration_s": statistics.median(e["iter_s"] for e in done),
-            "device_peak_bytes": max(peaks) if peaks else None,
-            "lent_bytes": max((e.get("lent_bytes", 0) for e in done), default=0),
-            "digests": {str(e["step"]): e["digest"] for e in got if e["kind"] == "digest"}}
+    peaks = [
+        e["device_peak_bytes"] for e in got if e["kind"] == "step_done" and "device_peak_bytes" in e
+    ]
+    return {
+        "iteration_s": statistics.median(e["iter_s"] for e in done),
+        "device_peak_bytes": max(peaks) if peaks else None,
+        "lent_bytes": max((e.get("lent_bytes", 0) for e in done), default=0),
+        "digests": {str(e["step"]): e["digest"] for e in got if e["kind"] == "digest"},
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--small", action="store_true", help="a tiny model (checks the script; on CPU nothing is lent)")
-    p.add_argument("--erasure", action="store_true",
-                   help="every job with two-tier parity (2 MiB pages, D=1024, H1=16, H2=1): the working parity "
-                        "(not lent) and the gradients' parity join the update")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="a tiny model (checks the script; on CPU nothing is lent)",
+    )
+    p.add_argument(
+        "--erasure",
+        action="store_true",
+        help="every job with two-tier parity (2 MiB pages, D=1024, H1=16, H2=1): the working parity "
+        "(not lent) and the gradients' parity join the update",
+    )
     p.add_argument("--json", default=str(REPO / "bench/results/lend_gpu.json"))
     args = p.parse_args()
     if args.erasure:
         for section in JOBS.values():
-            section["erasure"] = {"page_bytes": 2 << 20, "data_pages": 1024, "tier1_parity": 16, "tier2_parity": 1}
+            section["erasure"] = {
+                "page_bytes": 2 << 20,
+                "data_pages": 1024,
+                "tier1_parity": 16,
+                "tier2_parity": 1,
+            }
     model = SMALL if args.small else MODEL
     import torch
 
@@ -90,9 +141,16 @@ def main() -> None:
         for name, section in JOBS.items():
             results[name] = run(Path(d), name, section, args.steps, model)
             r = results[name]
-            peak = "n/a (CPU)" if r["device_peak_bytes"] is None else f"{r['device_peak_bytes'] / 2**30:.2f} GiB"
-            print(f"{name:32s} peak {peak:>12s}  iteration {r['iteration_s'] * 1e3:7.1f} ms  "
-                  f"lent {r['lent_bytes'] / 2**20:8.1f} MiB", flush=True)
+            peak = (
+                "n/a (CPU)"
+                if r["device_peak_bytes"] is None
+                else f"{r['device_peak_bytes'] / 2**30:.2f} GiB"
+            )
+            print(
+                f"{name:32s} peak {peak:>12s}  iteration {r['iteration_s'] * 1e3:7.1f} ms  "
+                f"lent {r['lent_bytes'] / 2**20:8.1f} MiB",
+                flush=True,
+            )
     own, lent = results["rmu, own undo buffer"], results["rmu, undo lent to activations"]
     same = own["digests"] == lent["digests"] and len(own["digests"]) == args.steps
     print(f"digests of the two rmu jobs equal at all {args.steps} steps: {same}")
@@ -100,11 +158,20 @@ def main() -> None:
         base = results["snapshot"]["device_peak_bytes"]
         for name in ("rmu, own undo buffer", "rmu, undo lent to activations"):
             extra = results[name]["device_peak_bytes"] - base
-            print(f"peak over snapshot (no device update buffer), {name}: {extra / 2**20:+.1f} MiB "
-                  f"({100 * extra / base:+.2f} %)")
-    out = {"date": time.strftime("%Y-%m-%d"), "steps": args.steps, "model": model, "erasure": args.erasure,
-           "digests_equal": same,
-           "jobs": {k: {kk: vv for kk, vv in v.items() if kk != "digests"} for k, v in results.items()}}
+            print(
+                f"peak over snapshot (no device update buffer), {name}: {extra / 2**20:+.1f} MiB "
+                f"({100 * extra / base:+.2f} %)"
+            )
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "steps": args.steps,
+        "model": model,
+        "erasure": args.erasure,
+        "digests_equal": same,
+        "jobs": {
+            k: {kk: vv for kk, vv in v.items() if kk != "digests"} for k, v in results.items()
+        },
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
     if not same:

@@ -40,8 +40,15 @@ def _env() -> dict[str, str]:
 
 def run_leto(tmp: Path, steps: int, kills: list[int]) -> list[dict]:
     events = tmp / "leto.jsonl"
-    cmd = [str(Path(sys.executable).with_name("leto-run")), "--standalone", "--nproc-per-node", "2",
-           "--no-dashboard", "--events", str(events)]
+    cmd = [
+        str(Path(sys.executable).with_name("leto-run")),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--events",
+        str(events),
+    ]
     for i, s in enumerate(kills):
         cmd += ["--inject-fault", f"rank={i % 2},step={s},phase={('backward', 'update')[i % 2]}"]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps)]
@@ -51,16 +58,42 @@ def run_leto(tmp: Path, steps: int, kills: list[int]) -> list[dict]:
 
 def run_torchrun(tmp: Path, steps: int, every: int, kill: int) -> list[dict]:
     events = tmp / "torchrun.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", str(REPO / "examples/torchrun_gpt_ckpt.py"), "--steps", str(steps),
-           "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", str(every), "--kill-at-step", str(kill)]
-    subprocess.run(cmd, check=True, env={**_env(), "LETO_EVENTS_FILE": str(events)}, cwd=tmp, capture_output=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(REPO / "examples/torchrun_gpt_ckpt.py"),
+        "--steps",
+        str(steps),
+        "--ckpt-dir",
+        str(tmp / "ckpt"),
+        "--ckpt-every",
+        str(every),
+        "--kill-at-step",
+        str(kill),
+    ]
+    subprocess.run(
+        cmd,
+        check=True,
+        env={**_env(), "LETO_EVENTS_FILE": str(events)},
+        cwd=tmp,
+        capture_output=True,
+    )
     return read_events(events)
 
 
 def torchrun_recovery_s(events: list[dict]) -> tuple[float, float]:
     fault = next(e for e in events if e["kind"] == "fault_injected")
-    done = [e["t"] for e in events if e["kind"] == "step_done" and e["step"] == fault["step"] and e.get("attempt") == 1]
+    done = [
+        e["t"]
+        for e in events
+        if e["kind"] == "step_done" and e["step"] == fault["step"] and e.get("attempt") == 1
+    ]
     loads = [e["t"] for e in events if e["kind"] == "resumed"]
     return max(done) - fault["t"], min(loads) - fault["t"]
 
@@ -68,7 +101,9 @@ def torchrun_recovery_s(events: list[dict]) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", default=str(REPO / "bench/results/recovery_cpu.json"))
-    p.add_argument("--kills", type=int, default=3, help="leto-run kills (each waits for ready shadows)")
+    p.add_argument(
+        "--kills", type=int, default=3, help="leto-run kills (each waits for ready shadows)"
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -76,8 +111,11 @@ def main() -> None:
         leto_steps = 150 + gap * args.kills
         leto_events = run_leto(tmp, leto_steps, [150 + gap * i for i in range(args.kills)])
         recs = [r for r in summary.recoveries(leto_events) if r.total_s is not None]
-        iter_s = statistics.median(e["iter_s"] for e in leto_events
-                                   if e["kind"] == "step_done" and not e.get("finished_in_recovery"))
+        iter_s = statistics.median(
+            e["iter_s"]
+            for e in leto_events
+            if e["kind"] == "step_done" and not e.get("finished_in_recovery")
+        )
         # Checkpoint cost C: measured by a calibration run of the baseline (no kill).
         (tmp / "calib").mkdir()
         calib = run_torchrun(tmp / "calib", 40, 10, -1)
@@ -92,20 +130,34 @@ def main() -> None:
         (f"leto-run in-place (median of {len(recs)})", leto_median),
         (f"torchrun + DCP every {every} steps", tr_total),
     ]
-    print(f"iteration {iter_s * 1e3:.1f} ms · checkpoint cost {ckpt_s * 1e3:.1f} ms · Young interval {every} steps "
-          f"(MTTF {MTTF_S:.0f} s) · torchrun kill at step {kill}")
+    print(
+        f"iteration {iter_s * 1e3:.1f} ms · checkpoint cost {ckpt_s * 1e3:.1f} ms · Young interval {every} steps "
+        f"(MTTF {MTTF_S:.0f} s) · torchrun kill at step {kill}"
+    )
     print(f"{'system':40s} {'recovery (s)':>12s}")
     for name, value in rows:
         print(f"{name:40s} {value:12.3f}")
     for r in recs:
-        print("  leto phases (ms): " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
-              + f" → total {r.total_s * 1e3:.0f}")
-    print(f"  torchrun: kill → checkpoint loaded {tr_to_load:.3f} s, then {tr_total - tr_to_load:.3f} s recomputing")
+        print(
+            "  leto phases (ms): "
+            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
+            + f" → total {r.total_s * 1e3:.0f}"
+        )
+    print(
+        f"  torchrun: kill → checkpoint loaded {tr_to_load:.3f} s, then {tr_total - tr_to_load:.3f} s recomputing"
+    )
     speedup = tr_total / leto_median
-    result = {"date": time.strftime("%Y-%m-%d"), "iteration_s": iter_s, "checkpoint_s": ckpt_s,
-              "young_interval_steps": every, "leto_recovery_s": leto_totals,
-              "leto_phases_s": [r.phases for r in recs], "torchrun_recovery_s": tr_total,
-              "torchrun_kill_to_loaded_s": tr_to_load, "speedup": speedup}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "iteration_s": iter_s,
+        "checkpoint_s": ckpt_s,
+        "young_interval_steps": every,
+        "leto_recovery_s": leto_totals,
+        "leto_phases_s": [r.phases for r in recs],
+        "torchrun_recovery_s": tr_total,
+        "torchrun_kill_to_loaded_s": tr_to_load,
+        "speedup": speedup,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     # The same measurements as a simulator profile (configs/sim/cpu-demo-measured.yaml).
@@ -114,8 +166,12 @@ def main() -> None:
         "source": f"bench/recovery_cpu.py, 2-core CPU, {result['date']}",
         "iteration_time_s": iter_s,
         "systems": {
-            "Leto": {"detection_s": leto_phases["detect"], "init_s": leto_median - leto_phases["detect"],
-                     "checkpoint_cost_s": ckpt_s, "ff_init_s": tr_to_load},
+            "Leto": {
+                "detection_s": leto_phases["detect"],
+                "init_s": leto_median - leto_phases["detect"],
+                "checkpoint_cost_s": ckpt_s,
+                "ff_init_s": tr_to_load,
+            },
             "torchrun+DCP": {"checkpoint_cost_s": ckpt_s, "init_s": tr_to_load},
         },
     }

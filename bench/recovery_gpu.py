@@ -43,13 +43,31 @@ from leto import summary
 from leto.events import read_events
 
 MTTF_S = 600.0
-MODEL = ["--vocab", "32000", "--dim", "2048", "--layers", "20", "--heads", "16", "--seq", "512",
-         "--batch", "4", "--bf16"]
+MODEL = [
+    "--vocab",
+    "32000",
+    "--dim",
+    "2048",
+    "--layers",
+    "20",
+    "--heads",
+    "16",
+    "--seq",
+    "512",
+    "--batch",
+    "4",
+    "--bf16",
+]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     env.update(extra)
     return env
 
@@ -62,29 +80,76 @@ def _deterministic() -> list[str]:
     return ["--deterministic"] if KERNELS["mode"] == "deterministic" else []
 
 
-def run_leto(tmp: Path, steps: int, kills: list[tuple[int, int, str]], nproc: int, consistency: str,
-             extra: tuple[str, ...] = (), **env: str) -> list[dict]:
+def run_leto(
+    tmp: Path,
+    steps: int,
+    kills: list[tuple[int, int, str]],
+    nproc: int,
+    consistency: str,
+    extra: tuple[str, ...] = (),
+    **env: str,
+) -> list[dict]:
     events = tmp / "leto.jsonl"
     events.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard",
-           "--events", str(events), "--consistency", consistency, *_deterministic(), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "leto_run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--no-dashboard",
+        "--events",
+        str(events),
+        "--consistency",
+        consistency,
+        *_deterministic(),
+        *extra,
+    ]
     for rank, step, phase in kills:
         cmd += ["--inject-fault", f"rank={rank},step={step},phase={phase}"]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
-    proc = subprocess.run(cmd, check=False, env=_env(**env), cwd=tmp, capture_output=True, text=True)
+    proc = subprocess.run(
+        cmd, check=False, env=_env(**env), cwd=tmp, capture_output=True, text=True
+    )
     if proc.returncode:
         raise SystemExit(f"leto-run failed:\n{proc.stderr[-4000:]}")
     return read_events(events)
 
 
-def run_torchrun(tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, name: str, nproc: int,
-                 **env: str) -> list[dict]:
+def run_torchrun(
+    tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, name: str, nproc: int, **env: str
+) -> list[dict]:
     events = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", "1", str(REPO / "examples/torchrun_gpt_ckpt.py"), "--steps", str(steps),
-           "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(every), "--kill-at-step", str(kill), *MODEL,
-           *_deterministic()]
-    proc = subprocess.run(cmd, check=False, env=_env(LETO_EVENTS_FILE=str(events), **env), cwd=tmp, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "1",
+        str(REPO / "examples/torchrun_gpt_ckpt.py"),
+        "--steps",
+        str(steps),
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--ckpt-every",
+        str(every),
+        "--kill-at-step",
+        str(kill),
+        *MODEL,
+        *_deterministic(),
+    ]
+    proc = subprocess.run(
+        cmd,
+        check=False,
+        env=_env(LETO_EVENTS_FILE=str(events), **env),
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+    )
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     if proc.returncode:
         raise SystemExit(f"torchrun baseline {name} failed:\n{proc.stderr[-4000:]}")
@@ -94,14 +159,24 @@ def run_torchrun(tmp: Path, ckpt_dir: Path, every: int, kill: int, steps: int, n
 def baseline(events: list[dict]) -> dict[str, float]:
     fault = next(e for e in events if e["kind"] == "fault_injected")
     loaded = min(e["t"] for e in events if e["kind"] == "resumed")
-    iters = [e["iter_s"] for e in events if e["kind"] == "step_done" and e.get("attempt") == 0 and e["step"] > 1]
+    iters = [
+        e["iter_s"]
+        for e in events
+        if e["kind"] == "step_done" and e.get("attempt") == 0 and e["step"] > 1
+    ]
     save = statistics.median(e["save_s"] for e in events if e["kind"] == "digest")
     iter_s = statistics.median(iters)
     interval = max(1, round(math.sqrt(2 * save * MTTF_S) / iter_s))
     init = loaded - fault["t"]
     recompute = interval / 2 * iter_s
-    return {"iteration_s": iter_s, "checkpoint_s": save, "young_interval_steps": interval,
-            "restart_and_load_s": init, "expected_recompute_s": recompute, "recovery_s": init + recompute}
+    return {
+        "iteration_s": iter_s,
+        "checkpoint_s": save,
+        "young_interval_steps": interval,
+        "restart_and_load_s": init,
+        "expected_recompute_s": recompute,
+        "recovery_s": init + recompute,
+    }
 
 
 def sim_profile(result: dict) -> dict:
@@ -112,13 +187,22 @@ def sim_profile(result: dict) -> dict:
         "source": f"bench/recovery_gpu.py, H200, {result['date']}",
         "iteration_time_s": mem["iteration_s"],
         "systems": {
-            "Leto": {"detection_s": phases["detect"],
-                     "init_s": statistics.median(result["leto_recovery_s"]) - phases["detect"],
-                     "checkpoint_cost_s": disk["checkpoint_s"], "ff_init_s": disk["restart_and_load_s"],
-                     # steady-state cost of the consistency mode measured (snapshot: a full copy per step)
-                     "overhead_ratio": result["leto_iteration_s"] / mem["iteration_s"] - 1},
-            "torchrun+mem": {"checkpoint_cost_s": mem["checkpoint_s"], "init_s": mem["restart_and_load_s"]},
-            "torchrun+disk": {"checkpoint_cost_s": disk["checkpoint_s"], "init_s": disk["restart_and_load_s"]},
+            "Leto": {
+                "detection_s": phases["detect"],
+                "init_s": statistics.median(result["leto_recovery_s"]) - phases["detect"],
+                "checkpoint_cost_s": disk["checkpoint_s"],
+                "ff_init_s": disk["restart_and_load_s"],
+                # steady-state cost of the consistency mode measured (snapshot: a full copy per step)
+                "overhead_ratio": result["leto_iteration_s"] / mem["iteration_s"] - 1,
+            },
+            "torchrun+mem": {
+                "checkpoint_cost_s": mem["checkpoint_s"],
+                "init_s": mem["restart_and_load_s"],
+            },
+            "torchrun+disk": {
+                "checkpoint_cost_s": disk["checkpoint_s"],
+                "init_s": disk["restart_and_load_s"],
+            },
         },
     }
 
@@ -136,7 +220,9 @@ def profile_from(result_path: Path) -> Path:
         result = json.loads(result_path.read_text())
         return write_profile(result, result_path)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"recovery_gpu: --profile-from {result_path}: {type(e).__name__}: {e}") from None
+        raise SystemExit(
+            f"recovery_gpu: --profile-from {result_path}: {type(e).__name__}: {e}"
+        ) from None
 
 
 SETTLED = ("shadow_ready", "kernels_warmed", "model_warmed")
@@ -151,9 +237,15 @@ def after_shadows_settled(events: list[dict]) -> tuple[float, int]:
     """Median iteration of the steps that began after the shadows' last warm-up event, and
     how many there were (a shadow warming up shares the GPU with the active trainer)."""
     t0 = _settled_t(events)
-    iters = [e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5 and e["t"] - e["iter_s"] > t0]
+    iters = [
+        e["iter_s"]
+        for e in events
+        if e["kind"] == "step_done" and e["step"] >= 5 and e["t"] - e["iter_s"] > t0
+    ]
     if len(iters) < 5:
-        raise SystemExit(f"recovery_gpu: only {len(iters)} steps ran after the shadows settled: raise --steps")
+        raise SystemExit(
+            f"recovery_gpu: only {len(iters)} steps ran after the shadows settled: raise --steps"
+        )
     return statistics.median(iters), len(iters)
 
 
@@ -161,8 +253,14 @@ def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]
     """Rank 0's median seconds per phase (``LETO_PHASE_TIMES=1`` runs), steps >= 5 (and
     begun after the shadows settled, with ``settled``), and the total."""
     t0 = _settled_t(events) if settled else 0.0
-    timed = [e for e in events if e["kind"] == "step_done" and e["step"] >= 5 and e.get("rank", 0) == 0
-             and e["t"] - e["iter_s"] > t0]
+    timed = [
+        e
+        for e in events
+        if e["kind"] == "step_done"
+        and e["step"] >= 5
+        and e.get("rank", 0) == 0
+        and e["t"] - e["iter_s"] > t0
+    ]
     if not timed:
         raise SystemExit("recovery_gpu: no timed step ran after the shadows settled: raise --steps")
     phases = {k: statistics.median(e["phases_s"][k] for e in timed) for k in timed[0]["phases_s"]}
@@ -171,14 +269,27 @@ def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]
 
 def torchrun_phases(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
     """:func:`median_phases` of a torchrun run on the same kernels."""
-    return median_phases(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain_phases",
-                                      args.nproc, LETO_PHASE_TIMES="1"))
+    return median_phases(
+        run_torchrun(
+            tmp,
+            Path(args.mem_dir),
+            args.steps + 1,
+            -1,
+            args.steps,
+            "plain_phases",
+            args.nproc,
+            LETO_PHASE_TIMES="1",
+        )
+    )
 
 
 def print_phases(timed: dict[str, dict[str, float]]) -> None:
     for name, phases in timed.items():
-        print(f"{name} phases, synchronised (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()),
-              flush=True)
+        print(
+            f"{name} phases, synchronised (ms): "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()),
+            flush=True,
+        )
 
 
 def iteration_only(args: argparse.Namespace) -> None:
@@ -190,36 +301,79 @@ def iteration_only(args: argparse.Namespace) -> None:
         tmp = Path(d)
 
         def steady(events: list[dict]) -> float:
-            return statistics.median(e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5)
+            return statistics.median(
+                e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5
+            )
 
         if args.no_shadows_only:  # diagnostic: leto-run without shadows on the GPU, and torchrun
-            timed = {"leto-run, no shadows": median_phases(run_leto(
-                tmp, args.steps, [], args.nproc, args.consistency, ("--recovery", "restart"), LETO_PHASE_TIMES="1")),
-                "torchrun": torchrun_phases(tmp, args)}
+            timed = {
+                "leto-run, no shadows": median_phases(
+                    run_leto(
+                        tmp,
+                        args.steps,
+                        [],
+                        args.nproc,
+                        args.consistency,
+                        ("--recovery", "restart"),
+                        LETO_PHASE_TIMES="1",
+                    )
+                ),
+                "torchrun": torchrun_phases(tmp, args),
+            }
             print_phases(timed)
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "kernels": KERNELS["mode"],
-                                                   "phases_s": timed}, indent=2))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "date": time.strftime("%Y-%m-%d"),
+                        "kernels": KERNELS["mode"],
+                        "phases_s": timed,
+                    },
+                    indent=2,
+                )
+            )
             return
         leto_events = run_leto(tmp, args.steps, [], args.nproc, args.consistency)
         leto_all = steady(leto_events)
         leto, quiet_steps = after_shadows_settled(leto_events)
         phases: dict = {}
         if args.phase_times:  # a second run, synchronised at every phase boundary
-            phases = {"leto-run": median_phases(run_leto(tmp, args.steps, [], args.nproc, args.consistency,
-                                                         LETO_PHASE_TIMES="1"), settled=True),
-                      "torchrun": torchrun_phases(tmp, args)}
+            phases = {
+                "leto-run": median_phases(
+                    run_leto(
+                        tmp, args.steps, [], args.nproc, args.consistency, LETO_PHASE_TIMES="1"
+                    ),
+                    settled=True,
+                ),
+                "torchrun": torchrun_phases(tmp, args),
+            }
             print_phases(phases)
-        base = steady(run_torchrun(tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc))
-    result = {"date": time.strftime("%Y-%m-%d"), "nproc": args.nproc, "consistency": args.consistency,
-              "kernels": KERNELS["mode"], "leto_iteration_s": leto, "leto_steps_after_shadows_settled": quiet_steps,
-              "leto_iteration_all_steps_s": leto_all, "torchrun_fused_adamw_iteration_s": base,
-              "overhead": leto / base - 1, "leto_phases_synchronised_s": phases}
-    print(f"kernels: {KERNELS['mode']}; leto-run, every step from step 5 (shadows warming up on the same GPU "
-          f"early on): {leto_all * 1e3:.1f} ms")
-    print(f"leto-run ({args.consistency}) iteration {leto * 1e3:.1f} ms ({quiet_steps} steps after the shadows "
-          f"settled); torchrun with fused AdamW, same kernels, {base * 1e3:.1f} ms; "
-          f"leto-run / torchrun = {leto / base:.3f} ({100 * (leto / base - 1):+.1f} %)")
+        base = steady(
+            run_torchrun(
+                tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc
+            )
+        )
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "nproc": args.nproc,
+        "consistency": args.consistency,
+        "kernels": KERNELS["mode"],
+        "leto_iteration_s": leto,
+        "leto_steps_after_shadows_settled": quiet_steps,
+        "leto_iteration_all_steps_s": leto_all,
+        "torchrun_fused_adamw_iteration_s": base,
+        "overhead": leto / base - 1,
+        "leto_phases_synchronised_s": phases,
+    }
+    print(
+        f"kernels: {KERNELS['mode']}; leto-run, every step from step 5 (shadows warming up on the same GPU "
+        f"early on): {leto_all * 1e3:.1f} ms"
+    )
+    print(
+        f"leto-run ({args.consistency}) iteration {leto * 1e3:.1f} ms ({quiet_steps} steps after the shadows "
+        f"settled); torchrun with fused AdamW, same kernels, {base * 1e3:.1f} ms; "
+        f"leto-run / torchrun = {leto / base:.3f} ({100 * (leto / base - 1):+.1f} %)"
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
 
@@ -229,23 +383,50 @@ def main() -> None:
     p.add_argument("--json", default=str(REPO / "bench/results/recovery_gpu.json"))
     p.add_argument("--mem-dir", default="/dev/shm/leto-bench-ckpt")
     p.add_argument("--disk-dir", default=str(Path(tempfile.gettempdir()) / "leto-bench-ckpt"))
-    p.add_argument("--steps", type=int, default=120,
-                   help="kills at step 40 and steps-12: keep them >= ~15 s apart so the replacement shadow is ready")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=120,
+        help="kills at step 40 and steps-12: keep them >= ~15 s apart so the replacement shadow is ready",
+    )
     p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
-    p.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)")
-    p.add_argument("--consistency", choices=("rmu", "snapshot"), default="rmu",
-                   help="leto's update consistency (rmu: the product default)")
-    p.add_argument("--phase-times", action="store_true",
-                   help="with --iteration-only: a second leto-run, each step's phases timed (LETO_PHASE_TIMES=1)")
-    p.add_argument("--no-shadows-only", action="store_true",
-                   help="with --iteration-only: only leto-run without shadows (--recovery restart) and torchrun, "
-                        "both timed by phase (is the shadow on the GPU what slows the compute phase?)")
-    p.add_argument("--kernels", choices=("default", "deterministic"), default="default",
-                   help="PyTorch's default kernels (what users run) or deterministic ones, in every job")
-    p.add_argument("--iteration-only", action="store_true",
-                   help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call")
-    p.add_argument("--profile-from", type=Path, metavar="RESULT_JSON",
-                   help="write RESULT_JSON's simulator profile (<stem>_profile.json beside it) and exit")
+    p.add_argument(
+        "--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)"
+    )
+    p.add_argument(
+        "--consistency",
+        choices=("rmu", "snapshot"),
+        default="rmu",
+        help="leto's update consistency (rmu: the product default)",
+    )
+    p.add_argument(
+        "--phase-times",
+        action="store_true",
+        help="with --iteration-only: a second leto-run, each step's phases timed (LETO_PHASE_TIMES=1)",
+    )
+    p.add_argument(
+        "--no-shadows-only",
+        action="store_true",
+        help="with --iteration-only: only leto-run without shadows (--recovery restart) and torchrun, "
+        "both timed by phase (is the shadow on the GPU what slows the compute phase?)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=("default", "deterministic"),
+        default="default",
+        help="PyTorch's default kernels (what users run) or deterministic ones, in every job",
+    )
+    p.add_argument(
+        "--iteration-only",
+        action="store_true",
+        help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call",
+    )
+    p.add_argument(
+        "--profile-from",
+        type=Path,
+        metavar="RESULT_JSON",
+        help="write RESULT_JSON's simulator profile (<stem>_profile.json beside it) and exit",
+    )
     args = p.parse_args()
     KERNELS["mode"] = args.kernels
     if args.profile_from is not None:
@@ -260,39 +441,70 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         last = args.nproc - 1
-        leto_events = run_leto(tmp, args.steps, [(last, 40, "backward"), (0, args.steps - 12, "update")], args.nproc,
-                               args.consistency)
+        leto_events = run_leto(
+            tmp,
+            args.steps,
+            [(last, 40, "backward"), (0, args.steps - 12, "update")],
+            args.nproc,
+            args.consistency,
+        )
         print(f"[{time.time() - t_start:.0f}s] leto-run done", flush=True)
         recs = [r for r in summary.recoveries(leto_events) if r.total_s is not None]
-        print("leto recoveries (ms): " + "; ".join(
-            ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items()) + f" → {r.total_s * 1e3:.0f}" for r in recs
-        ), flush=True)
+        print(
+            "leto recoveries (ms): "
+            + "; ".join(
+                ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
+                + f" → {r.total_s * 1e3:.0f}"
+                for r in recs
+            ),
+            flush=True,
+        )
         mem = baseline(run_torchrun(tmp, Path(args.mem_dir), 5, 6, 9, "mem", args.nproc))
         print(f"[{time.time() - t_start:.0f}s] torchrun + in-memory checkpoint done", flush=True)
         disk = baseline(run_torchrun(tmp, Path(args.disk_dir), 5, 6, 9, "disk", args.nproc))
         print(f"[{time.time() - t_start:.0f}s] torchrun + disk checkpoint done", flush=True)
-    leto_iter = statistics.median(e["iter_s"] for e in leto_events
-                                  if e["kind"] == "step_done" and not e.get("finished_in_recovery"))
+    leto_iter = statistics.median(
+        e["iter_s"]
+        for e in leto_events
+        if e["kind"] == "step_done" and not e.get("finished_in_recovery")
+    )
     params = next((e for e in leto_events if e["kind"] == "step_done"), {})
     leto_median = statistics.median(r.total_s for r in recs)
-    print(f"kernels: {KERNELS['mode']}; model ~1.1B params (dim 2048 x 20 layers, vocab 32000), bf16 compute, fp32 AdamW; leto iteration "
-          f"{leto_iter * 1e3:.0f} ms ({args.consistency} consistency)")
+    print(
+        f"kernels: {KERNELS['mode']}; model ~1.1B params (dim 2048 x 20 layers, vocab 32000), bf16 compute, fp32 AdamW; leto iteration "
+        f"{leto_iter * 1e3:.0f} ms ({args.consistency} consistency)"
+    )
     for r in recs:
-        print(f"  leto recovery at step {r.step}: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
-              + f" ms → total {r.total_s * 1e3:.0f} ms")
+        print(
+            f"  leto recovery at step {r.step}: "
+            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
+            + f" ms → total {r.total_s * 1e3:.0f} ms"
+        )
     for name, b in (("in-memory", mem), ("disk", disk)):
-        print(f"  torchrun + {name} ckpt: iteration {b['iteration_s'] * 1e3:.0f} ms, save {b['checkpoint_s']:.2f} s, "
-              f"Young I={b['young_interval_steps']}, restart+load {b['restart_and_load_s']:.2f} s, "
-              f"expected recompute {b['expected_recompute_s']:.2f} s")
+        print(
+            f"  torchrun + {name} ckpt: iteration {b['iteration_s'] * 1e3:.0f} ms, save {b['checkpoint_s']:.2f} s, "
+            f"Young I={b['young_interval_steps']}, restart+load {b['restart_and_load_s']:.2f} s, "
+            f"expected recompute {b['expected_recompute_s']:.2f} s"
+        )
     print(f"{'system':42s} {'recovery (s)':>12s}")
     print(f"{'(a) leto-run in place (median)':42s} {leto_median:12.3f}")
     print(f"{'(b) torchrun + in-memory checkpoint':42s} {mem['recovery_s']:12.3f}")
     print(f"{'(c) torchrun + disk checkpoint':42s} {disk['recovery_s']:12.3f}")
     ettr = summary.ettr(leto_events)
-    result = {"date": time.strftime("%Y-%m-%d"), "kernels": KERNELS["mode"], "leto_recovery_s": [r.total_s for r in recs],
-              "leto_phases_s": [r.phases for r in recs], "leto_iteration_s": leto_iter, "leto_ettr": ettr, "consistency": args.consistency,
-              "torchrun_mem": mem, "torchrun_disk": disk, "first_step_event": params,
-              "speedup_vs_mem": mem["recovery_s"] / leto_median, "speedup_vs_disk": disk["recovery_s"] / leto_median}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "kernels": KERNELS["mode"],
+        "leto_recovery_s": [r.total_s for r in recs],
+        "leto_phases_s": [r.phases for r in recs],
+        "leto_iteration_s": leto_iter,
+        "leto_ettr": ettr,
+        "consistency": args.consistency,
+        "torchrun_mem": mem,
+        "torchrun_disk": disk,
+        "first_step_event": params,
+        "speedup_vs_mem": mem["recovery_s"] / leto_median,
+        "speedup_vs_disk": disk["recovery_s"] / leto_median,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     write_profile(result, Path(args.json))

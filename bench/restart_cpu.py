@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LETO_RUN = str(Path(sys.executable).with_name("leto-run"))
 
-SCRIPT = '''
+SCRIPT = """
 import json, os, signal, sys, time
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ for step in range(8):
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 dist.destroy_process_group()
-'''
+"""
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
@@ -73,7 +73,16 @@ def restart_s(launcher: list[str], tmp: Path, tag: str) -> float:
     script = tmp / "plain_restart.py"
     script.write_text(SCRIPT)
     out = tmp / tag
-    cmd = [*launcher, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(script), str(out)]
+    cmd = [
+        *launcher,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(script),
+        str(out),
+    ]
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, check=True, cwd=tmp, env=env, capture_output=True, timeout=300)
     kill = float(Path(str(out) + ".kill").read_text())
@@ -81,7 +90,9 @@ def restart_s(launcher: list[str], tmp: Path, tag: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=str(REPO / "bench/results/restart_cpu.json"))
     args = p.parse_args()
@@ -96,7 +107,9 @@ def main() -> None:
         print(f"{name:<16} {med[name]:>20.3f}   {', '.join(f'{x:.3f}' for x in v)}")
     speedup = med["torchrun"] / med["leto-run warm"]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"restart_s": times, "median_s": med, "speedup": speedup}, indent=2))
+    Path(args.json).write_text(
+        json.dumps({"restart_s": times, "median_s": med, "speedup": speedup}, indent=2)
+    )
     print(f"speedup: {speedup:.1f}x")
 
 

@@ -30,13 +30,27 @@ from leto.events import read_events
 CPU_MODEL = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 
 
-def run(repo: Path, tmp: Path, kills: int, gap: int, script_args: list[str], nproc: int) -> list[dict]:
+def run(
+    repo: Path, tmp: Path, kills: int, gap: int, script_args: list[str], nproc: int
+) -> list[dict]:
     events = tmp / "events.jsonl"
-    cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard",
-           "--events", str(events)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "leto_run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--no-dashboard",
+        "--events",
+        str(events),
+    ]
     for i in range(kills):
         step = gap * (i + 1)
-        cmd += ["--inject-fault", f"rank={i % nproc},step={step},phase=backward,shadow_ready_steps_before=3"]
+        cmd += [
+            "--inject-fault",
+            f"rank={i % nproc},step={step},phase=backward,shadow_ready_steps_before=3",
+        ]
     cmd += [str(repo / "examples/train_gpt.py"), "--steps", str(gap * (kills + 1)), *script_args]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, check=False)
@@ -50,16 +64,40 @@ def windows(events: list[dict]) -> list[dict[str, float]]:
     out = []
     for p in (e for e in events if e["kind"] == "shadows_promoted"):
         gen, t0 = p["gen"] + 1, p["promote_t"]
-        spawned = next((e["t"] for e in events if e["kind"] == "shadows_spawned" and e["gen"] == gen
-                        and e["t"] >= t0), None)
-        started = [e["t"] for e in events if e["kind"] == "trainer_started" and e["gen"] == gen and e["t"] >= t0]
-        ready = [e["t"] for e in events if e["kind"] == "shadow_ready" and e["gen"] == gen and e["t"] >= t0]
+        spawned = next(
+            (
+                e["t"]
+                for e in events
+                if e["kind"] == "shadows_spawned" and e["gen"] == gen and e["t"] >= t0
+            ),
+            None,
+        )
+        started = [
+            e["t"]
+            for e in events
+            if e["kind"] == "trainer_started" and e["gen"] == gen and e["t"] >= t0
+        ]
+        ready = [
+            e["t"]
+            for e in events
+            if e["kind"] == "shadow_ready" and e["gen"] == gen and e["t"] >= t0
+        ]
         if spawned is None or not ready:
             continue
-        parts = [e for e in events if e["kind"] == "trainer_started" and e["gen"] == gen and e["t"] >= t0]
-        window = {"spawn_s": spawned - t0, "start_s": max(started) - spawned if started else float("nan"),
-                  "preinit_s": max(ready) - (max(started) if started else spawned), "ready_s": max(ready) - t0}
-        for key in ("before_init_s", "store_s", "context_s"):  # inside start_s (recent trainers report them)
+        parts = [
+            e for e in events if e["kind"] == "trainer_started" and e["gen"] == gen and e["t"] >= t0
+        ]
+        window = {
+            "spawn_s": spawned - t0,
+            "start_s": max(started) - spawned if started else float("nan"),
+            "preinit_s": max(ready) - (max(started) if started else spawned),
+            "ready_s": max(ready) - t0,
+        }
+        for key in (
+            "before_init_s",
+            "store_s",
+            "context_s",
+        ):  # inside start_s (recent trainers report them)
             if parts and all(key in e for e in parts):
                 window[key] = max(e[key] for e in parts)
         out.append(window)
@@ -68,19 +106,31 @@ def windows(events: list[dict]) -> list[dict[str, float]]:
 
 def _row(name: str, ws: list[dict[str, float]]) -> str:
     med = {k: statistics.median(w[k] for w in ws) for k in ws[0]}
-    return (f"{name:10s} {len(ws):3d}  {med['spawn_s']:8.2f} {med['start_s']:8.2f} {med['preinit_s']:9.2f} "
-            f"{med['ready_s']:8.2f}  (max {max(w['ready_s'] for w in ws):.2f})")
+    return (
+        f"{name:10s} {len(ws):3d}  {med['spawn_s']:8.2f} {med['start_s']:8.2f} {med['preinit_s']:9.2f} "
+        f"{med['ready_s']:8.2f}  (max {max(w['ready_s'] for w in ws):.2f})"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--gap", type=int, default=30, help="steps between kills")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--baseline-rev", help="also run this git revision's leto-run (a temporary worktree)")
-    p.add_argument("--baseline-dir", type=Path, help="also run the leto-run of this checkout (e.g. an older one)")
+    p.add_argument(
+        "--baseline-rev", help="also run this git revision's leto-run (a temporary worktree)"
+    )
+    p.add_argument(
+        "--baseline-dir",
+        type=Path,
+        help="also run the leto-run of this checkout (e.g. an older one)",
+    )
     p.add_argument("--json", type=Path)
-    p.add_argument("script_args", nargs="*", help="train_gpt.py arguments (default: the CPU test model)")
+    p.add_argument(
+        "script_args", nargs="*", help="train_gpt.py arguments (default: the CPU test model)"
+    )
     args = p.parse_args()
     script_args = args.script_args or CPU_MODEL
     results: dict[str, list[dict[str, float]]] = {}
@@ -88,36 +138,72 @@ def main() -> None:
         tmp = Path(d)
         if args.baseline_dir:
             (tmp / "b").mkdir()
-            results["baseline"] = windows(run(args.baseline_dir.resolve(), tmp / "b", args.kills, args.gap,
-                                              script_args, args.nproc))
+            results["baseline"] = windows(
+                run(
+                    args.baseline_dir.resolve(),
+                    tmp / "b",
+                    args.kills,
+                    args.gap,
+                    script_args,
+                    args.nproc,
+                )
+            )
         elif args.baseline_rev:
             base = tmp / "baseline"
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.baseline_rev],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [
+                    "git",
+                    "-C",
+                    str(REPO),
+                    "worktree",
+                    "add",
+                    "--detach",
+                    str(base),
+                    args.baseline_rev,
+                ],
+                check=True,
+                capture_output=True,
+            )
             try:
                 (tmp / "b").mkdir()
-                results["baseline"] = windows(run(base, tmp / "b", args.kills, args.gap, script_args, args.nproc))
+                results["baseline"] = windows(
+                    run(base, tmp / "b", args.kills, args.gap, script_args, args.nproc)
+                )
             finally:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
+                subprocess.run(
+                    ["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
+                    check=False,
+                )
         (tmp / "l").mkdir()
-        results["leto"] = windows(run(REPO, tmp / "l", args.kills, args.gap, script_args, args.nproc))
-    print(f"{'':10s} {'n':>3s}  {'spawn':>8s} {'start':>8s} {'pre-init':>9s} {'ready':>8s}  (medians, s)")
+        results["leto"] = windows(
+            run(REPO, tmp / "l", args.kills, args.gap, script_args, args.nproc)
+        )
+    print(
+        f"{'':10s} {'n':>3s}  {'spawn':>8s} {'start':>8s} {'pre-init':>9s} {'ready':>8s}  (medians, s)"
+    )
     for name, ws in results.items():
         if not ws:
             sys.exit(f"{name}: no replacement became ready")
         print(_row(name, ws))
         if "context_s" in ws[0]:
-            parts = {k: statistics.median(w[k] for w in ws) for k in ("before_init_s", "store_s", "context_s")}
-            print(f"{'':10s} start = process until leto.init {parts['before_init_s']:.2f} + store "
-                  f"{parts['store_s']:.2f} + context {parts['context_s']:.2f} (+ the fork)")
+            parts = {
+                k: statistics.median(w[k] for w in ws)
+                for k in ("before_init_s", "store_s", "context_s")
+            }
+            print(
+                f"{'':10s} start = process until leto.init {parts['before_init_s']:.2f} + store "
+                f"{parts['store_s']:.2f} + context {parts['context_s']:.2f} (+ the fork)"
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
     now = statistics.median(w["ready_s"] for w in results["leto"])
     if "baseline" in results:
         before = statistics.median(w["ready_s"] for w in results["baseline"])
-        print(f"replacement shadows ready {now:.2f} s after promotion (p50), {before:.2f} s before: "
-              f"{before / now:.1f}x sooner")
+        print(
+            f"replacement shadows ready {now:.2f} s after promotion (p50), {before:.2f} s before: "
+            f"{before / now:.1f}x sooner"
+        )
     else:
         print(f"replacement shadows ready {now:.2f} s after promotion (p50)")
 

@@ -42,9 +42,22 @@ def _env() -> dict[str, str]:
 
 
 def _command(events: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", "2", "--no-dashboard",
-            "--digest", "--events", str(events), str(REPO / "examples/train_gpt.py"), "--steps", str(steps),
-            *MODEL]
+    return [
+        sys.executable,
+        "-m",
+        "leto_run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--digest",
+        "--events",
+        str(events),
+        str(REPO / "examples/train_gpt.py"),
+        "--steps",
+        str(steps),
+        *MODEL,
+    ]
 
 
 def _digests(events: list[dict]) -> dict[tuple[int, int], set[str]]:
@@ -106,8 +119,13 @@ def _shm_bytes() -> int:
 
 def soak(tmp: Path, steps: int, kills: int, mean_s: float, seed: int, both_every: int) -> dict:
     events_path = tmp / "soak.jsonl"
-    proc = subprocess.Popen(_command(events_path, steps), env=_env(), cwd=tmp, stdout=subprocess.DEVNULL,
-                            stderr=(tmp / "soak.err").open("w"))
+    proc = subprocess.Popen(
+        _command(events_path, steps),
+        env=_env(),
+        cwd=tmp,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp / "soak.err").open("w"),
+    )
     rng = random.Random(seed)
     pids: dict[tuple[int, int], int] = {}  # (gen, rank) -> pid
     gen, offset, fired, samples = 0, 0, 0, []
@@ -121,7 +139,9 @@ def soak(tmp: Path, steps: int, kills: int, mean_s: float, seed: int, both_every
             elif e["kind"] == "shadows_promoted":
                 gen = e["gen"]
         if sm_pid is None or not os.path.exists(f"/proc/{sm_pid}"):
-            sm_pid = next((c for c in _children(proc.pid) if "leto.pool.server" in _cmdline(c)), None)
+            sm_pid = next(
+                (c for c in _children(proc.pid) if "leto.pool.server" in _cmdline(c)), None
+            )
         if fired < kills and time.monotonic() >= next_kill:
             ranks = [0, 1] if rng.randrange(both_every) == 0 else [rng.randrange(2)]
             targets = [pids[(gen, r)] for r in ranks if (gen, r) in pids]
@@ -134,8 +154,18 @@ def soak(tmp: Path, steps: int, kills: int, mean_s: float, seed: int, both_every
                 fired += 1
                 agent = _fds_rss(proc.pid)
                 sm = _fds_rss(sm_pid) if sm_pid else (-1, -1)
-                samples.append({"kill": fired, "gen": gen, "ranks": ranks, "agent_fds": agent[0],
-                                "agent_rss": agent[1], "sm_fds": sm[0], "sm_rss": sm[1], "shm_bytes": _shm_bytes()})
+                samples.append(
+                    {
+                        "kill": fired,
+                        "gen": gen,
+                        "ranks": ranks,
+                        "agent_fds": agent[0],
+                        "agent_rss": agent[1],
+                        "sm_fds": sm[0],
+                        "sm_rss": sm[1],
+                        "shm_bytes": _shm_bytes(),
+                    }
+                )
             next_kill = time.monotonic() + rng.expovariate(1 / mean_s)
         time.sleep(0.01)
     events = read_events(events_path)
@@ -147,18 +177,33 @@ def _calibrated_steps(tmp: Path, kill_s: float, probe_steps: int = 200) -> int:
     fault-free probe (start-up excluded), times the kills' expected duration, half again for
     the recoveries."""
     (tmp / "probe").mkdir()
-    subprocess.run(_command(tmp / "probe" / "p.jsonl", probe_steps), env=_env(), cwd=tmp / "probe",
-                   capture_output=True, check=True)
-    done = [e["t"] for e in read_events(tmp / "probe" / "p.jsonl") if e["kind"] == "step_done" and e["rank"] == 0]
+    subprocess.run(
+        _command(tmp / "probe" / "p.jsonl", probe_steps),
+        env=_env(),
+        cwd=tmp / "probe",
+        capture_output=True,
+        check=True,
+    )
+    done = [
+        e["t"]
+        for e in read_events(tmp / "probe" / "p.jsonl")
+        if e["kind"] == "step_done" and e["rank"] == 0
+    ]
     rate = (len(done) - 1) / max(1e-3, done[-1] - done[0])
     return int(rate * kill_s * 1.5) + 100
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--kills", type=int, default=100)
-    p.add_argument("--mean-s", type=float, default=3.0, help="mean wait between kills (exponential)")
-    p.add_argument("--steps", type=int, default=0, help="training steps (default: enough for the kills)")
+    p.add_argument(
+        "--mean-s", type=float, default=3.0, help="mean wait between kills (exponential)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=0, help="training steps (default: enough for the kills)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--both-every", type=int, default=10, help="1 kill in N takes both ranks")
     p.add_argument("--json", type=Path)
@@ -168,8 +213,14 @@ def main() -> None:
         (tmp / "ref").mkdir()
         steps = args.steps or _calibrated_steps(tmp, args.kills * args.mean_s)
         t0 = time.monotonic()
-        ref = subprocess.run(_command(tmp / "ref" / "ref.jsonl", steps), env=_env(), cwd=tmp / "ref",
-                             capture_output=True, text=True, check=False)
+        ref = subprocess.run(
+            _command(tmp / "ref" / "ref.jsonl", steps),
+            env=_env(),
+            cwd=tmp / "ref",
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         ref_s = time.monotonic() - t0
         if ref.returncode != 0:
             sys.exit(f"the fault-free run failed: {ref.stderr[-2000:]}")
@@ -189,17 +240,25 @@ def main() -> None:
     failures = [e for e in events if e["kind"] == "failure_detected"]
     in_window = sum(1 for e in failures if e.get("in_a_row", 1) > 1)
     samples = run["samples"]
-    half = samples[len(samples) // 2:] or samples
+    half = samples[len(samples) // 2 :] or samples
 
     def spread(key: str) -> str:
         values = [s[key] for s in samples if s[key] >= 0]
         late = [s[key] for s in half if s[key] >= 0]
-        return f"{min(values)}..{max(values)} (second half {min(late)}..{max(late)})" if values else "n/a"
+        return (
+            f"{min(values)}..{max(values)} (second half {min(late)}..{max(late)})"
+            if values
+            else "n/a"
+        )
 
-    print(f"steps {steps}, fault-free run {ref_s:.0f} s, soak {soak_s:.0f} s, seed {args.seed}, mean wait "
-          f"{args.mean_s} s")
-    print(f"kills fired {run['kills']}, failures detected {len(failures)}, in-place recoveries {len(promoted)} "
-          f"(cold {sum(e.get('cold', False) for e in promoted)}), group restarts {kinds['group_restart']}")
+    print(
+        f"steps {steps}, fault-free run {ref_s:.0f} s, soak {soak_s:.0f} s, seed {args.seed}, mean wait "
+        f"{args.mean_s} s"
+    )
+    print(
+        f"kills fired {run['kills']}, failures detected {len(failures)}, in-place recoveries {len(promoted)} "
+        f"(cold {sum(e.get('cold', False) for e in promoted)}), group restarts {kinds['group_restart']}"
+    )
     print(f"failures that struck a generation before its first step: {in_window}")
     for key in ("agent_fds", "sm_fds", "agent_rss", "sm_rss", "shm_bytes"):
         print(f"  {key:10s} {spread(key)}")
@@ -207,17 +266,33 @@ def main() -> None:
     ok = run["returncode"] == 0 and not missing and not mismatched and kinds["group_restart"] == 0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "steps": steps, "kills": run["kills"], "mean_s": args.mean_s, "seed": args.seed,
-            "returncode": run["returncode"], "failures": len(failures), "recoveries": len(promoted),
-            "before_first_step": in_window, "group_restarts": kinds["group_restart"],
-            "missing": len(missing), "mismatched": len(mismatched), "samples": samples,
-            "ref_s": ref_s, "soak_s": soak_s,
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "steps": steps,
+                    "kills": run["kills"],
+                    "mean_s": args.mean_s,
+                    "seed": args.seed,
+                    "returncode": run["returncode"],
+                    "failures": len(failures),
+                    "recoveries": len(promoted),
+                    "before_first_step": in_window,
+                    "group_restarts": kinds["group_restart"],
+                    "missing": len(missing),
+                    "mismatched": len(mismatched),
+                    "samples": samples,
+                    "ref_s": ref_s,
+                    "soak_s": soak_s,
+                },
+                indent=1,
+            )
+        )
     if not ok:
         print(err, file=sys.stderr)
-    print(f"{'OK' if ok else 'FAILED'}: {run['kills']} kills, job exit {run['returncode']}, "
-          f"{len(mismatched) + len(missing)} digest mismatches")
+    print(
+        f"{'OK' if ok else 'FAILED'}: {run['kills']} kills, job exit {run['returncode']}, "
+        f"{len(mismatched) + len(missing)} digest mismatches"
+    )
     sys.exit(0 if ok else 1)
 
 

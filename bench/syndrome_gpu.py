@@ -50,16 +50,41 @@ def fmt(v: tuple) -> str:
     return "x".join(str(x) for x in v)
 
 
-def fold_run(gf16_syndrome, sc, d: int, kk: int, pb: int, h: int, new, old, q_in, q_out, v: tuple,
-             math: bool = True) -> None:
+def fold_run(
+    gf16_syndrome,
+    sc,
+    d: int,
+    kk: int,
+    pb: int,
+    h: int,
+    new,
+    old,
+    q_in,
+    q_out,
+    v: tuple,
+    math: bool = True,
+) -> None:
     """Fold the group's chunks of ``kk`` pages out of place (``q_out = q_in ^ fold``) with launch shape ``v``."""
     from leto.erasure.bitslice import TILE_BYTES
 
     for j0 in range(0, d - kk + 1, kk):
-        gf16_syndrome.syndrome_update(sc, j0, kk, new.view(torch.int32)[j0 * pb // 4 :], pb // 4,
-                                      old.view(torch.int32)[j0 * pb // 4 :], pb // 4, q_in.view(torch.int32),
-                                      q_out.view(torch.int32), 0, pb // 4, h, pb // TILE_BYTES,
-                                      **dict(zip(KEYS, v)), math=math)
+        gf16_syndrome.syndrome_update(
+            sc,
+            j0,
+            kk,
+            new.view(torch.int32)[j0 * pb // 4 :],
+            pb // 4,
+            old.view(torch.int32)[j0 * pb // 4 :],
+            pb // 4,
+            q_in.view(torch.int32),
+            q_out.view(torch.int32),
+            0,
+            pb // 4,
+            h,
+            pb // TILE_BYTES,
+            **dict(zip(KEYS, v)),
+            math=math,
+        )
 
 
 def warm(variant: str, diag: bool) -> None:
@@ -69,7 +94,9 @@ def warm(variant: str, diag: bool) -> None:
 
     v = tuple(int(x) for x in variant.split("x"))
     pb, d, h, dev = 2 << 20, 1024, 16, torch.device("cuda")
-    bufs = [torch.zeros(n // 4, dtype=torch.int32, device=dev) for n in (2 * pb, 2 * pb, h * pb, h * pb)]
+    bufs = [
+        torch.zeros(n // 4, dtype=torch.int32, device=dev) for n in (2 * pb, 2 * pb, h * pb, h * pb)
+    ]
     sc = gf16_syndrome.scale_table(d, dev)
     for math in (True, False) if diag else (True,):
         fold_run(gf16_syndrome, sc, 2, 2, pb, h, bufs[0], bufs[1], bufs[2], bufs[3], v, math)
@@ -81,16 +108,36 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run in Triton's interpreter")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time the launch shapes of SWEEP at the --sweep-ks run lengths")
-    ap.add_argument("--diag", action="store_true",
-                    help="also time the kernel without its multiplications (loads alone) per launch shape")
-    ap.add_argument("--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)")
-    ap.add_argument("--sweep-ks", default=None,
-                    help="comma-separated chunk lengths of the sweep (default 4,32,128,1024)")
-    ap.add_argument("--syndrome-min-pages", type=int, default=None,
-                    help="fold runs of at least this many pages with the Horner kernel (default: leto.erasure.group's)")
-    ap.add_argument("--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)")
-    ap.add_argument("--warm", default=None, help="compile one launch shape (BLOCKxWARPSxACC) and exit")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the launch shapes of SWEEP at the --sweep-ks run lengths",
+    )
+    ap.add_argument(
+        "--diag",
+        action="store_true",
+        help="also time the kernel without its multiplications (loads alone) per launch shape",
+    )
+    ap.add_argument(
+        "--ks", default=None, help="comma-separated chunk lengths (default 1,8,32,64,1024)"
+    )
+    ap.add_argument(
+        "--sweep-ks",
+        default=None,
+        help="comma-separated chunk lengths of the sweep (default 4,32,128,1024)",
+    )
+    ap.add_argument(
+        "--syndrome-min-pages",
+        type=int,
+        default=None,
+        help="fold runs of at least this many pages with the Horner kernel (default: leto.erasure.group's)",
+    )
+    ap.add_argument(
+        "--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)"
+    )
+    ap.add_argument(
+        "--warm", default=None, help="compile one launch shape (BLOCKxWARPSxACC) and exit"
+    )
     args = ap.parse_args()
     if args.warm:
         return warm(args.warm, args.diag)
@@ -117,19 +164,29 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(n: int) -> torch.Tensor:
-        return torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=dev, generator=gen).view(torch.uint8)
+        return torch.randint(
+            -(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=dev, generator=gen
+        ).view(torch.uint8)
 
     data, new = rnd(d * pb), rnd(d * pb)
     empty = torch.empty(0, dtype=torch.uint8, device=dev)
     q = [rnd(h * pb) for _ in range(2)]
     parity_form = ProtectionGroup(cfg, data, q[0], empty, backend="triton")
     syn = ProtectionGroup(cfg, data, q[0], empty, backend="triton", syndromes=True)
-    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                 "page_bytes": pb, "data_pages": d, "tier1": h, "date": time.strftime("%Y-%m-%d")}
+    out: dict = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "page_bytes": pb,
+        "data_pages": d,
+        "tier1": h,
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
     if args.ncu:
         kk = min(128, d)
-        syn.update_pages(q[1], 0, kk, 0, data.view(d, pb)[:kk], new.view(d, pb)[:kk], parity_in=q[0])
+        syn.update_pages(
+            q[1], 0, kk, 0, data.view(d, pb)[:kk], new.view(d, pb)[:kk], parity_in=q[0]
+        )
         if cuda:
             torch.cuda.synchronize()
         return
@@ -141,19 +198,43 @@ def main() -> None:
     masks = plane_masks(syn.code1.coef()).to(dev)
     from triton_kernels.gf16_mac import gf16_mac_strided
 
-    gf16_mac_strided(masks, 0, d, new.view(torch.int32), pb // 4, q[0].view(torch.int32), 0, pb // 4, pb // TILE_BYTES,
-                     accumulate=True, src2=data.view(torch.int32), src2_stride=pb // 4)
+    gf16_mac_strided(
+        masks,
+        0,
+        d,
+        new.view(torch.int32),
+        pb // 4,
+        q[0].view(torch.int32),
+        0,
+        pb // 4,
+        pb // TILE_BYTES,
+        accumulate=True,
+        src2=data.view(torch.int32),
+        src2_stride=pb // 4,
+    )
     checks = {"syndrome_equals_generic_kernel": bool(torch.equal(got, q[0]))}
     sd, sh, sk = 40, 16, 5
-    small_cfg = ErasureConfig(page_bytes=2 * TILE_BYTES, data_pages=sd, tier1_parity=sh, tier2_parity=0)
+    small_cfg = ErasureConfig(
+        page_bytes=2 * TILE_BYTES, data_pages=sd, tier1_parity=sh, tier2_parity=0
+    )
     sdata, snew, sq = rnd(sk * 2 * TILE_BYTES), rnd(sk * 2 * TILE_BYTES), rnd(sh * 2 * TILE_BYTES)
-    sg = ProtectionGroup(small_cfg, torch.zeros(sd * 2 * TILE_BYTES, dtype=torch.uint8, device=dev), sq.clone(), empty,
-                         backend="triton", syndromes=True)
+    sg = ProtectionGroup(
+        small_cfg,
+        torch.zeros(sd * 2 * TILE_BYTES, dtype=torch.uint8, device=dev),
+        sq.clone(),
+        empty,
+        backend="triton",
+        syndromes=True,
+    )
     ref = sq.cpu().clone()
     n = 2 * TILE_BYTES
-    mac_pages([row[7 : 7 + sk] for row in sg.code1.coef()], [snew.cpu()[i * n : (i + 1) * n] for i in range(sk)],
-              [ref[p * n : (p + 1) * n] for p in range(sh)], accumulate=True,
-              srcs_xor=[sdata.cpu()[i * n : (i + 1) * n] for i in range(sk)])
+    mac_pages(
+        [row[7 : 7 + sk] for row in sg.code1.coef()],
+        [snew.cpu()[i * n : (i + 1) * n] for i in range(sk)],
+        [ref[p * n : (p + 1) * n] for p in range(sh)],
+        accumulate=True,
+        srcs_xor=[sdata.cpu()[i * n : (i + 1) * n] for i in range(sk)],
+    )
     sout = torch.empty_like(sq)
     sg.update_pages(sout, 7, sk, 0, sdata, snew, parity_in=sq)
     checks["syndrome_equals_reference"] = bool(torch.equal(sout.cpu(), ref))
@@ -171,38 +252,69 @@ def main() -> None:
     t_copy = timeit(lambda: dst.copy_(data), dev, reps, warmup=1)
     copy_rate = 2 * d * pb / t_copy
     out["copy"] = {"ms": 1e3 * t_copy, "traffic_GBps": copy_rate / 1e9}
-    print(f"copy {d * pb / 2**30:.2f} GiB: {1e3 * t_copy:.3f} ms ({copy_rate / 1e9:.0f} GB/s read+write)", flush=True)
+    print(
+        f"copy {d * pb / 2**30:.2f} GiB: {1e3 * t_copy:.3f} ms ({copy_rate / 1e9:.0f} GB/s read+write)",
+        flush=True,
+    )
     pages_old, pages_new = data.view(d, pb), new.view(d, pb)
     rows = []
     for kk in ks:
         chunks = list(range(0, d - kk + 1, kk))
 
-        def fold(group: ProtectionGroup, out_of_place: bool, kk: int = kk, chunks: list = chunks) -> None:
+        def fold(
+            group: ProtectionGroup, out_of_place: bool, kk: int = kk, chunks: list = chunks
+        ) -> None:
             for j0 in chunks:
                 if out_of_place:
-                    group.update_pages(q[1], j0, kk, 0, pages_old[j0 : j0 + kk], pages_new[j0 : j0 + kk], parity_in=q[0])
+                    group.update_pages(
+                        q[1],
+                        j0,
+                        kk,
+                        0,
+                        pages_old[j0 : j0 + kk],
+                        pages_new[j0 : j0 + kk],
+                        parity_in=q[0],
+                    )
                 else:
-                    group.update_pages(q[0], j0, kk, 0, pages_old[j0 : j0 + kk], pages_new[j0 : j0 + kk])
+                    group.update_pages(
+                        q[0], j0, kk, 0, pages_old[j0 : j0 + kk], pages_new[j0 : j0 + kk]
+                    )
 
         moved = 2 * kk * pb + 2 * h * pb
-        for name, group, oop in (("generic", parity_form, False), ("syndrome", syn, False),
-                                 ("syndrome, out of place", syn, True)):
+        for name, group, oop in (
+            ("generic", parity_form, False),
+            ("syndrome", syn, False),
+            ("syndrome, out of place", syn, True),
+        ):
             t = timeit(lambda g=group, o=oop: fold(g, o), dev, reps, warmup=1) / len(chunks)
-            row = {"k": kk, "kernel": name, "us_per_chunk": 1e6 * t, "group_ms": 1e3 * t * len(chunks),
-                   "vs_copy": moved / t / copy_rate}
+            row = {
+                "k": kk,
+                "kernel": name,
+                "us_per_chunk": 1e6 * t,
+                "group_ms": 1e3 * t * len(chunks),
+                "vs_copy": moved / t / copy_rate,
+            }
             rows.append(row)
-            print(f"k={kk:5d} {name:24s} {1e6 * t:10.1f} us/chunk  group {1e3 * t * len(chunks):8.2f} ms  "
-                  f"{row['vs_copy']:5.2f}x copy", flush=True)
+            print(
+                f"k={kk:5d} {name:24s} {1e6 * t:10.1f} us/chunk  group {1e3 * t * len(chunks):8.2f} ms  "
+                f"{row['vs_copy']:5.2f}x copy",
+                flush=True,
+            )
     out["folds"] = rows
     if args.sweep or args.diag:
         sc = gf16_syndrome.scale_table(d, dev)
         sweep, want = [], {}
-        variants = [(v, m) for v in (SWEEP if args.sweep else (DEFAULT,))
-                    for m in ((True, False) if args.diag and v in DIAG else (True,))]
+        variants = [
+            (v, m)
+            for v in (SWEEP if args.sweep else (DEFAULT,))
+            for m in ((True, False) if args.diag and v in DIAG else (True,))
+        ]
         for v, math in variants:
             for kk in sweep_ks if d >= max(sweep_ks) else (min(4, d),):
+
                 def run(v: tuple = v, math: bool = math, kk: int = kk) -> None:
                     fold_run(gf16_syndrome, sc, d, kk, pb, h, new, data, q[0], q[1], v, math)
+
                 try:
                     run()
                     ok = not math or kk not in want or torch.equal(q[1], want[kk])
@@ -213,31 +325,52 @@ def main() -> None:
                     print(f"sweep {fmt(v)}: failed {type(e).__name__}: {str(e)[:160]}", flush=True)
                     break
                 moved = 2 * kk * pb + 2 * h * pb
-                row = {"variant": dict(zip(KEYS, v)), "math": math, "k": kk, "us_per_chunk": 1e6 * t,
-                       "us_per_page": 1e6 * t / kk, "vs_copy": moved / t / copy_rate, "ok": ok}
+                row = {
+                    "variant": dict(zip(KEYS, v)),
+                    "math": math,
+                    "k": kk,
+                    "us_per_chunk": 1e6 * t,
+                    "us_per_page": 1e6 * t / kk,
+                    "vs_copy": moved / t / copy_rate,
+                    "ok": ok,
+                }
                 sweep.append(row)
-                print(f"sweep {fmt(v)} {'full' if math else 'loads only'} k={kk:5d}: {1e6 * t / kk:7.2f} us/page "
-                      f"{row['vs_copy']:5.2f}x copy{'' if ok else '  WRONG'}", flush=True)
+                print(
+                    f"sweep {fmt(v)} {'full' if math else 'loads only'} k={kk:5d}: {1e6 * t / kk:7.2f} us/page "
+                    f"{row['vs_copy']:5.2f}x copy{'' if ok else '  WRONG'}",
+                    flush=True,
+                )
         out["sweep"] = sweep
         if not all(r["ok"] for r in sweep):
             print("sweep: a variant's syndromes differ from the first variant's", flush=True)
     t_to = timeit(lambda: syn.syndromes_of(p_of, back), dev, reps, warmup=1)
     t_from = timeit(lambda: syn.parity_of(q[0], p_of), dev, reps, warmup=1)
     out["conversions_ms"] = {"syndromes_of": 1e3 * t_to, "parity_of": 1e3 * t_from}
-    print(f"conversions per group: syndromes_of {1e3 * t_to:.3f} ms, parity_of {1e3 * t_from:.3f} ms", flush=True)
+    print(
+        f"conversions per group: syndromes_of {1e3 * t_to:.3f} ms, parity_of {1e3 * t_from:.3f} ms",
+        flush=True,
+    )
     if cuda:
         ck = gf16_syndrome._syndrome_kernel
         try:
             compiled = next(iter(ck.device_caches[torch.cuda.current_device()][0].values()))
             ptx = compiled.asm.get("ptx", "")
-            out["syndrome_kernel"] = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
-                                      **{f"ptx_{op}": ptx.count(op) for op in ("xor.b32", "shfl", "bar.sync",
-                                                                               "ld.local", "st.local", "ld.global")}}
+            out["syndrome_kernel"] = {
+                "n_regs": compiled.n_regs,
+                "n_spills": compiled.n_spills,
+                **{
+                    f"ptx_{op}": ptx.count(op)
+                    for op in ("xor.b32", "shfl", "bar.sync", "ld.local", "st.local", "ld.global")
+                },
+            }
             print("syndrome kernel:", out["syndrome_kernel"], flush=True)
         except Exception as e:  # noqa: BLE001 - the registers are a note, not a result
             print(f"syndrome kernel registers unavailable: {e}", flush=True)
-    path = args.json or (Path(os.environ["OUT"]) / "syndrome_gpu.json" if os.environ.get("OUT")
-                         else REPO / "bench" / "results" / "syndrome_gpu.json")
+    path = args.json or (
+        Path(os.environ["OUT"]) / "syndrome_gpu.json"
+        if os.environ.get("OUT")
+        else REPO / "bench" / "results" / "syndrome_gpu.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"json {path}")

@@ -58,8 +58,11 @@ import time; time.sleep(120)
 
 
 def one(kind: str, gib: int) -> tuple[float | None, float]:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, kind, str(gib)], stdout=subprocess.PIPE,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, kind, str(gib)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
     time.sleep(0.2)
     t0 = time.perf_counter()
@@ -79,14 +82,30 @@ def main() -> None:
     p.add_argument("--json", default=str(REPO / "bench/results/teardown_gpu.json"))
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    cases = [("torch", 0), ("torch", 8), ("torch", 32), ("torch", 96), ("vmm", 16), ("vmm", 64), ("chunks", 16), ("busy", 0)]
+    cases = [
+        ("torch", 0),
+        ("torch", 8),
+        ("torch", 32),
+        ("torch", 96),
+        ("vmm", 16),
+        ("vmm", 64),
+        ("chunks", 16),
+        ("busy", 0),
+    ]
     out = []
     for kind, gib in cases:
         runs = [one(kind, gib) for _ in range(args.repeats)]
-        row = {"case": f"{kind} {gib} GiB", "dying_s": [r[0] for r in runs], "zombie_s": [r[1] for r in runs],
-               "zombie_median_s": statistics.median(r[1] for r in runs)}
-        print(f"{row['case']:>14}: seen dying {[round(d or -1, 4) for d in row['dying_s']]} s, "
-              f"zombie {[round(z, 3) for z in row['zombie_s']]} s", flush=True)
+        row = {
+            "case": f"{kind} {gib} GiB",
+            "dying_s": [r[0] for r in runs],
+            "zombie_s": [r[1] for r in runs],
+            "zombie_median_s": statistics.median(r[1] for r in runs),
+        }
+        print(
+            f"{row['case']:>14}: seen dying {[round(d or -1, 4) for d in row['dying_s']]} s, "
+            f"zombie {[round(z, 3) for z in row['zombie_s']]} s",
+            flush=True,
+        )
         out.append(row)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

@@ -36,7 +36,9 @@ def install() -> None:
     """Patch ``torch.cuda.current_device`` and Megatron's RNG tracker for CPU (idempotent)."""
     global _installed
     if torch.cuda.is_available():
-        raise RuntimeError("megatron_cpu_shims are for machines without CUDA; do not install them on a GPU")
+        raise RuntimeError(
+            "megatron_cpu_shims are for machines without CUDA; do not install them on a GPU"
+        )
     if _installed:
         return
     from megatron.core.tensor_parallel import random as mrandom
@@ -76,7 +78,9 @@ class CudaToCpu(TorchFunctionMode):
     """``device="cuda"`` (by name or ``torch.device``) becomes the CPU; ``Tensor.cuda()`` is
     the tensor itself. Everything else passes through unchanged."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
@@ -100,9 +104,14 @@ def _install_pipeline() -> None:
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import schedules
 
-    for name in ("forward_backward_pipelining_without_interleaving", "forward_backward_no_pipelining"):
+    for name in (
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_no_pipelining",
+    ):
         setattr(schedules, name, _on_cpu(getattr(schedules, name)))
-    LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+    LanguageModule.setup_embeddings_and_output_layer = _on_cpu(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
 
 
 class CpuStream:

@@ -79,46 +79,95 @@ from leto.integrations import megatron as lm
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="TP degree (no sequence parallelism); data parallelism is the rest of the world")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="pipeline stages (1F1B, no interleaving; needs --ddp-impl megatron)")
-    p.add_argument("--num-experts", type=int, default=None, help="MoE: experts per layer (default: dense MLP)")
-    p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="EP degree: experts split over EP ranks of the data-parallel world (TP = PP = 1)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="TP degree (no sequence parallelism); data parallelism is the rest of the world",
+    )
+    p.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages (1F1B, no interleaving; needs --ddp-impl megatron)",
+    )
+    p.add_argument(
+        "--num-experts", type=int, default=None, help="MoE: experts per layer (default: dense MLP)"
+    )
+    p.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="EP degree: experts split over EP ranks of the data-parallel world (TP = PP = 1)",
+    )
     p.add_argument("--moe-router-topk", type=int, default=2)
-    p.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall")
-    p.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
-                   default="aux_loss")
+    p.add_argument(
+        "--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall"
+    )
+    p.add_argument(
+        "--moe-router-load-balancing-type",
+        choices=["aux_loss", "seq_aux_loss", "none"],
+        default="aux_loss",
+    )
     p.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
-    p.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default --ffn-hidden-size")
-    p.add_argument("--disable-bias-linear", action="store_true",
-                   help="no biases in the linear layers (Megatron's MoE recipes; required with --num-experts)")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per iteration over all DP replicas (default micro-batch size * DP): "
-                        "micro-batches per iteration = global / (micro * DP)")
-    p.add_argument("--share-embeddings-and-output-weights", action="store_true",
-                   help="tie the output layer to the word embedding (under pipeline parallelism: copies on the "
-                        "first and last stage, their gradients all-reduced)")
-    p.add_argument("--ddp-impl", choices=["megatron", "leto"], default="megatron",
-                   help="data-parallel gradients: megatron = Megatron-Core's DistributedDataParallel with its "
-                        "grad buffers in retained regions (default); leto = Leto's flat grads region and all-reduce")
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="--ddp-impl megatron: Megatron's distributed optimizer (sharded main params and Adam "
-                        "state, reduce-scattered gradients, parameters all-gathered after the update)")
-    p.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="--ddp-impl megatron: launch each bucket's all-reduce from backward hooks")
-    p.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="--ddp-impl megatron with --overlap-grad-reduce: elements per bucket "
-                        "(default Megatron's, max(4e7, 1e6 * DP))")
+    p.add_argument(
+        "--moe-ffn-hidden-size", type=int, default=None, help="default --ffn-hidden-size"
+    )
+    p.add_argument(
+        "--disable-bias-linear",
+        action="store_true",
+        help="no biases in the linear layers (Megatron's MoE recipes; required with --num-experts)",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per iteration over all DP replicas (default micro-batch size * DP): "
+        "micro-batches per iteration = global / (micro * DP)",
+    )
+    p.add_argument(
+        "--share-embeddings-and-output-weights",
+        action="store_true",
+        help="tie the output layer to the word embedding (under pipeline parallelism: copies on the "
+        "first and last stage, their gradients all-reduced)",
+    )
+    p.add_argument(
+        "--ddp-impl",
+        choices=["megatron", "leto"],
+        default="megatron",
+        help="data-parallel gradients: megatron = Megatron-Core's DistributedDataParallel with its "
+        "grad buffers in retained regions (default); leto = Leto's flat grads region and all-reduce",
+    )
+    p.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="--ddp-impl megatron: Megatron's distributed optimizer (sharded main params and Adam "
+        "state, reduce-scattered gradients, parameters all-gathered after the update)",
+    )
+    p.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="--ddp-impl megatron: launch each bucket's all-reduce from backward hooks",
+    )
+    p.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="--ddp-impl megatron with --overlap-grad-reduce: elements per bucket "
+        "(default Megatron's, max(4e7, 1e6 * DP))",
+    )
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
-    p.add_argument("--vocab-size", type=int, default=256, help="synthetic data: the padded vocabulary size")
+    p.add_argument(
+        "--vocab-size", type=int, default=256, help="synthetic data: the padded vocabulary size"
+    )
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--min-lr", type=float, default=0.0)
@@ -134,20 +183,45 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention-dropout", type=float, default=0.1)
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--bf16", action="store_true", help="bf16 compute over fp32 params and Adam state")
-    p.add_argument("--fusions", action="store_true",
-                   help="Megatron's bias-GeLU and bias-dropout-add fusions (jit_fuser: torch.compile)")
-    p.add_argument("--no-shadow-warm-up", action="store_true",
-                   help="shadows skip warming Megatron's first iteration (lm.warm_up_shadow)")
-    p.add_argument("--parameters-out", default=None,
-                   help="rank 0 saves the final parameters here (torch.save, by name) for comparisons")
-    p.add_argument("--no-leto", action="store_true", help="a plain loop without Leto (run under torchrun)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels, as leto-run --deterministic gives a Leto run")
-    p.add_argument("--compare-baseline", action="store_true", help="also train without Leto, same process")
-    p.add_argument("--bench-out", default=None, help="with --no-leto or --compare-baseline: JSON of iteration times")
+    p.add_argument(
+        "--bf16", action="store_true", help="bf16 compute over fp32 params and Adam state"
+    )
+    p.add_argument(
+        "--fusions",
+        action="store_true",
+        help="Megatron's bias-GeLU and bias-dropout-add fusions (jit_fuser: torch.compile)",
+    )
+    p.add_argument(
+        "--no-shadow-warm-up",
+        action="store_true",
+        help="shadows skip warming Megatron's first iteration (lm.warm_up_shadow)",
+    )
+    p.add_argument(
+        "--parameters-out",
+        default=None,
+        help="rank 0 saves the final parameters here (torch.save, by name) for comparisons",
+    )
+    p.add_argument(
+        "--no-leto", action="store_true", help="a plain loop without Leto (run under torchrun)"
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels, as leto-run --deterministic gives a Leto run",
+    )
+    p.add_argument(
+        "--compare-baseline", action="store_true", help="also train without Leto, same process"
+    )
+    p.add_argument(
+        "--bench-out",
+        default=None,
+        help="with --no-leto or --compare-baseline: JSON of iteration times",
+    )
     args = p.parse_args()
-    for flag, value in (("--train-iters", args.train_iters), ("--micro-batch-size", args.micro_batch_size)):
+    for flag, value in (
+        ("--train-iters", args.train_iters),
+        ("--micro-batch-size", args.micro_batch_size),
+    ):
         if value < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
             p.exit(2, f"{p.prog}: error: {flag} must be >= 1, got {value}\n")
     return args
@@ -161,13 +235,24 @@ def transformer_config(args: argparse.Namespace):  # -> TransformerConfig
     # embedding's backward without atomics (F.embedding's is not deterministic on CUDA).
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, bf16=args.bf16, params_dtype=torch.float32,
-        use_cpu_initialization=not torch.cuda.is_available(), bias_dropout_fusion=args.fusions,
-        masked_softmax_fusion=False, bias_activation_fusion=args.fusions, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, deterministic_mode=deterministic(args), add_bias_linear=not args.disable_bias_linear,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        pipeline_dtype=torch.float32,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        bf16=args.bf16,
+        params_dtype=torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_dropout_fusion=args.fusions,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=args.fusions,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        deterministic_mode=deterministic(args),
+        add_bias_linear=not args.disable_bias_linear,
         **moe_config(args),
     )
 
@@ -176,19 +261,32 @@ def moe_config(args: argparse.Namespace) -> dict:
     """Megatron's MoE settings: local experts (no grouped GEMM), no token dropping."""
     if not args.num_experts:
         return {}
-    return {"num_moe_experts": args.num_experts, "expert_model_parallel_size": args.expert_model_parallel_size,
-            "moe_router_topk": args.moe_router_topk, "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
-            "moe_router_load_balancing_type": args.moe_router_load_balancing_type,
-            "moe_aux_loss_coeff": args.moe_aux_loss_coeff, "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
-            "moe_grouped_gemm": False, "moe_permute_fusion": False}
+    return {
+        "num_moe_experts": args.num_experts,
+        "expert_model_parallel_size": args.expert_model_parallel_size,
+        "moe_router_topk": args.moe_router_topk,
+        "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+        "moe_router_load_balancing_type": args.moe_router_load_balancing_type,
+        "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
+        "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+    }
 
 
 def optimizer_config(args: argparse.Namespace):  # -> OptimizerConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                           clip_grad=args.clip_grad)
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+    )
 
 
 def ddp_config(args: argparse.Namespace):  # -> DistributedDataParallelConfig | None
@@ -197,9 +295,11 @@ def ddp_config(args: argparse.Namespace):  # -> DistributedDataParallelConfig | 
         return None
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    return DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce,
-                                         bucket_size=args.ddp_bucket_size,
-                                         use_distributed_optimizer=args.use_distributed_optimizer)
+    return DistributedDataParallelConfig(
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        bucket_size=args.ddp_bucket_size,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
 
 
 def lr_at(it: int, args: argparse.Namespace) -> float:
@@ -210,21 +310,32 @@ def lr_at(it: int, args: argparse.Namespace) -> float:
         return args.lr
     decay_iters = args.lr_decay_iters or args.train_iters
     progress = min(1.0, (it - args.lr_warmup_iters) / max(1, decay_iters - args.lr_warmup_iters))
-    coeff = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_decay_style == "cosine" else 1 - progress
+    coeff = (
+        0.5 * (1 + math.cos(math.pi * progress))
+        if args.lr_decay_style == "cosine"
+        else 1 - progress
+    )
     return args.min_lr + coeff * (args.lr - args.min_lr)
 
 
-def get_batch(it: int, dp_rank: int, args: argparse.Namespace, device: torch.device,
-              microbatch: int = 0) -> tuple[torch.Tensor, ...]:
+def get_batch(
+    it: int, dp_rank: int, args: argparse.Namespace, device: torch.device, microbatch: int = 0
+) -> tuple[torch.Tensor, ...]:
     """Synthetic tokens keyed by (seed, iteration, data-parallel rank, micro-batch)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + it * 1009 + dp_rank + microbatch * 100_003)
-    data = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g).to(device)
+    g = torch.Generator().manual_seed(
+        args.seed * 1_000_003 + it * 1009 + dp_rank + microbatch * 100_003
+    )
+    data = torch.randint(
+        0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g
+    ).to(device)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0).expand_as(tokens)
     return tokens, position_ids, lm.causal_mask(args.seq_length, device), labels
 
 
-def forward_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], bf16: bool) -> torch.Tensor:
+def forward_loss(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, ...], bf16: bool
+) -> torch.Tensor:
     tokens, position_ids, mask, labels = batch
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         losses = model(tokens, position_ids, mask, labels=labels)  # per-token losses [b, s]
@@ -233,6 +344,7 @@ def forward_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], bf16: 
 
 def forward_step(args: argparse.Namespace):
     """Megatron's ``forward_step_func`` for its schedules: (per-token losses, loss function)."""
+
     def step(batches, model: torch.nn.Module):
         tokens, position_ids, mask, labels = next(batches)
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -252,8 +364,10 @@ def num_microbatches(args: argparse.Namespace, dp: int) -> int:
     per_step = args.micro_batch_size * dp
     global_batch = args.global_batch_size or per_step
     if global_batch % per_step:
-        raise SystemExit(f"megatron_gpt: --global-batch-size {global_batch} is not a multiple of "
-                         f"--micro-batch-size * DP = {per_step}")
+        raise SystemExit(
+            f"megatron_gpt: --global-batch-size {global_batch} is not a multiple of "
+            f"--micro-batch-size * DP = {per_step}"
+        )
     return global_batch // per_step
 
 
@@ -262,8 +376,13 @@ def gpt_kwargs(args: argparse.Namespace) -> dict:
 
 
 def build(ctx: leto.Context, args: argparse.Namespace):
-    return lm.build_gpt(ctx, transformer_config(args), vocab_size=args.vocab_size,
-                        max_sequence_length=args.max_position_embeddings or args.seq_length, **gpt_kwargs(args))
+    return lm.build_gpt(
+        ctx,
+        transformer_config(args),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        **gpt_kwargs(args),
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -284,7 +403,9 @@ class Baseline:
     run: seeded and stepped as the Leto run is, so its losses are the Leto run's bit for bit.
     """
 
-    def __init__(self, ctx: Rank | leto.Context, args: argparse.Namespace, *, isolated: bool) -> None:
+    def __init__(
+        self, ctx: Rank | leto.Context, args: argparse.Namespace, *, isolated: bool
+    ) -> None:
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         self.ctx, self.args, self.isolated = ctx, args, isolated
@@ -292,10 +413,13 @@ class Baseline:
             torch.manual_seed(args.seed + 1 if isolated else args.seed)
             config = transformer_config(args)
             lm.check_moe(config)
-            self.model = GPTModel(config=config, transformer_layer_spec=lm.local_layer_spec(config),
-                                  vocab_size=args.vocab_size,
-                                  max_sequence_length=args.max_position_embeddings or args.seq_length,
-                                  **gpt_kwargs(args))
+            self.model = GPTModel(
+                config=config,
+                transformer_layer_spec=lm.local_layer_spec(config),
+                vocab_size=args.vocab_size,
+                max_sequence_length=args.max_position_embeddings or args.seq_length,
+                **gpt_kwargs(args),
+            )
         self.opt = lm.adamw(self.model, optimizer_config(args))
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         for p in self.params:
@@ -304,7 +428,9 @@ class Baseline:
     def _rng(self) -> contextlib.AbstractContextManager:
         if not self.isolated:
             return contextlib.nullcontext()
-        return torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else [])
+        return torch.random.fork_rng(
+            devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []
+        )
 
     def step(self, it: int) -> tuple[float, float]:
         """One iteration; returns (its wall time in seconds, the loss)."""
@@ -322,7 +448,9 @@ class Baseline:
             if sync.size() > 1:
                 flat = torch._utils._flatten_dense_tensors(grads)
                 sync.all_reduce_mean_(flat)
-                for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                for g, synced in zip(
+                    grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+                ):
                     g.copy_(synced)
             sync.clip_(self.params, args.clip_grad)
             self.opt.step()
@@ -351,28 +479,45 @@ class FirstIteration:
         if self.ctx.device.type != "cuda":
             return (0, 0, 0)
         stats = torch.cuda.memory_stats(self.ctx.device)
-        return (stats.get("segment.all.allocated", 0), stats.get("reserved_bytes.all.current", 0),
-                stats.get("num_alloc_retries", 0))
+        return (
+            stats.get("segment.all.allocated", 0),
+            stats.get("reserved_bytes.all.current", 0),
+            stats.get("num_alloc_retries", 0),
+        )
 
     def mark(self, phase: str) -> None:
         _sync(self.ctx.device)
         self.times.append((phase, time.perf_counter()))
 
     def report(self, step: int) -> None:
-        phases = ", ".join(f"{name} {(t - prev) * 1e3:.0f} ms"
-                           for (_, prev), (name, t) in zip(self.times, self.times[1:], strict=False))
+        phases = ", ".join(
+            f"{name} {(t - prev) * 1e3:.0f} ms"
+            for (_, prev), (name, t) in zip(self.times, self.times[1:], strict=False)
+        )
         graphs = self.counters["stats"]["unique_graphs"] - self.graphs
         memory = ""
         if self.ctx.device.type == "cuda":
             (seg0, res0, retry0), (seg1, res1, retry1) = self.memory, self._memory()
-            memory = (f"; cudaMalloc segments +{seg1 - seg0} (+{(res1 - res0) / 2**30:.2f} GiB reserved), "
-                      f"alloc retries +{retry1 - retry0}")
-        print(f"megatron_gpt: rank {self.ctx.rank} promoted, first iteration (step {step}): {phases}; "
-              f"torch.compile graphs compiled {graphs}{memory}", flush=True)
+            memory = (
+                f"; cudaMalloc segments +{seg1 - seg0} (+{(res1 - res0) / 2**30:.2f} GiB reserved), "
+                f"alloc retries +{retry1 - retry0}"
+            )
+        print(
+            f"megatron_gpt: rank {self.ctx.rank} promoted, first iteration (step {step}): {phases}; "
+            f"torch.compile graphs compiled {graphs}{memory}",
+            flush=True,
+        )
         # the same as an event: a log line can be lost in torch elastic's log tailing, an event cannot
-        self.ctx.events.emit(Kind.FIRST_ITERATION, rank=self.ctx.rank, step=step, compiled_graphs=graphs,
-                             phases_s={name: t - prev for (_, prev), (name, t) in
-                                       zip(self.times, self.times[1:], strict=False)})
+        self.ctx.events.emit(
+            Kind.FIRST_ITERATION,
+            rank=self.ctx.rank,
+            step=step,
+            compiled_graphs=graphs,
+            phases_s={
+                name: t - prev
+                for (_, prev), (name, t) in zip(self.times, self.times[1:], strict=False)
+            },
+        )
 
 
 def dp_rank() -> int:
@@ -404,16 +549,21 @@ def report_experts(ctx: leto.Context, model: torch.nn.Module, state) -> None:
     layer) and the retained gradient regions (under EP, the expert parameters' own)."""
     moe = next(m for m in model.modules() if hasattr(m, "local_expert_indices"))
     regions = [name for name, _ in state.state.layout.grad_regions]
-    print(f"megatron_gpt: rank {ctx.rank} experts {list(moe.local_expert_indices)}, gradient regions {regions}",
-          flush=True)
+    print(
+        f"megatron_gpt: rank {ctx.rank} experts {list(moe.local_expert_indices)}, gradient regions {regions}",
+        flush=True,
+    )
 
 
 def report_dense(model: torch.nn.Module) -> None:
     """MoE: a digest of the dense (non-expert) parameters, which every data-parallel rank
     holds: under EP they stay bit-identical only if every rank clipped by the same global
     norm (the expert norm summed over the expert-parallel group)."""
-    dense = [p.detach().cpu().contiguous().view(torch.uint8).flatten() for p in model.parameters()
-             if getattr(p, "allreduce", True)]
+    dense = [
+        p.detach().cpu().contiguous().view(torch.uint8).flatten()
+        for p in model.parameters()
+        if getattr(p, "allreduce", True)
+    ]
     digest = hashlib.blake2b(torch.cat(dense).numpy().tobytes(), digest_size=16).hexdigest()
     print(f"megatron_gpt: rank {dist.get_rank()} dense parameters {digest}", flush=True)
 
@@ -424,7 +574,10 @@ def report_optimizer_state(ctx: leto.Context, model: torch.nn.Module, state) -> 
     layout = state.state.layout
     moments = sum(math.prod(o["exp_avg"].shape) for o in layout.optim)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"megatron_gpt: rank {ctx.rank} optimizer state {moments} of {params} parameter elements", flush=True)
+    print(
+        f"megatron_gpt: rank {ctx.rank} optimizer state {moments} of {params} parameter elements",
+        flush=True,
+    )
 
 
 def report_parameters(model: torch.nn.Module) -> None:
@@ -446,7 +599,9 @@ def setup_torch(args: argparse.Namespace) -> None:
     """Deterministic kernels when asked (``deterministic``); the CPU shims without CUDA."""
     torch.set_num_threads(1)
     if torch.cuda.is_available():
-        if deterministic(args):  # leto.init() applies the same under leto-run (before cuBLAS first runs)
+        if deterministic(
+            args
+        ):  # leto.init() applies the same under leto-run (before cuBLAS first runs)
             from leto import kernels
 
             kernels.use_deterministic()
@@ -462,7 +617,11 @@ def train_plain(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
 
     try:
-        rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        rank, world, local = (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ["LOCAL_RANK"]),
+        )
     except KeyError as e:
         raise SystemExit(f"--no-leto runs under torchrun: {e.args[0]} is not set") from None
     device, backend = torch.device("cpu"), "gloo"
@@ -472,8 +631,10 @@ def train_plain(args: argparse.Namespace) -> None:
         if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count():
             backend = "nccl"  # one GPU per rank; ranks sharing a GPU use gloo, as leto-run does
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                             expert_model_parallel_size=args.expert_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
     lm.reseed_tracker(args.seed, -1)  # as lm.init_parallel
     plain = Baseline(Rank(rank, world, device), args, isolated=False)
     iter_s, losses = [], []
@@ -489,33 +650,57 @@ def train_plain(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.ddp_impl != "megatron" and (args.overlap_grad_reduce or args.ddp_bucket_size is not None):
-        raise SystemExit(f"megatron_gpt: --overlap-grad-reduce and --ddp-bucket-size need --ddp-impl megatron "
-                         f"(got --ddp-impl {args.ddp_impl})")
+    if args.ddp_impl != "megatron" and (
+        args.overlap_grad_reduce or args.ddp_bucket_size is not None
+    ):
+        raise SystemExit(
+            f"megatron_gpt: --overlap-grad-reduce and --ddp-bucket-size need --ddp-impl megatron "
+            f"(got --ddp-impl {args.ddp_impl})"
+        )
     if args.use_distributed_optimizer and args.ddp_impl != "megatron":
-        raise SystemExit(f"megatron_gpt: --use-distributed-optimizer needs --ddp-impl megatron (got --ddp-impl "
-                         f"{args.ddp_impl}): the shards are Megatron DDP's buckets")
-    if args.use_distributed_optimizer and (args.pipeline_model_parallel_size > 1 or args.num_experts
-                                           or args.no_leto or args.compare_baseline):
-        raise SystemExit("megatron_gpt: --use-distributed-optimizer runs without --pipeline-model-parallel-size, "
-                         "--num-experts, --no-leto and --compare-baseline")
+        raise SystemExit(
+            f"megatron_gpt: --use-distributed-optimizer needs --ddp-impl megatron (got --ddp-impl "
+            f"{args.ddp_impl}): the shards are Megatron DDP's buckets"
+        )
+    if args.use_distributed_optimizer and (
+        args.pipeline_model_parallel_size > 1
+        or args.num_experts
+        or args.no_leto
+        or args.compare_baseline
+    ):
+        raise SystemExit(
+            "megatron_gpt: --use-distributed-optimizer runs without --pipeline-model-parallel-size, "
+            "--num-experts, --no-leto and --compare-baseline"
+        )
     if args.pipeline_model_parallel_size > 1 and args.ddp_impl != "megatron":
-        raise SystemExit("megatron_gpt: --pipeline-model-parallel-size needs --ddp-impl megatron "
-                         "(Megatron's finalize_model_grads all-reduces the shared embedding)")
+        raise SystemExit(
+            "megatron_gpt: --pipeline-model-parallel-size needs --ddp-impl megatron "
+            "(Megatron's finalize_model_grads all-reduces the shared embedding)"
+        )
     if args.expert_model_parallel_size > 1 and not args.num_experts:
         raise SystemExit("megatron_gpt: --expert-model-parallel-size needs --num-experts")
     if args.num_experts and args.num_experts % args.expert_model_parallel_size:
-        raise SystemExit(f"megatron_gpt: --num-experts {args.num_experts} is not a multiple of "
-                         f"--expert-model-parallel-size {args.expert_model_parallel_size}")
+        raise SystemExit(
+            f"megatron_gpt: --num-experts {args.num_experts} is not a multiple of "
+            f"--expert-model-parallel-size {args.expert_model_parallel_size}"
+        )
     if args.expert_model_parallel_size > 1 and args.ddp_impl != "megatron":
-        raise SystemExit("megatron_gpt: --expert-model-parallel-size needs --ddp-impl megatron "
-                         "(expert gradients are reduced over the expert-data-parallel group)")
+        raise SystemExit(
+            "megatron_gpt: --expert-model-parallel-size needs --ddp-impl megatron "
+            "(expert gradients are reduced over the expert-data-parallel group)"
+        )
     if (args.no_leto or args.compare_baseline) and args.expert_model_parallel_size > 1:
-        raise SystemExit("megatron_gpt: --no-leto and --compare-baseline reduce every gradient over the world "
-                         "(drop --expert-model-parallel-size)")
-    if (args.no_leto or args.compare_baseline) and (args.pipeline_model_parallel_size > 1 or args.global_batch_size):
-        raise SystemExit("megatron_gpt: --no-leto and --compare-baseline run one micro-batch without pipelining "
-                         "(drop --pipeline-model-parallel-size and --global-batch-size)")
+        raise SystemExit(
+            "megatron_gpt: --no-leto and --compare-baseline reduce every gradient over the world "
+            "(drop --expert-model-parallel-size)"
+        )
+    if (args.no_leto or args.compare_baseline) and (
+        args.pipeline_model_parallel_size > 1 or args.global_batch_size
+    ):
+        raise SystemExit(
+            "megatron_gpt: --no-leto and --compare-baseline run one micro-batch without pipelining "
+            "(drop --pipeline-model-parallel-size and --global-batch-size)"
+        )
     lm.require_megatron()
     setup_torch(args)
     if args.no_leto:
@@ -524,11 +709,15 @@ def main() -> None:
 
     ctx = leto.init()  # a shadow pre-initialises here; at L3 it waits for promotion in retain()
     if args.use_distributed_optimizer and ctx.env.consistency != "rmu":
-        raise SystemExit(f"megatron_gpt: --use-distributed-optimizer needs leto consistency: rmu (got "
-                         f"{ctx.env.consistency}): the snapshot path steps torch's optimizer over full parameters")
-    parallel = lm.ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                 expert_model_parallel_size=args.expert_model_parallel_size)
+        raise SystemExit(
+            f"megatron_gpt: --use-distributed-optimizer needs leto consistency: rmu (got "
+            f"{ctx.env.consistency}): the snapshot path steps torch's optimizer over full parameters"
+        )
+    parallel = lm.ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
     # Megatron's parallel_state on Leto's group; a shadow below level 3 waits for promotion here
     dp = lm.init_parallel(ctx, seed=args.seed, parallel=parallel)
     microbatches = num_microbatches(args, dp)
@@ -536,25 +725,39 @@ def main() -> None:
     if ctx.rank == 0 and not ctx.is_shadow:
         stages = f", PP {pp}" if pp > 1 else ""
         experts = f", EP {parallel.expert_model_parallel_size}" if args.num_experts else ""
-        moe = (f"MoE {args.num_experts} experts top-{args.moe_router_topk} ({args.moe_token_dispatcher_type}), "
-               if args.num_experts else "")
-        print(f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}{stages}{experts}, "
-              f"DP {dp}), {moe}"
-              f"{microbatches} micro-batches per iteration, "
-              f"backend {dist.get_backend()} on {ctx.device}, DDP {args.ddp_impl}"
-              f"{' (overlap)' if args.overlap_grad_reduce else ''}"
-              f"{', distributed optimizer' if args.use_distributed_optimizer else ''}", flush=True)
+        moe = (
+            f"MoE {args.num_experts} experts top-{args.moe_router_topk} ({args.moe_token_dispatcher_type}), "
+            if args.num_experts
+            else ""
+        )
+        print(
+            f"megatron_gpt: world {ctx.world_size} (TP {parallel.tensor_model_parallel_size}{stages}{experts}, "
+            f"DP {dp}), {moe}"
+            f"{microbatches} micro-batches per iteration, "
+            f"backend {dist.get_backend()} on {ctx.device}, DDP {args.ddp_impl}"
+            f"{' (overlap)' if args.overlap_grad_reduce else ''}"
+            f"{', distributed optimizer' if args.use_distributed_optimizer else ''}",
+            flush=True,
+        )
     torch.manual_seed(args.seed)
     model = build(ctx, args)  # on meta when this trainer will reattach
     opt = lm.adamw(model, optimizer_config(args))
-    if not args.no_shadow_warm_up:  # a shadow runs a throwaway layer of this job now; an active: no-op
-        lm.warm_up_shadow(ctx, transformer_config(args), vocab_size=args.vocab_size,
-                          max_sequence_length=args.max_position_embeddings or args.seq_length,
-                          micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                          loss_fn=lambda m: forward_loss(m, get_batch(0, dp_rank(), args, ctx.device), args.bf16),
-                          **gpt_kwargs(args))
-    state = lm.retain_megatron(ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad,
-                               ddp_config=ddp_config(args))
+    if (
+        not args.no_shadow_warm_up
+    ):  # a shadow runs a throwaway layer of this job now; an active: no-op
+        lm.warm_up_shadow(
+            ctx,
+            transformer_config(args),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.max_position_embeddings or args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length,
+            loss_fn=lambda m: forward_loss(m, get_batch(0, dp_rank(), args, ctx.device), args.bf16),
+            **gpt_kwargs(args),
+        )
+    state = lm.retain_megatron(
+        ctx, model, opt, seed=args.seed, max_grad_norm=args.clip_grad, ddp_config=ddp_config(args)
+    )
     if args.num_experts and not ctx.is_shadow:
         report_experts(ctx, model, state)
     report_optimizer_state(ctx, model, state)  # (a shadow gets here once promoted)
@@ -563,7 +766,9 @@ def main() -> None:
     base_s: list[float] = []
     loop_s: list[float] = []  # whole loop iteration: Leto's step bookkeeping included
     top = None
-    first = FirstIteration(ctx) if ctx.promoted_at is not None else None  # a promoted shadow's, reported
+    first = (
+        FirstIteration(ctx) if ctx.promoted_at is not None else None
+    )  # a promoted shadow's, reported
     for it in state.steps(args.train_iters):
         now = time.perf_counter()
         if top is not None:
@@ -575,8 +780,12 @@ def main() -> None:
             group["lr"] = lr_at(it, args)
         if pp > 1 or microbatches > 1:  # Megatron's schedule: 1F1B over the stages, or accumulation
             batches = [get_batch(it, dp_rank(), args, ctx.device, m) for m in range(microbatches)]
-            loss = state.forward_backward(forward_step(args), batches, seq_length=args.seq_length,
-                                          micro_batch_size=args.micro_batch_size)
+            loss = state.forward_backward(
+                forward_step(args),
+                batches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+            )
             state.step(loss=loss)
             if first:
                 first.mark("forward+backward+update")
@@ -585,7 +794,9 @@ def main() -> None:
             continue
         batch = get_batch(it, dp_rank(), args, ctx.device)
 
-        def compute(batch: tuple[torch.Tensor, ...] = batch, first: FirstIteration | None = first) -> torch.Tensor:
+        def compute(
+            batch: tuple[torch.Tensor, ...] = batch, first: FirstIteration | None = first
+        ) -> torch.Tensor:
             loss = forward_loss(net, batch, args.bf16)
             if first:
                 first.mark("forward")
@@ -594,7 +805,9 @@ def main() -> None:
                 first.mark("backward")
             return loss
 
-        loss = state.compute(compute)  # an OOM here reclaims the shadows and re-runs it (leto.preinit)
+        loss = state.compute(
+            compute
+        )  # an OOM here reclaims the shadows and re-runs it (leto.preinit)
         state.step(loss=loss)
         _sync(ctx.device)
         if first:
@@ -607,13 +820,18 @@ def main() -> None:
         report_dense(model)
     report_parameters(model)
     if args.parameters_out and ctx.rank == 0:
-        torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()}, args.parameters_out)
+        torch.save(
+            {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, args.parameters_out
+        )
     if baseline is not None and args.bench_out and ctx.rank == 0 and top is not None:
         loop_s.append(time.perf_counter() - top)
         skip = len(loop_s) // 5  # warm-up, and the shadows' start-up load
         leto_s = [total - b for total, b in zip(loop_s[skip:], base_s[skip:], strict=True)]
-        out = {"baseline_iter_s": statistics.median(base_s[skip:]), "leto_iter_s": statistics.median(leto_s),
-               "iters_measured": len(leto_s)}
+        out = {
+            "baseline_iter_s": statistics.median(base_s[skip:]),
+            "leto_iter_s": statistics.median(leto_s),
+            "iters_measured": len(leto_s),
+        }
         with open(args.bench_out, "w") as f:
             json.dump(out, f)
 

@@ -36,24 +36,43 @@ def main() -> None:
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--kill-at-step", type=int, default=-1)
-    for name, default in (("vocab", 256), ("dim", 64), ("layers", 4), ("heads", 4), ("seq", 32), ("batch", 8),
-                          ("warmup", 5), ("seed", 1234)):
+    for name, default in (
+        ("vocab", 256),
+        ("dim", 64),
+        ("layers", 4),
+        ("heads", 4),
+        ("seq", 32),
+        ("batch", 8),
+        ("warmup", 5),
+        ("seed", 1234),
+    ):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--deterministic", action="store_true",
-                   help="GPU: the deterministic kernels leto-run --deterministic uses")
-    p.add_argument("--adamw", choices=("fused", "foreach"), default="fused",
-                   help="torch's AdamW implementation (fused: the fastest, the baseline a careful user runs)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="GPU: the deterministic kernels leto-run --deterministic uses",
+    )
+    p.add_argument(
+        "--adamw",
+        choices=("fused", "foreach"),
+        default="fused",
+        help="torch's AdamW implementation (fused: the fastest, the baseline a careful user runs)",
+    )
     args = p.parse_args()
     for flag, value, least in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1)):
         if value < least:  # one line, as leto-run's errors (argparse's error adds the usage)
             p.exit(2, f"{p.prog}: error: {flag} must be >= {least}, got {value}\n")
     torch.set_num_threads(1)
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=120))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=120),
+    )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cpu")
     if torch.cuda.is_available():
@@ -63,15 +82,24 @@ def main() -> None:
             kernels.use_deterministic()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = "nccl" if device.type == "cuda" and local <= torch.cuda.device_count() else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world,
-                            device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        device_id=device if backend == "nccl" else None,
+    )
     events = EventLog.from_env(f"trainer{rank}")
     torch.manual_seed(args.seed)
     with device:
         model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
     # The strongest plain-torch update: one fused kernel (or foreach, to compare with it)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
-                            **({"fused": True} if args.adamw == "fused" else {"foreach": True}))
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.lr,
+        weight_decay=0.1,
+        **({"fused": True} if args.adamw == "fused" else {"foreach": True}),
+    )
     start = 0
     ckpts = sorted(Path(args.ckpt_dir).glob("step_*/.done"), key=lambda d: int(d.parent.name[5:]))
     if ckpts:
@@ -82,7 +110,13 @@ def main() -> None:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         torch.set_rng_state(state["rng"])
         start = int(ckpts[-1].parent.name[5:])
-        events.emit(Kind.RESUMED, rank=rank, step=start, action="checkpoint", load_s=time.perf_counter() - t0)
+        events.emit(
+            Kind.RESUMED,
+            rank=rank,
+            step=start,
+            action="checkpoint",
+            load_s=time.perf_counter() - t0,
+        )
     for step in range(start, args.steps):
         began = time.perf_counter()
         phases = PhaseTimes(device, began)
@@ -108,17 +142,32 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         phases.mark("update")
-        events.emit(Kind.STEP_DONE, rank=rank, step=step, iter_s=time.perf_counter() - began, attempt=attempt,
-                    **phases.fields())
+        events.emit(
+            Kind.STEP_DONE,
+            rank=rank,
+            step=step,
+            iter_s=time.perf_counter() - began,
+            attempt=attempt,
+            **phases.fields(),
+        )
         if (step + 1) % args.ckpt_every == 0:
             t0 = time.perf_counter()
             msd, osd = get_state_dict(model, opt)
             target = Path(args.ckpt_dir) / f"step_{step + 1}"
-            dcp.save({"model": msd, "optim": osd, "rng": torch.get_rng_state()}, checkpoint_id=str(target))
+            dcp.save(
+                {"model": msd, "optim": osd, "rng": torch.get_rng_state()},
+                checkpoint_id=str(target),
+            )
             dist.barrier()
             if rank == 0:
                 (target / ".done").touch()
-            events.emit(Kind.DIGEST, rank=rank, step=step + 1, digest="ckpt", save_s=time.perf_counter() - t0)
+            events.emit(
+                Kind.DIGEST,
+                rank=rank,
+                step=step + 1,
+                digest="ckpt",
+                save_s=time.perf_counter() - t0,
+            )
     dist.barrier()
     if rank == 0 and os.environ.get("KEEP_CKPT") != "1":
         shutil.rmtree(args.ckpt_dir, ignore_errors=True)

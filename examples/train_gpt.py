@@ -23,10 +23,17 @@ import leto
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim, elementwise_affine=bias), nn.LayerNorm(dim, elementwise_affine=bias)
+        self.ln1, self.ln2 = (
+            nn.LayerNorm(dim, elementwise_affine=bias),
+            nn.LayerNorm(dim, elementwise_affine=bias),
+        )
         self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, bias=bias, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim, bias=bias), nn.GELU(), nn.Linear(4 * dim, dim, bias=bias),
-                                 nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim, bias=bias),
+            nn.GELU(),
+            nn.Linear(4 * dim, dim, bias=bias),
+            nn.Dropout(dropout),
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -35,14 +42,27 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int, dropout: float,
-                 bias: bool = True) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        layers: int,
+        heads: int,
+        seq: int,
+        dropout: float,
+        bias: bool = True,
+    ) -> None:
         """``bias=False``: matrices only (no biases, no LayerNorm affine), for Muon."""
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, dropout, bias) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(dim, elementwise_affine=bias), nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1), persistent=False)
+        self.ln, self.head = (
+            nn.LayerNorm(dim, elementwise_affine=bias),
+            nn.Linear(dim, vocab, bias=False),
+        )
+        self.register_buffer(
+            "mask", torch.triu(torch.full((seq, seq), float("-inf")), 1), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -55,8 +75,12 @@ class GPT(nn.Module):
 
 OPTIMIZERS = {
     "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, foreach=True),
-    "sgd": lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "rmsprop": lambda ps, lr: torch.optim.RMSprop(ps, lr=lr, momentum=0.9, centered=True, weight_decay=0.01),
+    "sgd": lambda ps, lr: torch.optim.SGD(
+        ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01
+    ),
+    "rmsprop": lambda ps, lr: torch.optim.RMSprop(
+        ps, lr=lr, momentum=0.9, centered=True, weight_decay=0.01
+    ),
     "nadam": lambda ps, lr: torch.optim.NAdam(ps, lr=lr, weight_decay=0.01),
     "adam-amsgrad": lambda ps, lr: torch.optim.Adam(ps, lr=lr, amsgrad=True, weight_decay=0.01),
     "muon": lambda ps, lr: torch.optim.Muon(ps, lr=lr),  # matrices only: the model has no vectors
@@ -64,7 +88,9 @@ OPTIMIZERS = {
 """``--optimizer`` choices: any torch.optim optimizer is retained (leto.trainer.optim_state)."""
 
 
-def batch(step: int, rank: int, args: argparse.Namespace, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, rank: int, args: argparse.Namespace, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic synthetic tokens: the data position is the step itself."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
@@ -91,7 +117,11 @@ class ActivationBallast:
     """
 
     def __init__(self, ctx: leto.Context, args: argparse.Namespace) -> None:
-        self.ctx, self.step, self.over_bytes = ctx, args.oom_ballast_step, args.oom_ballast_over_mib << 20
+        self.ctx, self.step, self.over_bytes = (
+            ctx,
+            args.oom_ballast_step,
+            args.oom_ballast_over_mib << 20,
+        )
         self.enabled = self.step >= 0 and ctx.device.type == "cuda"
         self.free_with_shadows: int | None = None
 
@@ -111,12 +141,22 @@ class ActivationBallast:
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(self.ctx.device)[0]
             nbytes = max(self.free_with_shadows + self.over_bytes, free - (1 << 30))
-        print(f"[rank {self.ctx.rank} step {step}] ballast {nbytes >> 20} MiB, free {free >> 20} MiB, "
-              f"shadows ready: {self.ctx.preinit.shadow_ready()}", file=sys.stderr, flush=True)
+        print(
+            f"[rank {self.ctx.rank} step {step}] ballast {nbytes >> 20} MiB, free {free >> 20} MiB, "
+            f"shadows ready: {self.ctx.preinit.shadow_ready()}",
+            file=sys.stderr,
+            flush=True,
+        )
         return torch.empty(nbytes, dtype=torch.uint8, device=self.ctx.device)
 
 
-def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor, ballast: torch.Tensor | None, args: argparse.Namespace) -> torch.Tensor:
+def forward_backward(
+    model: GPT,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    ballast: torch.Tensor | None,
+    args: argparse.Namespace,
+) -> torch.Tensor:
     """The compute phase (``RetainedState.compute`` retries it if the shadows were in the way)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         loss = model(x, y)
@@ -137,13 +177,25 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast compute (fp32 master weights)")
+    p.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast compute (fp32 master weights)"
+    )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    p.add_argument("--oom-ballast-step", type=int, default=-1, metavar="STEP",
-                   help="GPU: at STEP, hold a transient activation of the free memory plus "
-                        "--oom-ballast-over-mib (it fits only once the shadows are reclaimed)")
-    p.add_argument("--oom-ballast-over-mib", type=int, default=256, metavar="MIB",
-                   help="how far the ballast exceeds the free memory (less than the shadows' footprint)")
+    p.add_argument(
+        "--oom-ballast-step",
+        type=int,
+        default=-1,
+        metavar="STEP",
+        help="GPU: at STEP, hold a transient activation of the free memory plus "
+        "--oom-ballast-over-mib (it fits only once the shadows are reclaimed)",
+    )
+    p.add_argument(
+        "--oom-ballast-over-mib",
+        type=int,
+        default=256,
+        metavar="MIB",
+        help="how far the ballast exceeds the free memory (less than the shadows' footprint)",
+    )
     args = p.parse_args()
     if args.steps < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
         p.exit(2, f"{p.prog}: error: --steps must be >= 1, got {args.steps}\n")
@@ -152,8 +204,15 @@ def main() -> None:
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     torch.manual_seed(args.seed)
     with ctx.init_device(ctx.device):
-        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout,
-                    bias=args.optimizer != "muon")
+        model = GPT(
+            args.vocab,
+            args.dim,
+            args.layers,
+            args.heads,
+            args.seq,
+            args.dropout,
+            bias=args.optimizer != "muon",
+        )
     opt = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
     state = ctx.retain(model, opt)
     ballast = ActivationBallast(ctx, args)

@@ -108,37 +108,58 @@ class FaultSpec:
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
-            raise ConfigError(f"fault rank and step must be >= 0, got rank={self.rank} step={self.step}")
+            raise ConfigError(
+                f"fault rank and step must be >= 0, got rank={self.rank} step={self.step}"
+            )
         if self.phase not in (*PHASES, "recovery"):
-            raise ConfigError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}, recovery")
+            raise ConfigError(
+                f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}, recovery"
+            )
         if (self.phase == "recovery") != (self.point in RECOVERY_POINTS):
-            raise ConfigError(f"fault phase recovery needs point {' or '.join(RECOVERY_POINTS)} (and those "
-                              f"points need phase recovery), got point {self.point!r}")
-        if (self.erase_device_region not in DEVICE_REGIONS
-                and not self.erase_device_region.startswith(("ddp.grads.", "ddp.params."))):
-            raise ConfigError(f"fault erase_device_region {self.erase_device_region!r} is not one of "
-                              f"{', '.join(DEVICE_REGIONS)}, ddp.grads.<dtype> or ddp.params.<dtype>")
+            raise ConfigError(
+                f"fault phase recovery needs point {' or '.join(RECOVERY_POINTS)} (and those "
+                f"points need phase recovery), got point {self.point!r}"
+            )
+        if (
+            self.erase_device_region not in DEVICE_REGIONS
+            and not self.erase_device_region.startswith(("ddp.grads.", "ddp.params."))
+        ):
+            raise ConfigError(
+                f"fault erase_device_region {self.erase_device_region!r} is not one of "
+                f"{', '.join(DEVICE_REGIONS)}, ddp.grads.<dtype> or ddp.params.<dtype>"
+            )
         if min(self.erase_device_pages, self.erase_host_pages) < 0:
             raise ConfigError("fault erase_device_pages / erase_host_pages must be >= 0")
-        if self.point is not None and self.phase != "recovery" and (
-                self.phase != "update" or self.point not in UPDATE_POINTS):
+        if (
+            self.point is not None
+            and self.phase != "recovery"
+            and (self.phase != "update" or self.point not in UPDATE_POINTS)
+        ):
             raise ConfigError(
                 f"fault point {self.point!r} needs phase: update and one of {', '.join(UPDATE_POINTS)}"
             )
         if self.chunk is not None and (self.point in (None, "flush", "gather") or self.chunk < 0):
-            raise ConfigError("fault chunk needs point: boundary, optimizer or parity, and must be >= 0")
+            raise ConfigError(
+                "fault chunk needs point: boundary, optimizer or parity, and must be >= 0"
+            )
         if not 0 <= self.shadow_ready_steps_before <= self.step:
             raise ConfigError(f"fault shadow_ready_steps_before must be in [0, step={self.step}]")
         if self.kind not in FAULT_KINDS:
             raise ConfigError(f"fault kind {self.kind!r} is not one of {', '.join(FAULT_KINDS)}")
         if self.kind == "oom" and (self.phase not in ("forward", "backward") or self.erases):
-            raise ConfigError("fault kind oom needs phase forward or backward (the compute phase) and erases no pages")
+            raise ConfigError(
+                "fault kind oom needs phase forward or backward (the compute phase) and erases no pages"
+            )
         if self.kind in ("kill_shadow", "shadow_crash") and (self.erases or self.point is not None):
             raise ConfigError(f"fault kind {self.kind} erases no pages and takes no update point")
         if self.oom_bytes < 0 or (self.oom_bytes and self.kind != "oom"):
-            raise ConfigError(f"fault oom_bytes needs kind: oom and must be >= 0, got {self.oom_bytes}")
+            raise ConfigError(
+                f"fault oom_bytes needs kind: oom and must be >= 0, got {self.oom_bytes}"
+            )
         if self.drop_region is not None and (self.kind != "kill" or not self.drop_region):
-            raise ConfigError(f"fault drop_region needs kind: kill and a region name, got {self.drop_region!r}")
+            raise ConfigError(
+                f"fault drop_region needs kind: kill and a region name, got {self.drop_region!r}"
+            )
 
     @property
     def erases(self) -> bool:
@@ -152,7 +173,9 @@ class FaultSpec:
         for part in text.split(","):
             key, sep, value = (s.strip() for s in part.partition("="))
             if not sep or not key:
-                raise ConfigError(f"{where}: expected key=value pairs like rank=1,step=5,phase=update")
+                raise ConfigError(
+                    f"{where}: expected key=value pairs like rank=1,step=5,phase=update"
+                )
             if key in fields:
                 raise ConfigError(f"{where}: {key} is given twice")
             fields[key] = value
@@ -177,11 +200,15 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.interval_steps is not None and self.interval_steps < 1:
-            raise SettingError("leto.checkpoint.interval_steps", f"must be >= 1, got {self.interval_steps}")
+            raise SettingError(
+                "leto.checkpoint.interval_steps", f"must be >= 1, got {self.interval_steps}"
+            )
         if not self.mttf_s > 0:
             raise SettingError("leto.checkpoint.mttf_s", f"must be > 0, got {self.mttf_s}")
         if not 0.0 <= self.hof_ratio < 1.0:
-            raise SettingError("leto.checkpoint.hof_ratio", f"must be in [0, 1), got {self.hof_ratio}")
+            raise SettingError(
+                "leto.checkpoint.hof_ratio", f"must be in [0, 1), got {self.hof_ratio}"
+            )
         if self.keep < 1:
             raise SettingError("leto.checkpoint.keep", f"must be >= 1, got {self.keep}")
 
@@ -269,25 +296,42 @@ class LetoConfig:
 
     def __post_init__(self) -> None:
         if self.lend_activation_memory and self.consistency != "rmu":
-            raise SettingError("leto.lend_activation_memory",
-                               "true needs consistency: rmu (it lends the undo buffer)")
+            raise SettingError(
+                "leto.lend_activation_memory",
+                "true needs consistency: rmu (it lends the undo buffer)",
+            )
         if self.rmu_chunk_bytes is not None and self.rmu_chunk_bytes < 4096:
-            raise SettingError("leto.rmu_chunk_bytes", f"must be >= 4096, got {self.rmu_chunk_bytes}")
+            raise SettingError(
+                "leto.rmu_chunk_bytes", f"must be >= 4096, got {self.rmu_chunk_bytes}"
+            )
         if not 0.001 <= self.poll_interval_s <= 0.05:
-            raise SettingError("leto.poll_interval_s", f"must be in [0.001, 0.05] s, got {self.poll_interval_s}")
+            raise SettingError(
+                "leto.poll_interval_s", f"must be in [0.001, 0.05] s, got {self.poll_interval_s}"
+            )
         if self.erasure is None and any(f.erases for f in self.faults):
-            raise SettingError("leto.faults", "a fault erases pages, but leto.erasure is not configured")
+            raise SettingError(
+                "leto.faults", "a fault erases pages, but leto.erasure is not configured"
+            )
         if not self.hang_timeout_s > 0:
             raise SettingError("leto.hang_timeout_s", f"must be > 0, got {self.hang_timeout_s}")
         if not self.first_step_timeout_s >= self.hang_timeout_s:
-            raise SettingError("leto.first_step_timeout_s", f"must be >= hang_timeout_s "
-                               f"({self.hang_timeout_s}), got {self.first_step_timeout_s}")
+            raise SettingError(
+                "leto.first_step_timeout_s",
+                f"must be >= hang_timeout_s "
+                f"({self.hang_timeout_s}), got {self.first_step_timeout_s}",
+            )
         if self.failure_loop_limit < 1:
-            raise SettingError("leto.failure_loop_limit", f"must be >= 1, got {self.failure_loop_limit}")
+            raise SettingError(
+                "leto.failure_loop_limit", f"must be >= 1, got {self.failure_loop_limit}"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise SettingError("leto.metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+            raise SettingError(
+                "leto.metrics_port", f"must be in [0, 65535], got {self.metrics_port}"
+            )
         if not self.peer_failure_grace_s >= 0:
-            raise SettingError("leto.peer_failure_grace_s", f"must be >= 0, got {self.peer_failure_grace_s}")
+            raise SettingError(
+                "leto.peer_failure_grace_s", f"must be >= 0, got {self.peer_failure_grace_s}"
+            )
 
 
 def closest(key: object, known: Iterable[str]) -> str | None:
@@ -328,7 +372,10 @@ def from_dict(cls: type, data: Any, *, where: str, key: str = "") -> Any:
     for f in fields:
         if f.name not in data and f.default is MISSING and f.default_factory is MISSING:
             raise ConfigError(f"{at}: {f.name} is missing")
-    kwargs = {k: _coerce(hints[k], v, where=where, key=f"{key}.{k}" if key else k) for k, v in data.items()}
+    kwargs = {
+        k: _coerce(hints[k], v, where=where, key=f"{key}.{k}" if key else k)
+        for k, v in data.items()
+    }
     try:
         return cls(**kwargs)
     except SettingError as e:  # it names its own key, from the job file's top
@@ -362,8 +409,11 @@ def _coerce(tp: Any, value: Any, *, where: str, key: str) -> Any:
             return value.lower() in ("true", "1")
         raise ConfigError(f"{at}: expected true or false, got {value!r}")
     if tp in (int, float, str):
-        if (isinstance(value, bool) or (tp is str and not isinstance(value, str))
-                or (tp is int and isinstance(value, float) and not value.is_integer())):
+        if (
+            isinstance(value, bool)
+            or (tp is str and not isinstance(value, str))
+            or (tp is int and isinstance(value, float) and not value.is_integer())
+        ):
             raise ConfigError(f"{at}: expected {tp.__name__}, got {value!r}")
         try:
             return tp(value)

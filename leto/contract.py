@@ -150,8 +150,11 @@ class GenerationEnv:
                 "lend_activations": tristate[env.get("LETO_LEND_ACTIVATIONS", "auto")],
                 "digest": env.get("LETO_DIGEST", "0") == "1",
                 "deterministic": env.get(ENV_DETERMINISTIC, "0") == "1",
-                "erasure": ErasureConfig(**json.loads(env["LETO_ERASURE"])) if env.get("LETO_ERASURE") else None,
-                "preinit": PreinitConfig(**json.loads(env["LETO_PREINIT"])) if env.get("LETO_PREINIT")
+                "erasure": ErasureConfig(**json.loads(env["LETO_ERASURE"]))
+                if env.get("LETO_ERASURE")
+                else None,
+                "preinit": PreinitConfig(**json.loads(env["LETO_PREINIT"]))
+                if env.get("LETO_PREINIT")
                 else PreinitConfig(),
                 "job_token": env[ENV_JOB_TOKEN],
             }

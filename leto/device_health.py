@@ -68,7 +68,11 @@ class NvmlHealth:
             return
         try:
             self._nvml.nvmlInit()
-            self.indices = indices if indices is not None else _visible_indices(self._nvml.nvmlDeviceGetCount())
+            self.indices = (
+                indices
+                if indices is not None
+                else _visible_indices(self._nvml.nvmlDeviceGetCount())
+            )
             self._baseline = {i: self._read(i) for i in self.indices}
         except Exception as e:  # noqa: BLE001 - no driver, no GPUs: nothing to watch
             logger.info("NVML unavailable (%s): GPU health is not checked", e)
@@ -89,10 +93,14 @@ class NvmlHealth:
                 problems.append(f"GPU {index} does not answer NVML: {e}")
                 continue
             if now.uncorrected_ecc > before.uncorrected_ecc:
-                problems.append(f"GPU {index}: {now.uncorrected_ecc - before.uncorrected_ecc} new uncorrected ECC errors")
-            for name, text in (("remap_pending", "row remap pending (reset needed)"),
-                               ("remap_failed", "row remap failed"),
-                               ("retired_pending", "pages pending retirement")):
+                problems.append(
+                    f"GPU {index}: {now.uncorrected_ecc - before.uncorrected_ecc} new uncorrected ECC errors"
+                )
+            for name, text in (
+                ("remap_pending", "row remap pending (reset needed)"),
+                ("remap_failed", "row remap failed"),
+                ("retired_pending", "pages pending retirement"),
+            ):
                 if getattr(now, name) and not getattr(before, name):
                     problems.append(f"GPU {index}: {text}")
         return problems
@@ -102,12 +110,18 @@ class NvmlHealth:
         assert nvml is not None
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         nvml.nvmlDeviceGetUUID(handle)  # raises NVMLError_GPUIsLost on a GPU off the bus
-        ecc = _optional(lambda: nvml.nvmlDeviceGetTotalEccErrors(
-            handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC), 0)
+        ecc = _optional(
+            lambda: nvml.nvmlDeviceGetTotalEccErrors(
+                handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+            ),
+            0,
+        )
         remap = _optional(lambda: nvml.nvmlDeviceGetRemappedRows(handle), (0, 0, 0, 0))
         retired = _optional(lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle), 0)
         return DeviceCounters(
-            uncorrected_ecc=int(ecc), remap_pending=bool(remap[2]), remap_failed=bool(remap[3]),
+            uncorrected_ecc=int(ecc),
+            remap_pending=bool(remap[2]),
+            remap_failed=bool(remap[3]),
             retired_pending=bool(retired),
         )
 

@@ -109,121 +109,340 @@ _RANK, _STEP, _GEN, _LEVEL = Field(int), Field(int), Field(int), Field(int)
 
 SCHEMA: dict[Kind, EventSpec] = {
     Kind.AGENT_STARTED: EventSpec("agent", {"entrypoint": Field(str), "nproc": Field(int)}),
-    Kind.WORKERS_STARTED: EventSpec("agent", {
-        "restart": Field(int), "pids": Field(list[int]), "ranks": Field(list[int]), "warm": Field(bool),
-    }),
-    Kind.SHADOWS_SPAWNED: EventSpec("agent", {
-        "gen": _GEN, "pids": Field(list[int]), "ranks": Field(list[int]), "level": _LEVEL, "launch": Field(int),
-    }),
-    Kind.SHADOW_RECLAIMED: EventSpec("agent", {
-        "gen": _GEN, "level": _LEVEL, "ranks": Field(list[int]), "pids": Field(list[int]),
-        "reclaim_s": Field(float, "s"), "reclaims": Field(int),
-    }),
-    Kind.SHADOW_LEVEL: EventSpec("agent", {
-        "gen": _GEN, "level": _LEVEL, "reason": Field(str), "headroom_bytes": Field(int | None, "bytes"),
-        "free_bytes": Field(int | None, "bytes"), "peak_bytes": Field(int | None, "bytes"),
-        "needed_bytes": Field(int, "bytes"),
-    }),
-    Kind.SHADOW_DIED: EventSpec("agent", {
-        "gen": _GEN, "rank": _RANK, "level": _LEVEL, "pid": Field(int), "signal": Field(int | None),
-        "exitcode": Field(int | None), "deaths": Field(int),
-    }),
-    Kind.SHADOWS_GIVEN_UP: EventSpec("agent", {
-        "gen": _GEN, "rank": _RANK, "level": _LEVEL, "deaths": Field(int), "reason": Field(str),
-    }),
+    Kind.WORKERS_STARTED: EventSpec(
+        "agent",
+        {
+            "restart": Field(int),
+            "pids": Field(list[int]),
+            "ranks": Field(list[int]),
+            "warm": Field(bool),
+        },
+    ),
+    Kind.SHADOWS_SPAWNED: EventSpec(
+        "agent",
+        {
+            "gen": _GEN,
+            "pids": Field(list[int]),
+            "ranks": Field(list[int]),
+            "level": _LEVEL,
+            "launch": Field(int),
+        },
+    ),
+    Kind.SHADOW_RECLAIMED: EventSpec(
+        "agent",
+        {
+            "gen": _GEN,
+            "level": _LEVEL,
+            "ranks": Field(list[int]),
+            "pids": Field(list[int]),
+            "reclaim_s": Field(float, "s"),
+            "reclaims": Field(int),
+        },
+    ),
+    Kind.SHADOW_LEVEL: EventSpec(
+        "agent",
+        {
+            "gen": _GEN,
+            "level": _LEVEL,
+            "reason": Field(str),
+            "headroom_bytes": Field(int | None, "bytes"),
+            "free_bytes": Field(int | None, "bytes"),
+            "peak_bytes": Field(int | None, "bytes"),
+            "needed_bytes": Field(int, "bytes"),
+        },
+    ),
+    Kind.SHADOW_DIED: EventSpec(
+        "agent",
+        {
+            "gen": _GEN,
+            "rank": _RANK,
+            "level": _LEVEL,
+            "pid": Field(int),
+            "signal": Field(int | None),
+            "exitcode": Field(int | None),
+            "deaths": Field(int),
+        },
+    ),
+    Kind.SHADOWS_GIVEN_UP: EventSpec(
+        "agent",
+        {
+            "gen": _GEN,
+            "rank": _RANK,
+            "level": _LEVEL,
+            "deaths": Field(int),
+            "reason": Field(str),
+        },
+    ),
     Kind.STATE_MANAGER_DIED: EventSpec("agent", {"how": Field(str), "gen": _GEN}),
-    Kind.FAILURE_DETECTED: EventSpec("agent", {
-        "ranks": Field(list[int]), "exit_codes": Field(list[int]), "root_ranks": Field(list[int]), "gen": _GEN,
-        "detected_t": Field(float, "unix s"), "failure": Field(str), "in_a_row": Field(int),
-    }),
-    Kind.EPOCH: EventSpec("agent", {
-        "epoch": Field(int), "action": Field(str), "failure": Field(str), "node": Field(int), "remote": Field(bool),
-        "cold": Field(bool), "reason": Field(str), "detected_t": Field(float, "unix s"),
-        "root_ranks": Field(list[int]),
-    }),
+    Kind.FAILURE_DETECTED: EventSpec(
+        "agent",
+        {
+            "ranks": Field(list[int]),
+            "exit_codes": Field(list[int]),
+            "root_ranks": Field(list[int]),
+            "gen": _GEN,
+            "detected_t": Field(float, "unix s"),
+            "failure": Field(str),
+            "in_a_row": Field(int),
+        },
+    ),
+    Kind.EPOCH: EventSpec(
+        "agent",
+        {
+            "epoch": Field(int),
+            "action": Field(str),
+            "failure": Field(str),
+            "node": Field(int),
+            "remote": Field(bool),
+            "cold": Field(bool),
+            "reason": Field(str),
+            "detected_t": Field(float, "unix s"),
+            "root_ranks": Field(list[int]),
+        },
+    ),
     Kind.ACTIVES_STOPPED: EventSpec("agent", {"gen": _GEN, "stop_s": Field(float, "s")}),
-    Kind.SHADOWS_PROMOTED: EventSpec("agent", {
-        "gen": _GEN, "epoch": Field(int), "promote_t": Field(float, "unix s"), "node": Field(int), "cold": Field(bool),
-    }),
-    Kind.RECOVERY_DONE: EventSpec("agent", {
-        "gen": _GEN, "epoch": Field(int), "detected_t": Field(float, "unix s"), "stopped_t": Field(float, "unix s"),
-        "cold": Field(bool), "done_t": Field(float, "unix s"), "phases_s": Field(dict[str, float], "s"),
-        "total_s": Field(float | None, "s"),
-    }),
-    Kind.GROUP_RESTART: EventSpec("agent", {"restart": Field(int), "reason": Field(str), "recoveries": Field(int)}),
-    Kind.JOB_FINISHED: EventSpec("agent", {
-        "ok": Field(bool), "recoveries": Field(int), "restarts": Field(int), "error": _opt(str),
-    }),
-    Kind.METRICS_SERVING: EventSpec("agent", {"port": Field(int), "addr": Field(str), "url": Field(str)}),
-    Kind.TRAINER_STARTED: EventSpec("trainer", {
-        "rank": _RANK, "gen": _GEN, "role": Field(str), "pid": Field(int), "before_init_s": Field(float, "s"),
-        "store_s": Field(float, "s"), "context_s": Field(float, "s"), "deterministic": Field(bool),
-    }),
-    Kind.SHADOW_READY: EventSpec("trainer", {
-        "rank": _RANK, "gen": _GEN, "level": _LEVEL, "init_s": Field(float, "s"),
-    }),
-    Kind.KERNELS_WARMED: EventSpec("trainer", {
-        "rank": _RANK, "gen": _GEN, "level": _LEVEL, "ran": Field(bool), "reason": _opt(str),
-        "calls": _opt(dict[str, int]), "seconds": _opt(float, "s"),
-    }),
-    Kind.PROMOTED: EventSpec("trainer", {
-        "rank": _RANK, "gen": _GEN, "level": _LEVEL, "device_check_s": Field(float, "s"),
-    }),
-    Kind.RESUMED: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "action": Field(str), "gen": _opt(int), "points": _opt(list[list[int]]),
-        "attach_s": _opt(float, "s"), "decide_s": _opt(float, "s"), "mapped_ahead_step": _opt(int | None),
-        "extras": _opt(str), "buffers_restored": _opt(bool), "load_s": _opt(float, "s"),
-    }),
-    Kind.STEP_DONE: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "iter_s": Field(float, "s"), "total": _opt(int | None),
-        "loss": _opt(float | None), "finished_in_recovery": _opt(bool), "phases_s": _opt(dict[str, float], "s"),
-        "device_peak_bytes": _opt(int, "bytes"), "lent_bytes": _opt(int, "bytes"), "attempt": _opt(int),
-    }),
-    Kind.MODEL_WARMED: EventSpec("trainer", {
-        "rank": _RANK, "gen": _GEN, "level": _LEVEL, "name": Field(str), "ran": Field(bool), "reason": Field(str),
-        "warm_s": Field(float, "s"), "transient_bytes": Field(int, "bytes"), "peak_bytes": Field(int, "bytes"),
-        "compiled_graphs": Field(int),
-    }),
-    Kind.FIRST_ITERATION: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "compiled_graphs": Field(int), "phases_s": Field(dict[str, float], "s"),
-    }),
-    Kind.DIGEST: EventSpec("trainer", {"rank": _RANK, "step": _STEP, "digest": Field(str), "save_s": _opt(float, "s")}),
-    Kind.FAULT_INJECTED: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "phase": Field(str), "fault": _opt(int), "point": _opt(str | None),
-        "chunk": _opt(int | None), "fault_kind": _opt(str),
-    }),
-    Kind.OOM_RETRY: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "reclaimed_level": Field(int), "reaped_s": Field(float, "s"),
-        "wait_s": Field(float, "s"), "freed_bytes": Field(int, "bytes"),
-    }),
-    Kind.HANG_DETECTED: EventSpec("agent", {
-        "rank": _RANK, "gen": _GEN, "idle_s": Field(float, "s"), "timeout_s": Field(float, "s"),
-        "proc_state": Field(str),
-    }),
+    Kind.SHADOWS_PROMOTED: EventSpec(
+        "agent",
+        {
+            "gen": _GEN,
+            "epoch": Field(int),
+            "promote_t": Field(float, "unix s"),
+            "node": Field(int),
+            "cold": Field(bool),
+        },
+    ),
+    Kind.RECOVERY_DONE: EventSpec(
+        "agent",
+        {
+            "gen": _GEN,
+            "epoch": Field(int),
+            "detected_t": Field(float, "unix s"),
+            "stopped_t": Field(float, "unix s"),
+            "cold": Field(bool),
+            "done_t": Field(float, "unix s"),
+            "phases_s": Field(dict[str, float], "s"),
+            "total_s": Field(float | None, "s"),
+        },
+    ),
+    Kind.GROUP_RESTART: EventSpec(
+        "agent", {"restart": Field(int), "reason": Field(str), "recoveries": Field(int)}
+    ),
+    Kind.JOB_FINISHED: EventSpec(
+        "agent",
+        {
+            "ok": Field(bool),
+            "recoveries": Field(int),
+            "restarts": Field(int),
+            "error": _opt(str),
+        },
+    ),
+    Kind.METRICS_SERVING: EventSpec(
+        "agent", {"port": Field(int), "addr": Field(str), "url": Field(str)}
+    ),
+    Kind.TRAINER_STARTED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "gen": _GEN,
+            "role": Field(str),
+            "pid": Field(int),
+            "before_init_s": Field(float, "s"),
+            "store_s": Field(float, "s"),
+            "context_s": Field(float, "s"),
+            "deterministic": Field(bool),
+        },
+    ),
+    Kind.SHADOW_READY: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "gen": _GEN,
+            "level": _LEVEL,
+            "init_s": Field(float, "s"),
+        },
+    ),
+    Kind.KERNELS_WARMED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "gen": _GEN,
+            "level": _LEVEL,
+            "ran": Field(bool),
+            "reason": _opt(str),
+            "calls": _opt(dict[str, int]),
+            "seconds": _opt(float, "s"),
+        },
+    ),
+    Kind.PROMOTED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "gen": _GEN,
+            "level": _LEVEL,
+            "device_check_s": Field(float, "s"),
+        },
+    ),
+    Kind.RESUMED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "action": Field(str),
+            "gen": _opt(int),
+            "points": _opt(list[list[int]]),
+            "attach_s": _opt(float, "s"),
+            "decide_s": _opt(float, "s"),
+            "mapped_ahead_step": _opt(int | None),
+            "extras": _opt(str),
+            "buffers_restored": _opt(bool),
+            "load_s": _opt(float, "s"),
+        },
+    ),
+    Kind.STEP_DONE: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "iter_s": Field(float, "s"),
+            "total": _opt(int | None),
+            "loss": _opt(float | None),
+            "finished_in_recovery": _opt(bool),
+            "phases_s": _opt(dict[str, float], "s"),
+            "device_peak_bytes": _opt(int, "bytes"),
+            "lent_bytes": _opt(int, "bytes"),
+            "attempt": _opt(int),
+        },
+    ),
+    Kind.MODEL_WARMED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "gen": _GEN,
+            "level": _LEVEL,
+            "name": Field(str),
+            "ran": Field(bool),
+            "reason": Field(str),
+            "warm_s": Field(float, "s"),
+            "transient_bytes": Field(int, "bytes"),
+            "peak_bytes": Field(int, "bytes"),
+            "compiled_graphs": Field(int),
+        },
+    ),
+    Kind.FIRST_ITERATION: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "compiled_graphs": Field(int),
+            "phases_s": Field(dict[str, float], "s"),
+        },
+    ),
+    Kind.DIGEST: EventSpec(
+        "trainer", {"rank": _RANK, "step": _STEP, "digest": Field(str), "save_s": _opt(float, "s")}
+    ),
+    Kind.FAULT_INJECTED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "phase": Field(str),
+            "fault": _opt(int),
+            "point": _opt(str | None),
+            "chunk": _opt(int | None),
+            "fault_kind": _opt(str),
+        },
+    ),
+    Kind.OOM_RETRY: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "reclaimed_level": Field(int),
+            "reaped_s": Field(float, "s"),
+            "wait_s": Field(float, "s"),
+            "freed_bytes": Field(int, "bytes"),
+        },
+    ),
+    Kind.HANG_DETECTED: EventSpec(
+        "agent",
+        {
+            "rank": _RANK,
+            "gen": _GEN,
+            "idle_s": Field(float, "s"),
+            "timeout_s": Field(float, "s"),
+            "proc_state": Field(str),
+        },
+    ),
     Kind.DEVICE_UNHEALTHY: EventSpec("agent", {"problems": Field(list[str])}),
-    Kind.CHECKPOINT_SAVED: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "cost_s": Field(float, "s"), "interval_steps": Field(int | None),
-    }),
-    Kind.CHECKPOINT_LOADED: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "load_s": Field(float, "s"), "gen": _GEN, "restart": Field(int),
-    }),
-    Kind.CHECKPOINT_FAILED: EventSpec("trainer", {
-        "rank": _RANK, "step": _STEP, "error": Field(str), "dir": Field(str),
-    }),
-    Kind.PAGES_ERASED: EventSpec("agent", {
-        "rank": _RANK, "region": Field(str), "pages": Field(list[int]), "fault": Field(int),
-    }),
-    Kind.PAGES_REBUILT: EventSpec("trainer", {
-        "rank": _RANK, "gen": _GEN, "lost": Field(dict[str, dict[str, int]]), "rebuild_s": Field(float, "s"),
-        "localize_s": Field(float, "s"), "phase": Field(str),
-    }),
-    Kind.UNRECOVERABLE: EventSpec("trainer", {
-        "rank": _RANK, "region": Field(str), "error": Field(str), "lost": _opt(dict[str, int]),
-    }),
-    Kind.PROGRESS: EventSpec("dashboard", {
-        "step": _STEP, "total": Field(int | None), "percent": _opt(float), "elapsed_s": Field(float | None, "s"),
-        "eta_s": Field(float | None, "s"), "iter_ms": Field(float | None, "ms"), "loss": Field(float | None),
-    }),
+    Kind.CHECKPOINT_SAVED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "cost_s": Field(float, "s"),
+            "interval_steps": Field(int | None),
+        },
+    ),
+    Kind.CHECKPOINT_LOADED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "load_s": Field(float, "s"),
+            "gen": _GEN,
+            "restart": Field(int),
+        },
+    ),
+    Kind.CHECKPOINT_FAILED: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "error": Field(str),
+            "dir": Field(str),
+        },
+    ),
+    Kind.PAGES_ERASED: EventSpec(
+        "agent",
+        {
+            "rank": _RANK,
+            "region": Field(str),
+            "pages": Field(list[int]),
+            "fault": Field(int),
+        },
+    ),
+    Kind.PAGES_REBUILT: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "gen": _GEN,
+            "lost": Field(dict[str, dict[str, int]]),
+            "rebuild_s": Field(float, "s"),
+            "localize_s": Field(float, "s"),
+            "phase": Field(str),
+        },
+    ),
+    Kind.UNRECOVERABLE: EventSpec(
+        "trainer",
+        {
+            "rank": _RANK,
+            "region": Field(str),
+            "error": Field(str),
+            "lost": _opt(dict[str, int]),
+        },
+    ),
+    Kind.PROGRESS: EventSpec(
+        "dashboard",
+        {
+            "step": _STEP,
+            "total": Field(int | None),
+            "percent": _opt(float),
+            "elapsed_s": Field(float | None, "s"),
+            "eta_s": Field(float | None, "s"),
+            "iter_ms": Field(float | None, "ms"),
+            "loss": Field(float | None),
+        },
+    ),
 }
 """Every kind's fields besides :data:`COMMON` (``docs/EVENTS.md`` says who writes each, when)."""
 
@@ -241,7 +460,9 @@ def validate(event: dict[str, Any]) -> list[str]:
             if field.required:
                 problems.append(f"{event['kind']}: missing field {name!r}")
         elif not conforms(event[name], field.type):
-            problems.append(f"{event['kind']}.{name}: {event[name]!r} is not {type_name(field.type)}")
+            problems.append(
+                f"{event['kind']}.{name}: {event[name]!r} is not {type_name(field.type)}"
+            )
     return problems
 
 
@@ -255,7 +476,9 @@ def conforms(value: Any, type_: Any) -> bool:
     if origin is list:
         return isinstance(value, list) and all(conforms(v, args[0]) for v in value)
     if origin is dict:
-        return isinstance(value, dict) and all(conforms(k, args[0]) and conforms(v, args[1]) for k, v in value.items())
+        return isinstance(value, dict) and all(
+            conforms(k, args[0]) and conforms(v, args[1]) for k, v in value.items()
+        )
     if isinstance(value, bool):
         return type_ is bool
     if type_ is float:
@@ -285,7 +508,13 @@ class EventLog:
         return cls(os.environ.get(ENV_EVENTS_FILE) or None, source)
 
     def emit(self, kind: Kind, **fields: Any) -> dict[str, Any]:
-        event = {"t": time.time(), "kind": kind.value, "src": self.source, "schema_version": SCHEMA_VERSION, **fields}
+        event = {
+            "t": time.time(),
+            "kind": kind.value,
+            "src": self.source,
+            "schema_version": SCHEMA_VERSION,
+            **fields,
+        }
         if self._fd is not None:
             os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
         return event
@@ -319,7 +548,9 @@ _BACK_READ_BYTES = 1 << 16
 
 
 def last_event(
-    path: str | os.PathLike[str], match: Callable[[dict[str, Any]], bool], within_bytes: int = 1 << 22
+    path: str | os.PathLike[str],
+    match: Callable[[dict[str, Any]], bool],
+    within_bytes: int = 1 << 22,
 ) -> dict[str, Any] | None:
     """The newest complete event in the last ``within_bytes`` of ``path`` that ``match``
     accepts (read backwards, block by block: what was just written is found at once)."""

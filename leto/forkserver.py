@@ -34,7 +34,11 @@ logger = logging.getLogger(__name__)
 
 MAX_MSG = 1 << 20
 WARM_MODULES = (
-    "torch", "torch.distributed", "torch.nn", "torch.nn.functional", "torch.optim",
+    "torch",
+    "torch.distributed",
+    "torch.nn",
+    "torch.nn.functional",
+    "torch.optim",
     # Not torch._dynamo: with it loaded, a served DDP script on gloo deadlocks at exit often
     # enough to matter (the last gloo work, holding the backward's stashed Python context, is
     # freed on a gloo thread that needs the GIL while the main thread joins it in
@@ -42,7 +46,9 @@ WARM_MODULES = (
     # that import itself.
     # what a leto trainer imports next (a shadow forked from here starts with them loaded);
     # imports only: no autograd, no CUDA, no threads before the fork
-    "leto", "leto.trainer.context", "leto.trainer.state",
+    "leto",
+    "leto.trainer.context",
+    "leto.trainer.state",
 )
 
 

@@ -199,7 +199,9 @@ class HangWatch:
 
     def watched(self) -> int:
         """Local ranks still watched: those that have not finished their training loop."""
-        return sum(1 for slot in range(self.board.nslots) if not self.board.read(slot)[1] & _FINISHED)
+        return sum(
+            1 for slot in range(self.board.nslots) if not self.board.read(slot)[1] & _FINISHED
+        )
 
     def check(self) -> list[Stall]:
         """Ranks over their limit, the one idle longest first (finished ranks never stall)."""
@@ -237,8 +239,10 @@ class HangWatch:
         """
         if not stalls:
             return None
-        stopped = sorted((slot for slot, state in states.items() if state in ("T", "t", "D")),
-                         key=lambda slot: -self.idle(slot).idle_s)
+        stopped = sorted(
+            (slot for slot, state in states.items() if state in ("T", "t", "D")),
+            key=lambda slot: -self.idle(slot).idle_s,
+        )
         if stopped:
             return next((s for s in stalls if s.slot == stopped[0]), None) or self.idle(stopped[0])
         if len(stalls) < self.watched():

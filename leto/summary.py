@@ -57,7 +57,12 @@ class _Tracker:
         if t < self.t_det:
             return
         if kind == "step_done":
-            if self.gen is None or t < self.t_promote or e["src"] in self.done or e.get("finished_in_recovery"):
+            if (
+                self.gen is None
+                or t < self.t_promote
+                or e["src"] in self.done
+                or e.get("finished_in_recovery")
+            ):
                 return  # a step finished inside the recovery is part of attach+decide
             target = self.step if self.step is not None else self._resume_step()
             if target is not None and e["step"] >= target:
@@ -146,7 +151,9 @@ class Summary:
         if kind == "step_done":
             self.worked = True
             if "rank" in e:  # a step finished inside a recovery is recovery time, not productive
-                self._step_done(e["rank"], e["t"], 0.0 if e.get("finished_in_recovery") else e["iter_s"])
+                self._step_done(
+                    e["rank"], e["t"], 0.0 if e.get("finished_in_recovery") else e["iter_s"]
+                )
         elif kind == "failure_detected":
             self.worked = True
             if e.get("failure", "hof") == "hof":  # an FF or a script error restarts instead
@@ -160,7 +167,9 @@ class Summary:
         elif kind == "group_restart":
             self.restarts += 1
             # the failures it answered get no promotion: the next one must not pair with them
-            self._trackers = deque((t for t in self._trackers if t.gen is not None), maxlen=self._trackers.maxlen)
+            self._trackers = deque(
+                (t for t in self._trackers if t.gen is not None), maxlen=self._trackers.maxlen
+            )
         elif kind == "shadows_promoted":
             self.promotions += 1
         elif kind == "shadow_level":

@@ -100,11 +100,13 @@ class GenerationLogsSpecs(DefaultLogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         gen = f"{self.generation}.{self.launch}" if self.launch else str(self.generation)
         tagged = {
-            rank: {**env, "TORCHELASTIC_RESTART_COUNT": f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}_gen{gen}"}
+            rank: {
+                **env,
+                "TORCHELASTIC_RESTART_COUNT": f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}_gen{gen}",
+            }
             for rank, env in envs.items()
         }
         return super().reify(tagged)
-
 
 
 COLD_LAUNCH = 1 << 16
@@ -135,20 +137,31 @@ class ProcessExit:
 def _pids_of(worker_group: WorkerGroup, pcontext: PContext) -> dict[str, list[int]]:
     """A generation's processes for its event: ``pids[i]`` is global rank ``ranks[i]``'s."""
     pids = pcontext.pids()
-    return {"pids": [pids[w.local_rank] for w in worker_group.workers],
-            "ranks": [w.global_rank for w in worker_group.workers]}
+    return {
+        "pids": [pids[w.local_rank] for w in worker_group.workers],
+        "ranks": [w.global_rank for w in worker_group.workers],
+    }
 
 
 class LetoAgent(FailurePolicy, LocalElasticAgent):
     """A LocalElasticAgent whose worker group survives trainer failures in place."""
 
-    def __init__(self, spec: WorkerSpec, logs_specs: DefaultLogsSpecs, leto: LetoConfig, events: EventLog, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: DefaultLogsSpecs,
+        leto: LetoConfig,
+        events: EventLog,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(spec, logs_specs=logs_specs, **kwargs)
         self._leto = leto
         self._events = events
         self._summary = Summary(keep_recoveries=4)
         """This node's recoveries phase by phase (``leto.summary``), for ``recovery_done``."""
-        self._tail = None if events.path is None else EventTail(events.path, os.path.getsize(events.path))
+        self._tail = (
+            None if events.path is None else EventTail(events.path, os.path.getsize(events.path))
+        )
         """The events file from where this job began (the trainers' events feed the summary)."""
         self._sm: StateManagerProcess | None = None
         self._shadows: PContext | None = None
@@ -187,23 +200,37 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self.restarts = 0
 
     # -- worker environment: the one seam torch offers inside _start_workers -----------------
-    def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
+    def _set_local_rank_env(
+        self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
+    ) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
         worker_env.update(self._spawn_env)
 
     def _spawn(
-        self, worker_group: WorkerGroup, role: str, generation: int, level: int | None = None, launch: int = 0
+        self,
+        worker_group: WorkerGroup,
+        role: str,
+        generation: int,
+        level: int | None = None,
+        launch: int = 0,
     ) -> PContext:
         """Start one generation of trainers for every local rank; returns its PContext."""
         assert self._sm is not None
         generation_env = contract.GenerationEnv(
-            role=role, generation=generation, pool_socket=self._sm.socket_path,
-            shadow_level=level or self._leto.shadow_level, shadow_launch=launch,
+            role=role,
+            generation=generation,
+            pool_socket=self._sm.socket_path,
+            shadow_level=level or self._leto.shadow_level,
+            shadow_launch=launch,
             consistency=self._leto.consistency,
             rmu_chunk_bytes=self._leto.rmu_chunk_bytes or 0,  # 0: the trainer's device decides
-            rmu_fused=self._leto.rmu_fused, lend_activations=self._leto.lend_activation_memory,
-            digest=self._leto.digest, deterministic=self._leto.deterministic, erasure=self._leto.erasure,
-            preinit=self._leto.preinit, job_token=self._job_token,
+            rmu_fused=self._leto.rmu_fused,
+            lend_activations=self._leto.lend_activation_memory,
+            digest=self._leto.digest,
+            deterministic=self._leto.deterministic,
+            erasure=self._leto.erasure,
+            preinit=self._leto.preinit,
+            job_token=self._job_token,
         )
         self._spawn_env = {
             **generation_env.to_environ(),
@@ -212,7 +239,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             faults.ENV_FAULTS_FIRED: ",".join(map(str, sorted(self._fired))),
             ENV_EVENTS_FILE: str(self._events.path or ""),
             ENV_HEARTBEAT: self._board.path if self._board is not None else "",
-            ENV_CHECKPOINT: json.dumps(dataclasses.asdict(self._leto.checkpoint)) if self._leto.checkpoint else "",
+            ENV_CHECKPOINT: json.dumps(dataclasses.asdict(self._leto.checkpoint))
+            if self._leto.checkpoint
+            else "",
         }
         if isinstance(self._logs_specs, GenerationLogsSpecs):
             self._logs_specs.generation, self._logs_specs.launch = generation, launch
@@ -221,7 +250,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             with (
                 # Shadows and restarts fork from the warm server (the first actives do not
                 # wait for it to import torch).
-                warm_spawns(self.forkserver if role == ROLE_SHADOW or self._restart_count() > 0 else None),
+                warm_spawns(
+                    self.forkserver if role == ROLE_SHADOW or self._restart_count() > 0 else None
+                ),
                 _environ_overlay(None if _HAS_ENV_HOOK else self._spawn_env),
             ):
                 super()._start_workers(worker_group)
@@ -250,7 +281,10 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             self._job_token = rdzv_store.get(contract.RDZV_TOKEN_KEY).decode()
         if worker_group.group_rank == 0:
             self._worker_store = dist.TCPStore(
-                worker_group.master_addr, 0, is_master=True, wait_for_workers=False,
+                worker_group.master_addr,
+                0,
+                is_master=True,
+                wait_for_workers=False,
                 timeout=timedelta(seconds=300),
             )
             rdzv_store.set(key, str(self._worker_store.port))
@@ -262,21 +296,32 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         else:
             self._sm.reset()  # a group restart never resumes on possibly stale state
         raw = dist.TCPStore(
-            worker_group.master_addr, worker_group.master_port, is_master=False, timeout=timedelta(seconds=60)
+            worker_group.master_addr,
+            worker_group.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=60),
         )
         self._raw_store = raw
-        self._store = dist.PrefixStore(contract.store_prefix(self._restart_count(), self._job_token), raw)
+        self._store = dist.PrefixStore(
+            contract.store_prefix(self._restart_count(), self._job_token), raw
+        )
         self._generation, self._uses_leto, self._recovery = 0, False, None
         self._failures_in_a_row, self._sm_death_seen = 0, False
-        self._epochs = EpochBoard(self._store, f"{worker_group.master_addr}:{worker_group.master_port}")
+        self._epochs = EpochBoard(
+            self._store, f"{worker_group.master_addr}:{worker_group.master_port}"
+        )
         if self._board is None:
             self._board = HeartbeatBoard(worker_group.spec.local_world_size)
-        self._hangs = HangWatch(self._board, self._leto.hang_timeout_s, self._leto.first_step_timeout_s)
+        self._hangs = HangWatch(
+            self._board, self._leto.hang_timeout_s, self._leto.first_step_timeout_s
+        )
         self._preinit = PreinitController(self._leto.preinit, self._leto.shadow_level, self._board)
         self._launches, self._shadow_deaths, self._no_shadows_reason = {}, 0, ""
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
         self._events.emit(
-            Kind.WORKERS_STARTED, restart=self._restart_count(), **_pids_of(worker_group, pcontext),
+            Kind.WORKERS_STARTED,
+            restart=self._restart_count(),
+            **_pids_of(worker_group, pcontext),
             warm=self.forkserver is not None and self._restart_count() > 0,
         )
         return pcontext.pids()
@@ -312,7 +357,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
                 self._remaining_restarts -= 1
                 self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
         self._events.emit(
-            Kind.GROUP_RESTART, restart=self._restart_count(), reason=self._restart_reason or "worker failure",
+            Kind.GROUP_RESTART,
+            restart=self._restart_count(),
+            reason=self._restart_reason or "worker failure",
             recoveries=self.recoveries,
         )
         self._restart_reason = ""
@@ -324,7 +371,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._close_shadows()
         super()._stop_workers(worker_group)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any) -> None:
+    def _shutdown(
+        self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any
+    ) -> None:
         self._close_shadows(death_sig)
         super()._shutdown(death_sig, *args, **kwargs)
 
@@ -358,8 +407,11 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._sm_death_seen = True
         how = str(self._sm.exit_status())
         self._events.emit(Kind.STATE_MANAGER_DIED, how=how, gen=self._generation)
-        logger.error("the state manager died (%s): in-place recovery is lost on this node; the next failure "
-                     "restarts the group from the newest checkpoint", how)
+        logger.error(
+            "the state manager died (%s): in-place recovery is lost on this node; the next failure "
+            "restarts the group from the newest checkpoint",
+            how,
+        )
 
     def _watch_registration(self, worker_group: WorkerGroup) -> None:
         """Spawn shadows once every local active has joined through ``leto.init()``."""
@@ -370,13 +422,18 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             self._spawn_shadows(worker_group)
 
     def _spawn_shadows(
-        self, worker_group: WorkerGroup, choice: LevelChoice | None = None, launch: int | None = None
+        self,
+        worker_group: WorkerGroup,
+        choice: LevelChoice | None = None,
+        launch: int | None = None,
     ) -> None:
         """Spawn the next generation's shadows at ``choice``'s level (default: the configured
         one), as launch ``launch`` (default: the next of this generation)."""
         assert self._store is not None and self._preinit is not None
         gen = self._generation + 1
-        choice = choice or LevelChoice(level=ShadowLevel(self._leto.shadow_level), reason="configured")
+        choice = choice or LevelChoice(
+            level=ShadowLevel(self._leto.shadow_level), reason="configured"
+        )
         level = choice.level
         if launch is None:
             launch = self._launches.get(gen, -1) + 1
@@ -385,8 +442,13 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
         self._shadows = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
         self._preinit.spawned(level)
-        self._events.emit(Kind.SHADOWS_SPAWNED, gen=gen, **_pids_of(worker_group, self._shadows), level=int(level),
-                          launch=launch)
+        self._events.emit(
+            Kind.SHADOWS_SPAWNED,
+            gen=gen,
+            **_pids_of(worker_group, self._shadows),
+            level=int(level),
+            launch=launch,
+        )
         self._store.set(contract.shadows(gen, worker_group.group_rank), "1")
 
     def _detect_killed_active(self) -> None:
@@ -471,7 +533,12 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         failure restarts the group. The whole local generation goes: at L3 its shadows share
         a process group that a dead member breaks."""
         ctrl = self._preinit
-        if self._shadows is None or ctrl is None or ctrl.state is not ShadowState.LIVE or self._detected_t is not None:
+        if (
+            self._shadows is None
+            or ctrl is None
+            or ctrl.state is not ShadowState.LIVE
+            or self._detected_t is not None
+        ):
             return
         dead = self._dead_shadow()
         if dead is None:
@@ -481,7 +548,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         assert self._store is not None
         local_rank, end = dead
         gen, level, pids = self._generation + 1, int(ctrl.level), self._shadows.pids()
-        self._store.delete_key(contract.shadows(gen, worker_group.group_rank))  # not ready for a HOF
+        self._store.delete_key(
+            contract.shadows(gen, worker_group.group_rank)
+        )  # not ready for a HOF
         self._shadows.close(death_sig=signal.SIGKILL, timeout=5)  # returns once reaped
         self._shadows = None
         self._drop_pidfds(list(pids.values()))
@@ -489,12 +558,22 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         self._shadow_deaths += 1
         rank = worker_group.workers[local_rank].global_rank
         self._events.emit(
-            Kind.SHADOW_DIED, gen=gen, rank=rank, level=level, pid=pids[local_rank], signal=end.signal,
-            exitcode=end.exitcode, deaths=self._shadow_deaths,
+            Kind.SHADOW_DIED,
+            gen=gen,
+            rank=rank,
+            level=level,
+            pid=pids[local_rank],
+            signal=end.signal,
+            exitcode=end.exitcode,
+            deaths=self._shadow_deaths,
         )
         logger.warning(
-            "rank %d's shadow (gen %d, level %d, pid %d) died before promotion (%s)", rank, gen, level,
-            pids[local_rank], f"signal {end.signal}" if end.signal is not None else f"exit code {end.exitcode}",
+            "rank %d's shadow (gen %d, level %d, pid %d) died before promotion (%s)",
+            rank,
+            gen,
+            level,
+            pids[local_rank],
+            f"signal {end.signal}" if end.signal is not None else f"exit code {end.exitcode}",
         )
         why = ""
         if worker_group.group_world_size > 1:
@@ -505,11 +584,19 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         if why:
             self._no_shadows_reason = f"rank {rank}'s shadow died; not relaunched ({why})"
             ctrl.gave_up()
-            self._events.emit(Kind.SHADOWS_GIVEN_UP, gen=gen, rank=rank, level=level, deaths=self._shadow_deaths,
-                              reason=why)
+            self._events.emit(
+                Kind.SHADOWS_GIVEN_UP,
+                gen=gen,
+                rank=rank,
+                level=level,
+                deaths=self._shadow_deaths,
+                reason=why,
+            )
             logger.error("%s: the next failure restarts the group", self._no_shadows_reason)
             return
-        self._spawn_shadows(worker_group, LevelChoice(level=ShadowLevel(level), reason="shadow_died"))
+        self._spawn_shadows(
+            worker_group, LevelChoice(level=ShadowLevel(level), reason="shadow_died")
+        )
 
     def _close_pidfds(self) -> None:
         for fd in self._pidfds.values():
@@ -534,7 +621,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         level = self._preinit.choose("recovery")  # the last actives' peak (reports outlive them)
         if record.cold or self._shadows is None:
             self._close_shadows()
-            self._spawn_shadows(worker_group, dataclasses.replace(level, reason="cold"), launch=COLD_LAUNCH)
+            self._spawn_shadows(
+                worker_group, dataclasses.replace(level, reason="cold"), launch=COLD_LAUNCH
+            )
         assert self._shadows is not None
         self._generation += 1
         t_promote = time.time()
@@ -551,12 +640,21 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
             worker.id = pid
         self._events.emit(
-            Kind.SHADOWS_PROMOTED, gen=self._generation, epoch=epoch, promote_t=t_promote,
-            node=worker_group.group_rank, cold=record.cold,
+            Kind.SHADOWS_PROMOTED,
+            gen=self._generation,
+            epoch=epoch,
+            promote_t=t_promote,
+            node=worker_group.group_rank,
+            cold=record.cold,
         )
         self.recoveries += 1
-        self._recovery = Recovery(gen=self._generation, epoch=epoch, detected_t=t_detect, stopped_t=t_stopped,
-                                  cold=record.cold)
+        self._recovery = Recovery(
+            gen=self._generation,
+            epoch=epoch,
+            detected_t=t_detect,
+            stopped_t=t_stopped,
+            cold=record.cold,
+        )
         self._spawn_shadows(worker_group, level)
 
     def _note_fired_faults(self) -> None:
@@ -575,7 +673,11 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         pool = self._sm.client()
         try:
             for i, fault in enumerate(self._leto.faults):
-                if fault.erases and i not in self._erased and self._raw_store.check([contract.fault_claim(i)]):
+                if (
+                    fault.erases
+                    and i not in self._erased
+                    and self._raw_store.check([contract.fault_claim(i)])
+                ):
                     self._erased.add(i)
                     faults.erase_pages(pool, fault, i, erasure, self._events)
         finally:
@@ -592,10 +694,15 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             recovery, self._recovery = self._recovery, None
             self._failures_in_a_row = 0
             self._read_events()
-            rec = next((r for r in reversed(self._summary.recoveries()) if r.gen == recovery.gen), None)
+            rec = next(
+                (r for r in reversed(self._summary.recoveries()) if r.gen == recovery.gen), None
+            )
             self._events.emit(
-                Kind.RECOVERY_DONE, **dataclasses.asdict(recovery), done_t=time.time(),
-                phases_s={} if rec is None else rec.phases, total_s=None if rec is None else rec.total_s,
+                Kind.RECOVERY_DONE,
+                **dataclasses.asdict(recovery),
+                done_t=time.time(),
+                phases_s={} if rec is None else rec.phases,
+                total_s=None if rec is None else rec.total_s,
             )
             self._raise_shadow_level(worker_group)
 
@@ -642,7 +749,9 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             if worker_group.group_world_size > 1:
                 # The shadows of every node share one process group; relaunching this node's
                 # alone would not join it. Until the next recovery a HOF restarts the group.
-                logger.warning("shadows reclaimed on a multi-node job: not relaunched until the next recovery")
+                logger.warning(
+                    "shadows reclaimed on a multi-node job: not relaunched until the next recovery"
+                )
                 ctrl.closed()
                 return
             self._spawn_shadows(worker_group, ctrl.choose("oom"))
@@ -659,9 +768,16 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             self._shadows = None
             self._preinit.reclaimed()
             gen = self._generation + 1
-            self._store.delete_key(contract.shadows(gen, worker_group.group_rank))  # not ready for a HOF
+            self._store.delete_key(
+                contract.shadows(gen, worker_group.group_rank)
+            )  # not ready for a HOF
             self._events.emit(
-                Kind.SHADOW_RECLAIMED, gen=gen, level=level, ranks=ranks, pids=list(pids.values()),
-                reclaim_s=time.time() - t0, reclaims=self._preinit.reclaims,
+                Kind.SHADOW_RECLAIMED,
+                gen=gen,
+                level=level,
+                ranks=ranks,
+                pids=list(pids.values()),
+                reclaim_s=time.time() - t0,
+                reclaims=self._preinit.reclaims,
             )
         self._preinit.answer(slots, level)

@@ -108,49 +108,103 @@ def make_parser() -> argparse.ArgumentParser:
 def _add_leto_group(parser: argparse.ArgumentParser) -> None:
     """Leto's flags. Each defaults to None so that "not given" leaves the job file's value."""
     g = parser.add_argument_group("leto", "Leto's options (override the job file's leto section).")
-    g.add_argument("--version", action="version", version=_version(),
-                   help="Print leto-run's and torch's versions and exit.")
+    g.add_argument(
+        "--version",
+        action="version",
+        version=_version(),
+        help="Print leto-run's and torch's versions and exit.",
+    )
     g.add_argument("--config", metavar="FILE", help="Job YAML (see 'job file' below).")
     g.add_argument(
-        "--no-dashboard", dest="dashboard", action="store_const", const=False,
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_const",
+        const=False,
         help="Plain log lines instead of the live dashboard.",
     )
     g.add_argument(
-        "--events", dest="events_file", metavar="FILE",
+        "--events",
+        dest="events_file",
+        metavar="FILE",
         help="Write the JSON-lines event stream to FILE.",
     )
     g.add_argument(
-        "--inject-fault", dest="faults", action="append", metavar="SPEC",
+        "--inject-fault",
+        dest="faults",
+        action="append",
+        metavar="SPEC",
         help="Kill a trainer, e.g. rank=1,step=5,phase=update (repeatable).",
     )
-    g.add_argument("--consistency", choices=_leto_choices("consistency"),
-                   help="Update consistency: snapshot (full pre-update copy) or rmu.")
-    g.add_argument("--shadow-level", type=int, choices=_leto_choices("shadow_level"),
-                   help="Highest shadow pre-initialisation level: 1 = imports and model, 2 = + CUDA "
-                   "context, 3 = + process group (lowered on an OOM, raised back after recovery).")
-    g.add_argument("--recovery", choices=_leto_choices("recovery"),
-                   help="in_place: promote shadows on failure; restart: torchrun's group restart.")
     g.add_argument(
-        "--digest", action="store_const", const=True,
+        "--consistency",
+        choices=_leto_choices("consistency"),
+        help="Update consistency: snapshot (full pre-update copy) or rmu.",
+    )
+    g.add_argument(
+        "--shadow-level",
+        type=int,
+        choices=_leto_choices("shadow_level"),
+        help="Highest shadow pre-initialisation level: 1 = imports and model, 2 = + CUDA "
+        "context, 3 = + process group (lowered on an OOM, raised back after recovery).",
+    )
+    g.add_argument(
+        "--recovery",
+        choices=_leto_choices("recovery"),
+        help="in_place: promote shadows on failure; restart: torchrun's group restart.",
+    )
+    g.add_argument(
+        "--digest",
+        action="store_const",
+        const=True,
         help="Emit a digest of all retained state after every step (exactness tests).",
     )
-    g.add_argument("--hang-timeout", dest="hang_timeout_s", type=float, metavar="S",
-                   help="Kill and recover a trainer that makes no progress for S seconds.")
-    g.add_argument("--first-step-timeout", dest="first_step_timeout_s", type=float, metavar="S",
-                   help="The same limit until a trainer's first step (default 600).")
-    g.add_argument("--no-warm-restarts", dest="warm_restarts", action="store_const", const=False,
-                   help="Group restarts start workers cold, as torchrun does.")
-    g.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="Keep a torch.distributed.checkpoint here for fatal failures.")
-    g.add_argument("--checkpoint-every", dest="checkpoint_interval_steps", type=int, metavar="N",
-                   help="Checkpoint every N steps (default: Young's interval for the FF rate).")
-    g.add_argument("--deterministic", action="store_const", const=True,
-                   help="Deterministic kernels in every trainer: a recovered run is bit for bit a "
-                   "fault-free one (slower on GPUs; default: PyTorch's kernels, and a promoted "
-                   "trainer resumes from exactly the committed state).")
-    g.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="Serve Prometheus metrics at http://HOST:PORT/metrics on every node "
-                   "(0: a free port).")
+    g.add_argument(
+        "--hang-timeout",
+        dest="hang_timeout_s",
+        type=float,
+        metavar="S",
+        help="Kill and recover a trainer that makes no progress for S seconds.",
+    )
+    g.add_argument(
+        "--first-step-timeout",
+        dest="first_step_timeout_s",
+        type=float,
+        metavar="S",
+        help="The same limit until a trainer's first step (default 600).",
+    )
+    g.add_argument(
+        "--no-warm-restarts",
+        dest="warm_restarts",
+        action="store_const",
+        const=False,
+        help="Group restarts start workers cold, as torchrun does.",
+    )
+    g.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="Keep a torch.distributed.checkpoint here for fatal failures.",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        dest="checkpoint_interval_steps",
+        type=int,
+        metavar="N",
+        help="Checkpoint every N steps (default: Young's interval for the FF rate).",
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_const",
+        const=True,
+        help="Deterministic kernels in every trainer: a recovered run is bit for bit a "
+        "fault-free one (slower on GPUs; default: PyTorch's kernels, and a promoted "
+        "trainer resumes from exactly the committed state).",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics on every node (0: a free port).",
+    )
 
 
 def _version() -> str:
@@ -217,7 +271,8 @@ class Origins:
                 continue
             exact = self.parser._option_string_actions.get(name)
             if exact is action or (
-                exact is None and name.startswith("--")
+                exact is None
+                and name.startswith("--")
                 and any(o.startswith(name) for o in action.option_strings)
             ):
                 found = name
@@ -268,8 +323,11 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LetoConfig, Origins
         args = parser.parse_args(argv)  # flags win over the job file's defaults
     script_tail = 0 if args.training_script is None else 1 + len(args.training_script_args)
     origins = Origins(
-        parser=parser, options=argv[: len(argv) - script_tail], job_path=args.config,
-        job_launch=frozenset(job.launch), job_faults=len(job.leto.faults),
+        parser=parser,
+        options=argv[: len(argv) - script_tail],
+        job_path=args.config,
+        job_launch=frozenset(job.launch),
+        job_faults=len(job.leto.faults),
         fault_texts=tuple(args.faults or ()),
     )
     if args.training_script is None:
@@ -329,7 +387,9 @@ def _with_settings(
             if f.name not in fields and f.default is dataclasses.MISSING:
                 flags = " and ".join(origins.leto(f"leto.{section}.{k}") for k in fields)
                 need = next(flag for flag, s in LETO_FLAGS.items() if s == f"{section}.{f.name}")
-                raise ConfigError(f"{flags} needs {need} (or leto.{section}.{f.name} in the job file)")
+                raise ConfigError(
+                    f"{flags} needs {need} (or leto.{section}.{f.name} in the job file)"
+                )
         top[section] = cls(**fields)
     return dataclasses.replace(base, **top, faults=faults)
 
@@ -355,7 +415,9 @@ def apply_torchrun_run_defaults(args: argparse.Namespace) -> None:
         args.rdzv_id = str(uuid.uuid4())
         logger.info(
             "Rendezvous info: --rdzv-backend=%s --rdzv-endpoint=%s --rdzv-id=%s",
-            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id,
+            args.rdzv_backend,
+            args.rdzv_endpoint,
+            args.rdzv_id,
         )
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -405,7 +467,9 @@ def _check_launch_values(args: argparse.Namespace, origins: Origins) -> int:
     if nproc < 1:
         raise ConfigError(f"{where}: must be >= 1 (workers per node), got {nproc}")
     if args.max_restarts < 0:
-        raise ConfigError(f"{origins.launch('max_restarts')}: must be >= 0, got {args.max_restarts}")
+        raise ConfigError(
+            f"{origins.launch('max_restarts')}: must be >= 0, got {args.max_restarts}"
+        )
     return nproc
 
 
@@ -518,7 +582,11 @@ class _RawArgsCommand(click.Command):
     cls=_RawArgsCommand,
     name="leto-run",
     add_help_option=False,
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+        "help_option_names": [],
+    },
 )
 @click.pass_context
 def _leto_run(ctx: click.Context) -> None:

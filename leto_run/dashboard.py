@@ -43,14 +43,37 @@ class _Rank:
     loss: float | None = None
 
 
-_PLAIN_KINDS = frozenset({
-    "agent_started", "workers_started", "shadows_spawned", "shadow_ready", "fault_injected",
-    "failure_detected", "actives_stopped", "shadows_promoted", "resumed", "recovery_done",
-    "job_finished", "pages_erased", "pages_rebuilt", "unrecoverable_state", "group_restart",
-    "epoch", "hang_detected", "checkpoint_loaded", "checkpoint_failed", "shadow_reclaimed",
-    "shadow_level", "oom_retry", "shadow_died", "shadows_given_up", "state_manager_died",
-    "device_unhealthy", "metrics_serving",
-})
+_PLAIN_KINDS = frozenset(
+    {
+        "agent_started",
+        "workers_started",
+        "shadows_spawned",
+        "shadow_ready",
+        "fault_injected",
+        "failure_detected",
+        "actives_stopped",
+        "shadows_promoted",
+        "resumed",
+        "recovery_done",
+        "job_finished",
+        "pages_erased",
+        "pages_rebuilt",
+        "unrecoverable_state",
+        "group_restart",
+        "epoch",
+        "hang_detected",
+        "checkpoint_loaded",
+        "checkpoint_failed",
+        "shadow_reclaimed",
+        "shadow_level",
+        "oom_retry",
+        "shadow_died",
+        "shadows_given_up",
+        "state_manager_died",
+        "device_unhealthy",
+        "metrics_serving",
+    }
+)
 """Events printed as a JSON line in plain mode (per-step events are summed up by progress lines)."""
 _RECENT_RECOVERIES = 100
 """Recoveries kept for the summary table (the counts cover all of them)."""
@@ -230,7 +253,9 @@ class Dashboard:
         if self.live_mode:
             self._passthrough = TerminalPassthrough()
             out = open(self._passthrough.tty_fd, "w", closefd=False)  # noqa: SIM115 - lives with the view
-            self.console = Console(file=out, force_terminal=True, color_system=self.console.color_system)
+            self.console = Console(
+                file=out, force_terminal=True, color_system=self.console.color_system
+            )
         self._thread = threading.Thread(target=self._run, name="leto-dashboard", daemon=True)
         self._thread.start()
 
@@ -257,11 +282,19 @@ class Dashboard:
             return
         assert self._passthrough is not None
         self._fit()
-        live = Live(self.render(), console=self.console, refresh_per_second=4, transient=False,
-                    redirect_stdout=False, redirect_stderr=False)
+        live = Live(
+            self.render(),
+            console=self.console,
+            refresh_per_second=4,
+            transient=False,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         # Through the console from before the first frame to after the last: a line written
         # to the terminal past it would land where the next frame is drawn, and be erased.
-        self._passthrough.route(lambda line: self.console.print(Text.from_ansi(line), soft_wrap=True))
+        self._passthrough.route(
+            lambda line: self.console.print(Text.from_ansi(line), soft_wrap=True)
+        )
         with live:
             while not self._stop.wait(0.25):
                 self.poll()
@@ -334,15 +367,23 @@ class Dashboard:
         elif e["kind"] == "step_done":
             done = self.progress.done
             every = max(1, (self.progress.total or 200) // 20)
-            if done >= self._plain_next_step or (done and e["t"] - self._plain_last_t >= _PLAIN_PROGRESS_S):
+            if done >= self._plain_next_step or (
+                done and e["t"] - self._plain_last_t >= _PLAIN_PROGRESS_S
+            ):
                 self._plain_next_step = (done // every + 1) * every
                 self._plain_last_t = e["t"]
                 self._line(json.dumps(self._progress_fields(e["t"]), separators=(",", ":")))
 
     def _progress_fields(self, now: float) -> dict[str, Any]:
         p = self.progress
-        fields: dict[str, Any] = {"t": now, "kind": Kind.PROGRESS.value, "src": "dashboard",
-                                  "schema_version": SCHEMA_VERSION, "step": p.done, "total": p.total}
+        fields: dict[str, Any] = {
+            "t": now,
+            "kind": Kind.PROGRESS.value,
+            "src": "dashboard",
+            "schema_version": SCHEMA_VERSION,
+            "step": p.done,
+            "total": p.total,
+        }
         frac = p.fraction()
         if frac is not None:
             fields["percent"] = round(100 * frac, 1)
@@ -363,16 +404,25 @@ class Dashboard:
         """The live region: whole lines, each cut to the terminal's width (never wrapped)."""
         now = time.time()
         lines: list[Text] = [self._header(now), self._progress_line(now), Text("")]
-        lines.append(Text(f"{'rank':>4}  {'role':<9} {'gen':>3}  {'shadow':<11} {'step':>8} "
-                          f"{'iter ms':>9}  {'loss':>9}", style="bold"))
+        lines.append(
+            Text(
+                f"{'rank':>4}  {'role':<9} {'gen':>3}  {'shadow':<11} {'step':>8} "
+                f"{'iter ms':>9}  {'loss':>9}",
+                style="bold",
+            )
+        )
         for rank in sorted(self.ranks):
             r = self.ranks[rank]
             style = "red" if r.role == "failed" else ""
             step = "-" if r.step is None else str(r.step)
             it = "-" if r.iter_s is None else f"{r.iter_s * 1e3:.1f}"
             loss = "-" if r.loss is None else f"{r.loss:.4f}"
-            lines.append(Text(f"{rank:>4}  {r.role:<9} {r.gen:>3}  {r.shadow:<11} {step:>8} {it:>9}  {loss:>9}",
-                              style=style))
+            lines.append(
+                Text(
+                    f"{rank:>4}  {r.role:<9} {r.gen:>3}  {r.shadow:<11} {step:>8} {it:>9}  {loss:>9}",
+                    style=style,
+                )
+            )
         lines.append(Text(""))
         for rec in self.summary.recoveries()[-_LIVE_RECOVERIES:]:
             lines.append(Text(self._recovery_line(rec)))
@@ -390,8 +440,12 @@ class Dashboard:
             state = f"recovering… {max(0.0, now - self._recovering_since):.1f} s"
         text = Text("leto-run", style="bold")
         text.append(f"  {len(self.ranks)} ranks · ")
-        text.append(state, style={"recovering": "yellow", "failed": "red", "restarting": "yellow"}.get(
-            self.state, "green"))
+        text.append(
+            state,
+            style={"recovering": "yellow", "failed": "red", "restarting": "yellow"}.get(
+                self.state, "green"
+            ),
+        )
         return text
 
     def _progress_line(self, now: float) -> Text:

@@ -69,8 +69,10 @@ class FailurePolicy(_Base):
 
     def _local_shadows_ok(self) -> bool:
         return (
-            self._shadows is not None and self._dead_shadow() is None
-            and self._sm is not None and self._sm.alive()
+            self._shadows is not None
+            and self._dead_shadow() is None
+            and self._sm is not None
+            and self._sm.alive()
         )
 
     def _all_shadows_ready(self, worker_group: WorkerGroup) -> bool:
@@ -95,34 +97,55 @@ class FailurePolicy(_Base):
             if record is not None:
                 return self._follow(worker_group, record, result)
         failed = {str(rank): f.exitcode for rank, f in result.failures.items()}
-        root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(result.failures)
+        root = [w.global_rank for w in worker_group.workers if w.id == self._root_pid] or sorted(
+            result.failures
+        )
         detected_t = self._detected_t or time.time()
         self._failures_in_a_row += 1
         ranks = sorted(result.failures)
         self._events.emit(
-            Kind.FAILURE_DETECTED, ranks=ranks, exit_codes=[result.failures[r].exitcode for r in ranks],
-            root_ranks=root, gen=self._generation, detected_t=detected_t, failure=failure.value,
+            Kind.FAILURE_DETECTED,
+            ranks=ranks,
+            exit_codes=[result.failures[r].exitcode for r in ranks],
+            root_ranks=root,
+            gen=self._generation,
+            detected_t=detected_t,
+            failure=failure.value,
             in_a_row=self._failures_in_a_row,
         )
         decision = decide(self._facts(worker_group, failure))
-        record = self._epochs.publish(EpochRecord(
-            epoch=epoch, action="in_place" if decision.action.in_place else "restart", failure=failure.value,
-            node=worker_group.group_rank, ranks=failed, root_ranks=root, reason=decision.reason,
-            detected_t=detected_t, cold=decision.action is Action.PROMOTE_COLD,
-        ))
+        record = self._epochs.publish(
+            EpochRecord(
+                epoch=epoch,
+                action="in_place" if decision.action.in_place else "restart",
+                failure=failure.value,
+                node=worker_group.group_rank,
+                ranks=failed,
+                root_ranks=root,
+                reason=decision.reason,
+                detected_t=detected_t,
+                cold=decision.action is Action.PROMOTE_COLD,
+            )
+        )
         return self._follow(worker_group, record, result)
 
     def _facts(self, worker_group: WorkerGroup, failure: FailureClass) -> FailureFacts:
         sm_alive = self._sm is not None and self._sm.alive()
         return FailureFacts(
-            failure=failure, in_place_enabled=self._leto.recovery == "in_place",
-            state_manager_alive=sm_alive, shadows_everywhere=self._all_shadows_ready(worker_group),
-            multi_node=worker_group.group_world_size > 1, failures_without_progress=self._failures_in_a_row,
-            failure_loop_limit=self._leto.failure_loop_limit, no_shadows_reason=self._no_shadows_reason,
+            failure=failure,
+            in_place_enabled=self._leto.recovery == "in_place",
+            state_manager_alive=sm_alive,
+            shadows_everywhere=self._all_shadows_ready(worker_group),
+            multi_node=worker_group.group_world_size > 1,
+            failures_without_progress=self._failures_in_a_row,
+            failure_loop_limit=self._leto.failure_loop_limit,
+            no_shadows_reason=self._no_shadows_reason,
             state_manager_exit="" if sm_alive or self._sm is None else str(self._sm.exit_status()),
         )
 
-    def _follow(self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None) -> RunResult:
+    def _follow(
+        self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None
+    ) -> RunResult:
         """Act on the job-wide decision for this generation: promote, or restart the group."""
         assert self._epochs is not None
         if record.action == "in_place" and not record.cold and not self._local_shadows_ok():
@@ -133,30 +156,46 @@ class FailurePolicy(_Base):
                 # The other nodes promote their shadows; then every node follows a cold
                 # generation (its trainers must meet in one process group). Until then this
                 # node's cold trainers wait in theirs.
-                self._epochs.publish(EpochRecord(
-                    epoch=record.epoch + 1, action="in_place", failure=record.failure,
-                    node=worker_group.group_rank, reason=f"node {worker_group.group_rank} has no live shadows",
-                    detected_t=time.time(), cold=True,
-                ))
+                self._epochs.publish(
+                    EpochRecord(
+                        epoch=record.epoch + 1,
+                        action="in_place",
+                        failure=record.failure,
+                        node=worker_group.group_rank,
+                        reason=f"node {worker_group.group_rank} has no live shadows",
+                        detected_t=time.time(),
+                        cold=True,
+                    )
+                )
                 record = dataclasses.replace(record, cold=True)
         self._events.emit(
-            Kind.EPOCH, epoch=record.epoch, action=record.action, failure=record.failure,
-            node=record.node, remote=record.node != worker_group.group_rank, cold=record.cold,
-            reason=record.reason, detected_t=record.detected_t, root_ranks=record.root_ranks,
+            Kind.EPOCH,
+            epoch=record.epoch,
+            action=record.action,
+            failure=record.failure,
+            node=record.node,
+            remote=record.node != worker_group.group_rank,
+            cold=record.cold,
+            reason=record.reason,
+            detected_t=record.detected_t,
+            root_ranks=record.root_ranks,
         )
         if record.action == "in_place":
             self._recover(worker_group, record)
             return RunResult(state=WorkerState.HEALTHY)
         self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
         if self._remaining_restarts > 0:
-            where = (f"loading the newest complete checkpoint in {self._leto.checkpoint.dir}"
-                     if self._leto.checkpoint is not None
-                     else "no checkpoint is configured (leto.checkpoint): training restarts from step 0")
+            where = (
+                f"loading the newest complete checkpoint in {self._leto.checkpoint.dir}"
+                if self._leto.checkpoint is not None
+                else "no checkpoint is configured (leto.checkpoint): training restarts from step 0"
+            )
             logger.warning("group restart: %s; %s", self._restart_reason, where)
         else:
             logger.error(
                 "the job fails (no restarts left, --max-restarts %d): %s",
-                worker_group.spec.max_restarts, self._restart_reason,
+                worker_group.spec.max_restarts,
+                self._restart_reason,
             )
         if result is not None and result.state == WorkerState.FAILED:
             return result
@@ -166,7 +205,10 @@ class FailurePolicy(_Base):
         self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
         failures = {
             w.global_rank: ProcessFailure(
-                local_rank=w.local_rank, pid=pids[w.local_rank], exitcode=-int(signal.SIGKILL), error_file=""
+                local_rank=w.local_rank,
+                pid=pids[w.local_rank],
+                exitcode=-int(signal.SIGKILL),
+                error_file="",
             )
             for w in worker_group.workers
         }
@@ -179,16 +221,24 @@ class FailurePolicy(_Base):
         stalls = self._hangs.check()
         if not stalls:
             return
-        states = {w.local_rank: proc_state(w.id) for w in worker_group.workers}  # a stopped peer first
+        states = {
+            w.local_rank: proc_state(w.id) for w in worker_group.workers
+        }  # a stopped peer first
         stall = self._hangs.culprit(stalls, states)
         if stall is None:
             return
         worker = worker_group.workers[stall.slot]
         self._events.emit(
-            Kind.HANG_DETECTED, rank=worker.global_rank, gen=self._generation,
-            idle_s=round(stall.idle_s, 3), timeout_s=stall.limit_s, proc_state=states[stall.slot],
+            Kind.HANG_DETECTED,
+            rank=worker.global_rank,
+            gen=self._generation,
+            idle_s=round(stall.idle_s, 3),
+            timeout_s=stall.limit_s,
+            proc_state=states[stall.slot],
         )
-        logger.warning("rank %d made no progress for %.1f s: killing it", worker.global_rank, stall.idle_s)
+        logger.warning(
+            "rank %d made no progress for %.1f s: killing it", worker.global_rank, stall.idle_s
+        )
         try:
             os.kill(worker.id, signal.SIGKILL)
         except ProcessLookupError:

@@ -112,8 +112,10 @@ def _launch_hint(key: Any, actions: dict[str, argparse.Action]) -> str:
     guess = closest(key, actions)
     if guess is not None:
         return f"; did you mean {guess!r}?"
-    return ("; keys are torchrun options by their dest name, e.g. nproc_per_node, max_restarts, "
-            "rdzv_backend")
+    return (
+        "; keys are torchrun options by their dest name, e.g. nproc_per_node, max_restarts, "
+        "rdzv_backend"
+    )
 
 
 def _launch_value(action: argparse.Action, value: Any, *, where: str) -> Any:

@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 def _logs_specs(config: LaunchConfig) -> GenerationLogsSpecs:
     given = config.logs_specs
     if given is not None and not isinstance(given, DefaultLogsSpecs):
-        raise ConfigError(f"leto-run supports torchrun's default logs specs, not {type(given).__name__}")
+        raise ConfigError(
+            f"leto-run supports torchrun's default logs specs, not {type(given).__name__}"
+        )
     root = given.root_log_dir if given is not None else None
     return GenerationLogsSpecs(
         log_dir=root,
@@ -46,10 +48,14 @@ def _logs_specs(config: LaunchConfig) -> GenerationLogsSpecs:
     )
 
 
-def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoConfig) -> dict[int, Any]:
+def launch(
+    config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoConfig
+) -> dict[int, Any]:
     """Run this node's share of the job; raises ``ChildFailedError`` as torchrun does."""
     if os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
-        raise ConfigError("leto-run needs the agent's shared store; unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+        raise ConfigError(
+            "leto-run needs the agent's shared store; unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+        )
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
     # Every child inherits it and dies with this process (leto.lifetime), also under a
@@ -90,36 +96,59 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoCon
         local_addr=config.local_addr,
     )
     agent = LetoAgent(
-        spec, logs_specs, leto, events,
+        spec,
+        logs_specs,
+        leto,
+        events,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
     )
     agent.forkserver = forkserver
-    events.emit(Kind.AGENT_STARTED, entrypoint=_get_entrypoint_name(entrypoint, args), nproc=config.nproc_per_node)
+    events.emit(
+        Kind.AGENT_STARTED,
+        entrypoint=_get_entrypoint_name(entrypoint, args),
+        nproc=config.nproc_per_node,
+    )
     from leto_run.dashboard import Dashboard
 
     dashboard = Dashboard(events_path, enabled=leto.dashboard, offset=events_offset)
     shutdown_rdzv = True
     dashboard.start()
-    metrics = MetricsServer(events, leto.metrics_port, node_rank=lambda: agent.get_worker_group().group_rank,
-                            offset=events_offset)
+    metrics = MetricsServer(
+        events,
+        leto.metrics_port,
+        node_rank=lambda: agent.get_worker_group().group_rank,
+        offset=events_offset,
+    )
     try:
         metrics.start()  # a port in use ends the job here, as any launch error does
         result = agent.run()
         elastic_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
-            raise ChildFailedError(name=_get_entrypoint_name(entrypoint, args), failures=result.failures)
-        events.emit(Kind.JOB_FINISHED, ok=True, recoveries=agent.recoveries, restarts=agent.restarts)
+            raise ChildFailedError(
+                name=_get_entrypoint_name(entrypoint, args), failures=result.failures
+            )
+        events.emit(
+            Kind.JOB_FINISHED, ok=True, recoveries=agent.recoveries, restarts=agent.restarts
+        )
         return result.return_values
     except ChildFailedError:
-        events.emit(Kind.JOB_FINISHED, ok=False, recoveries=agent.recoveries, restarts=agent.restarts)
+        events.emit(
+            Kind.JOB_FINISHED, ok=False, recoveries=agent.recoveries, restarts=agent.restarts
+        )
         raise
     except Exception as e:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         if isinstance(e, SignalException):
             shutdown_rdzv = False
-        events.emit(Kind.JOB_FINISHED, ok=False, recoveries=agent.recoveries, restarts=agent.restarts, error=type(e).__name__)
+        events.emit(
+            Kind.JOB_FINISHED,
+            ok=False,
+            recoveries=agent.recoveries,
+            restarts=agent.restarts,
+            error=type(e).__name__,
+        )
         elastic_events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:

@@ -200,7 +200,11 @@ class _Collector(Collector):
 
         for name, doc, counts in (
             ("leto_recoveries", "In-place recoveries (shadow generations promoted)", s.recoveries),
-            ("leto_group_restarts", "Group restarts (torchrun's path, counted against --max-restarts)", s.restarts),
+            (
+                "leto_group_restarts",
+                "Group restarts (torchrun's path, counted against --max-restarts)",
+                s.restarts,
+            ),
         ):
             family = CounterMetricFamily(name, doc, labels=["node", "cause"])
             for cause, n in sorted(counts.items()):

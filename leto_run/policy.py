@@ -68,8 +68,15 @@ class Decision:
 def decide(facts: FailureFacts) -> Decision:
     """The job-wide answer to one failure (see the module docstring)."""
     if facts.failure is FailureClass.ERROR:
-        return Decision(Action.RESTART, "trainer exited with an error" + (
-            " (no other node reported a failure: is another node's agent gone?)" if facts.multi_node else ""))
+        return Decision(
+            Action.RESTART,
+            "trainer exited with an error"
+            + (
+                " (no other node reported a failure: is another node's agent gone?)"
+                if facts.multi_node
+                else ""
+            ),
+        )
     if facts.failure is FailureClass.FF:
         if not facts.state_manager_alive:
             how = f" ({facts.state_manager_exit})" if facts.state_manager_exit else ""
@@ -78,10 +85,17 @@ def decide(facts: FailureFacts) -> Decision:
     if not facts.in_place_enabled:
         return Decision(Action.RESTART, "trainer killed (in-place recovery is off)")
     if facts.failures_without_progress >= facts.failure_loop_limit:
-        return Decision(Action.RESTART, (
-            f"trainer killed {facts.failures_without_progress} times in a row without committing a step "
-            f"(leto.failure_loop_limit {facts.failure_loop_limit})"))
+        return Decision(
+            Action.RESTART,
+            (
+                f"trainer killed {facts.failures_without_progress} times in a row without committing a step "
+                f"(leto.failure_loop_limit {facts.failure_loop_limit})"
+            ),
+        )
     if facts.shadows_everywhere:
         return Decision(Action.PROMOTE, "trainer killed")
     why = f" ({facts.no_shadows_reason})" if facts.no_shadows_reason else ""
-    return Decision(Action.PROMOTE_COLD, f"trainer killed, no shadows on every node{why}: a cold generation attaches")
+    return Decision(
+        Action.PROMOTE_COLD,
+        f"trainer killed, no shadows on every node{why}: a cold generation attaches",
+    )

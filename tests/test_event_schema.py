@@ -56,7 +56,9 @@ def _spec(fields: dict) -> dict[str, tuple[str, str, bool]]:
 
 def test_the_doc_describes_the_schema_exactly() -> None:
     text = DOC.read_text()
-    common = text[text.index("## Common fields"):text.index("## ", text.index("## Common fields") + 3)]
+    common = text[
+        text.index("## Common fields") : text.index("## ", text.index("## Common fields") + 3)
+    ]
     assert _rows(common) == _spec(COMMON)
     kinds = {}
     for m in re.finditer(r"^### `(\w+)`\n(.*?)(?=^### |\Z)", text, re.MULTILINE | re.DOTALL):
@@ -80,17 +82,39 @@ def test_units_follow_the_field_names() -> None:
 
 
 def test_validate_names_what_is_wrong() -> None:
-    ok = {"t": 1.0, "kind": "step_done", "src": "trainer0", "schema_version": 1, "rank": 0, "step": 3, "iter_s": 1}
+    ok = {
+        "t": 1.0,
+        "kind": "step_done",
+        "src": "trainer0",
+        "schema_version": 1,
+        "rank": 0,
+        "step": 3,
+        "iter_s": 1,
+    }
     assert validate(ok) == []
     assert validate({**ok, "loss": None, "total": 12, "finished_in_recovery": True}) == []
     assert validate({**ok, "rank": "0"}) == ["step_done.rank: '0' is not int"]
     assert validate({**ok, "rank": True}) == ["step_done.rank: True is not int"]
     assert validate({**ok, "ranks": [0]}) == ["step_done: unknown field 'ranks'"]
-    assert validate({k: v for k, v in ok.items() if k != "iter_s"}) == ["step_done: missing field 'iter_s'"]
+    assert validate({k: v for k, v in ok.items() if k != "iter_s"}) == [
+        "step_done: missing field 'iter_s'"
+    ]
     assert validate({**ok, "kind": "stepped"}) == ["unknown kind 'stepped'"]
-    lost = {"t": 1.0, "kind": "pages_rebuilt", "src": "trainer0", "schema_version": 1, "rank": 0, "gen": 1,
-            "lost": {"state": {"data": "2"}}, "rebuild_s": 0.1, "localize_s": 0.0, "phase": "IDLE"}
-    assert validate(lost) == ["pages_rebuilt.lost: {'state': {'data': '2'}} is not dict[str, dict[str, int]]"]
+    lost = {
+        "t": 1.0,
+        "kind": "pages_rebuilt",
+        "src": "trainer0",
+        "schema_version": 1,
+        "rank": 0,
+        "gen": 1,
+        "lost": {"state": {"data": "2"}},
+        "rebuild_s": 0.1,
+        "localize_s": 0.0,
+        "phase": "IDLE",
+    }
+    assert validate(lost) == [
+        "pages_rebuilt.lost: {'state': {'data': '2'}} is not dict[str, dict[str, int]]"
+    ]
 
 
 def test_emit_writes_the_schema_version(tmp_path) -> None:
@@ -116,7 +140,9 @@ def test_last_event_reads_back_across_blocks_and_skips_a_cut_line(tmp_path) -> N
 
 
 @pytest.mark.parametrize(("last_reported", "written"), [(None, [4]), (3, [4]), (4, []), (5, [])])
-def test_a_promoted_trainer_reports_the_step_its_predecessor_did_not(tmp_path, last_reported, written) -> None:
+def test_a_promoted_trainer_reports_the_step_its_predecessor_did_not(
+    tmp_path, last_reported, written
+) -> None:
     path = tmp_path / "e.jsonl"
     log = EventLog(path, source="trainer1")
     if last_reported is not None:
@@ -127,15 +153,28 @@ def test_a_promoted_trainer_reports_the_step_its_predecessor_did_not(tmp_path, l
     new = [e for e in read_events(path) if e.get("finished_in_recovery")]
     assert [e["step"] for e in new] == written
     for e in new:
-        assert (e["rank"], e["loss"], e["iter_s"], e["total"]) == (1, None, 0.25, STEPS) and validate(e) == []
+        assert (e["rank"], e["loss"], e["iter_s"], e["total"]) == (
+            1,
+            None,
+            0.25,
+            STEPS,
+        ) and validate(e) == []
 
 
 def test_a_node_that_did_not_see_the_failure_times_its_recovery_from_the_epoch() -> None:
     def ev(t: float, kind: str, src: str = "agent", **fields) -> dict:
         return {"t": t, "kind": kind, "src": src, "schema_version": 1, **fields}
 
-    epoch = {"epoch": 1, "action": "in_place", "failure": "hof", "node": 0, "cold": False,
-             "reason": "trainer killed", "detected_t": 10.0, "root_ranks": [1]}
+    epoch = {
+        "epoch": 1,
+        "action": "in_place",
+        "failure": "hof",
+        "node": 0,
+        "cold": False,
+        "reason": "trainer killed",
+        "detected_t": 10.0,
+        "root_ranks": [1],
+    }
     events = [
         ev(10.2, "epoch", remote=True, **epoch),
         ev(10.3, "actives_stopped", gen=0, stop_s=0.3),
@@ -146,12 +185,29 @@ def test_a_node_that_did_not_see_the_failure_times_its_recovery_from_the_epoch()
     ]
     (rec,) = Summary.of(events).recoveries()
     assert rec.failed_ranks == [1] and rec.total_s == pytest.approx(0.8)
-    assert rec.phases == pytest.approx({"detect": 0.0, "stop": 0.3, "promote": 0.1, "wake": 0.1,
-                                        "attach+decide": 0.2, "first step": 0.1})
+    assert rec.phases == pytest.approx(
+        {
+            "detect": 0.0,
+            "stop": 0.3,
+            "promote": 0.1,
+            "wake": 0.1,
+            "attach+decide": 0.2,
+            "first step": 0.1,
+        }
+    )
     # a node that saw a failure itself and then lost the decision to another node's record
     # follows that record: one recovery, not two
-    local = ev(10.0, "failure_detected", ranks=[2], exit_codes=[-9], root_ranks=[2], gen=0, detected_t=10.0,
-               failure="hof", in_a_row=1)
+    local = ev(
+        10.0,
+        "failure_detected",
+        ranks=[2],
+        exit_codes=[-9],
+        root_ranks=[2],
+        gen=0,
+        detected_t=10.0,
+        failure="hof",
+        in_a_row=1,
+    )
     assert len(Summary.of([local, *events]).recoveries()) == 1
 
 
@@ -160,8 +216,17 @@ def test_a_failure_answered_by_a_group_restart_pairs_with_no_later_promotion() -
         return {"t": t, "kind": kind, "src": "agent", "schema_version": 1, **fields}
 
     def failure(t: float, root: int) -> dict:
-        return ev(t, "failure_detected", ranks=[0, 1], exit_codes=[-9, -9], root_ranks=[root], gen=0,
-                  detected_t=t, failure="hof", in_a_row=1)
+        return ev(
+            t,
+            "failure_detected",
+            ranks=[0, 1],
+            exit_codes=[-9, -9],
+            root_ranks=[root],
+            gen=0,
+            detected_t=t,
+            failure="hof",
+            in_a_row=1,
+        )
 
     events = [
         failure(5.0, 1),  # no shadows: answered by a group restart
@@ -188,10 +253,25 @@ def test_a_job_with_failures_writes_only_valid_events(job) -> None:
     assert problems == []
     assert {e["schema_version"] for e in job} == {SCHEMA_VERSION}
     kinds = {e["kind"] for e in job}
-    assert {"agent_started", "workers_started", "shadows_spawned", "shadow_level", "trainer_started",
-            "shadow_ready", "fault_injected", "failure_detected", "epoch", "actives_stopped",
-            "shadows_promoted", "promoted", "resumed", "step_done", "recovery_done", "digest",
-            "job_finished"} <= kinds
+    assert {
+        "agent_started",
+        "workers_started",
+        "shadows_spawned",
+        "shadow_level",
+        "trainer_started",
+        "shadow_ready",
+        "fault_injected",
+        "failure_detected",
+        "epoch",
+        "actives_stopped",
+        "shadows_promoted",
+        "promoted",
+        "resumed",
+        "step_done",
+        "recovery_done",
+        "digest",
+        "job_finished",
+    } <= kinds
     assert json.dumps(job)  # plain JSON throughout
 
 
@@ -214,7 +294,11 @@ def test_ranks_are_integers_and_lists_line_up(job) -> None:
     failures = [e for e in job if e["kind"] == "failure_detected"]
     assert [e["root_ranks"] for e in failures] == [[1], [0]]
     for e in failures:
-        assert e["ranks"] == [0, 1] and len(e["exit_codes"]) == 2 and all(c < 0 for c in e["exit_codes"])
+        assert (
+            e["ranks"] == [0, 1]
+            and len(e["exit_codes"]) == 2
+            and all(c < 0 for c in e["exit_codes"])
+        )
     started = {(e["gen"], e["rank"], e["pid"]) for e in job if e["kind"] == "trainer_started"}
     promoted = {e["gen"] for e in job if e["kind"] == "shadows_promoted"}
     for e in job:
@@ -222,7 +306,9 @@ def test_ranks_are_integers_and_lists_line_up(job) -> None:
             assert e["ranks"] == [0, 1] and len(e["pids"]) == 2
         gen = 0 if e["kind"] == "workers_started" else e.get("gen")
         if e["kind"] == "workers_started" or (e["kind"] == "shadows_spawned" and gen in promoted):
-            assert {(gen, r, pid) for r, pid in zip(e["ranks"], e["pids"], strict=True)} <= started, e
+            assert {
+                (gen, r, pid) for r, pid in zip(e["ranks"], e["pids"], strict=True)
+            } <= started, e
 
 
 @pytest.mark.timeout(400)
@@ -233,6 +319,13 @@ def test_recovery_done_carries_the_summarys_phases(job) -> None:
     for e in done:
         rec = recs[e["gen"]]
         assert e["phases_s"] == rec.phases and e["total_s"] == rec.total_s
-        assert list(e["phases_s"]) == ["detect", "stop", "promote", "wake", "attach+decide", "first step"]
+        assert list(e["phases_s"]) == [
+            "detect",
+            "stop",
+            "promote",
+            "wake",
+            "attach+decide",
+            "first step",
+        ]
         assert all(v >= 0 for v in e["phases_s"].values())
         assert e["total_s"] == pytest.approx(sum(e["phases_s"].values()))

@@ -38,13 +38,45 @@ BLOCK = 1024
 """Elements per program; also the granularity of the restore (one flag per block)."""
 
 
-@triton.jit(do_not_specialize=["p_off", "m_off", "v_off", "g_off", "up_off", "um_off", "uv_off",
-                               "n", "flag_base", "token"])
+@triton.jit(
+    do_not_specialize=[
+        "p_off",
+        "m_off",
+        "v_off",
+        "g_off",
+        "up_off",
+        "um_off",
+        "uv_off",
+        "n",
+        "flag_base",
+        "token",
+    ]
+)
 def _adamw_undo_kernel(
-    state_ptr, grad_ptr, undo_ptr, flag_ptr,
-    p_off, m_off, v_off, g_off, up_off, um_off, uv_off, n, flag_base, token,
-    decay, l2_wd, w1, beta2, w2, step_size, bc2_sqrt, eps,
-    WD_MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    state_ptr,
+    grad_ptr,
+    undo_ptr,
+    flag_ptr,
+    p_off,
+    m_off,
+    v_off,
+    g_off,
+    up_off,
+    um_off,
+    uv_off,
+    n,
+    flag_base,
+    token,
+    decay,
+    l2_wd,
+    w1,
+    beta2,
+    w2,
+    step_size,
+    bc2_sqrt,
+    eps,
+    WD_MODE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     idx = tl.cast(pid, tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -81,9 +113,21 @@ def num_blocks(n: int) -> int:
 
 
 def adamw_undo(
-    state: torch.Tensor, grads: torch.Tensor, undo: torch.Tensor, flags: torch.Tensor,
-    offsets: tuple[int, int, int, int, int, int, int], n: int, flag_base: int, token: int,
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+    state: torch.Tensor,
+    grads: torch.Tensor,
+    undo: torch.Tensor,
+    flags: torch.Tensor,
+    offsets: tuple[int, int, int, int, int, int, int],
+    n: int,
+    flag_base: int,
+    token: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
     step: float,
 ) -> None:
     """AdamW on ``n`` elements of one parameter, saving their old values first.
@@ -93,26 +137,66 @@ def adamw_undo(
     gradient in ``grads``, and of the undo copies of (param, exp_avg, exp_avg_sq) in
     ``undo``. ``step`` is the post-increment step count (bias correction).
     """
-    for name, t, dt in (("state", state, torch.float32), ("grads", grads, torch.float32),
-                        ("undo", undo, torch.float32), ("flags", flags, torch.int64)):
+    for name, t, dt in (
+        ("state", state, torch.float32),
+        ("grads", grads, torch.float32),
+        ("undo", undo, torch.float32),
+        ("flags", flags, torch.int64),
+    ):
         if t.dtype != dt or t.dim() != 1:
             raise TypeError(f"{name} must be a flat {dt} view, got {t.dtype} {tuple(t.shape)}")
     if n <= 0:
         return
-    args, meta = _launch_args((state, grads, undo, flags), offsets, n, flag_base, token, lr=lr, beta1=beta1,
-                              beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled, step=step)
+    args, meta = _launch_args(
+        (state, grads, undo, flags),
+        offsets,
+        n,
+        flag_base,
+        token,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        step=step,
+    )
     _adamw_undo_kernel[(num_blocks(n),)](*args, **meta)
 
 
 def _launch_args(
-    tensors: tuple[torch.Tensor, ...], offsets: tuple[int, ...], n: int, flag_base: int, token: int, *,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float,
+    tensors: tuple[torch.Tensor, ...],
+    offsets: tuple[int, ...],
+    n: int,
+    flag_base: int,
+    token: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    step: float,
 ) -> tuple[list[object], dict[str, int]]:
     """The kernel's positional arguments and launch keywords for one :func:`adamw_undo` call."""
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     wd_mode = 0 if weight_decay == 0 else (1 if decoupled else 2)
-    args = [*tensors, *offsets, n, flag_base, token,
-            1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2, -(lr / bc1), bc2**0.5, eps]
+    args = [
+        *tensors,
+        *offsets,
+        n,
+        flag_base,
+        token,
+        1 - lr * weight_decay,
+        weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        -(lr / bc1),
+        bc2**0.5,
+        eps,
+    ]
     return args, {"WD_MODE": wd_mode, "BLOCK_SIZE": BLOCK, "num_warps": 4}
 
 
@@ -149,7 +233,9 @@ def warm_up(device: torch.device, calls: Iterable[dict[str, Any]]) -> int:
         n_at, flag_at = _INTS.start + 7, _INTS.start + 8
         for at, what in ((n_at, "n"), (flag_at, "flag_base")):
             if mangle_type(args[at]) != mangle_type(0):
-                raise ValueError(f"adamw_rmu.warm_up: {what}={args[at]} is too wide to warm without touching memory")
+                raise ValueError(
+                    f"adamw_rmu.warm_up: {what}={args[at]} is too wide to warm without touching memory"
+                )
             args[at] = 0
         _adamw_undo_kernel[(1,)](*args, **meta)
     return len(seen)

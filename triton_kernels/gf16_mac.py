@@ -272,10 +272,28 @@ def gf16_mac(
     n_cols = n_tiles * 32
     grid = (triton.cdiv(n_cols, bn), triton.cdiv(n_out, ob))
     return _gf16_mac_kernel[grid](
-        src, src2 if src2 is not None else src, src_off, 0, 0, masks, 0,
-        dst, dst_off, 0, 0, n_src, n_out, n_cols,
-        HAS_SRC2=src2 is not None, SRC_TABLE=True, DST_TABLE=True, ACCUMULATE=accumulate,
-        PREFETCH=pf, OUT_BLOCK=ob, BLOCK_N=bn, num_warps=nw,
+        src,
+        src2 if src2 is not None else src,
+        src_off,
+        0,
+        0,
+        masks,
+        0,
+        dst,
+        dst_off,
+        0,
+        0,
+        n_src,
+        n_out,
+        n_cols,
+        HAS_SRC2=src2 is not None,
+        SRC_TABLE=True,
+        DST_TABLE=True,
+        ACCUMULATE=accumulate,
+        PREFETCH=pf,
+        OUT_BLOCK=ob,
+        BLOCK_N=bn,
+        num_warps=nw,
     )
 
 
@@ -307,8 +325,26 @@ def gf16_mac_strided(
     n_cols = n_tiles * 32
     grid = (triton.cdiv(n_cols, bn), triton.cdiv(n_out, ob))
     return _gf16_mac_kernel[grid](
-        src, src2 if src2 is not None else src, src, src_stride, src2_stride,
-        masks, mask_first, dst, dst, dst_stride, dst_base, n_src, n_out, n_cols,
-        HAS_SRC2=src2 is not None, SRC_TABLE=False, DST_TABLE=False, ACCUMULATE=accumulate,
-        PREFETCH=pf, OUT_BLOCK=ob, BLOCK_N=bn, num_warps=nw,
+        src,
+        src2 if src2 is not None else src,
+        src,
+        src_stride,
+        src2_stride,
+        masks,
+        mask_first,
+        dst,
+        dst,
+        dst_stride,
+        dst_base,
+        n_src,
+        n_out,
+        n_cols,
+        HAS_SRC2=src2 is not None,
+        SRC_TABLE=False,
+        DST_TABLE=False,
+        ACCUMULATE=accumulate,
+        PREFETCH=pf,
+        OUT_BLOCK=ob,
+        BLOCK_N=bn,
+        num_warps=nw,
     )

@@ -89,8 +89,24 @@ def _times_alpha(x):
     """``a * x`` on 16 bit planes (a tuple of ``[BLOCK]`` words): y[i] = x[i-1], and x[15]
     (the x^16 overflow, x^16 = x^12 + x^3 + x + 1) feeds bits 0, 1, 3 and 12."""
     t = x[15]
-    return (t, x[0] ^ t, x[1], x[2] ^ t, x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11] ^ t, x[12],
-            x[13], x[14])
+    return (
+        t,
+        x[0] ^ t,
+        x[1],
+        x[2] ^ t,
+        x[3],
+        x[4],
+        x[5],
+        x[6],
+        x[7],
+        x[8],
+        x[9],
+        x[10],
+        x[11] ^ t,
+        x[12],
+        x[13],
+        x[14],
+    )
 
 
 @triton.jit
@@ -102,22 +118,47 @@ def _times_alpha_pow(x, E: tl.constexpr):
 
 @triton.jit
 def _xor(a, b):
-    return (a[0] ^ b[0], a[1] ^ b[1], a[2] ^ b[2], a[3] ^ b[3], a[4] ^ b[4], a[5] ^ b[5], a[6] ^ b[6], a[7] ^ b[7],
-            a[8] ^ b[8], a[9] ^ b[9], a[10] ^ b[10], a[11] ^ b[11], a[12] ^ b[12], a[13] ^ b[13], a[14] ^ b[14],
-            a[15] ^ b[15])
+    return (
+        a[0] ^ b[0],
+        a[1] ^ b[1],
+        a[2] ^ b[2],
+        a[3] ^ b[3],
+        a[4] ^ b[4],
+        a[5] ^ b[5],
+        a[6] ^ b[6],
+        a[7] ^ b[7],
+        a[8] ^ b[8],
+        a[9] ^ b[9],
+        a[10] ^ b[10],
+        a[11] ^ b[11],
+        a[12] ^ b[12],
+        a[13] ^ b[13],
+        a[14] ^ b[14],
+        a[15] ^ b[15],
+    )
 
 
 @triton.jit
 def _load_planes(ptr, off, ok):
     """The 16 planes of a range of 32-symbol columns (plane ``b`` is 32 words after ``b - 1``)."""
-    return (tl.load(ptr + off + 0 * 32, mask=ok, other=0), tl.load(ptr + off + 1 * 32, mask=ok, other=0),
-            tl.load(ptr + off + 2 * 32, mask=ok, other=0), tl.load(ptr + off + 3 * 32, mask=ok, other=0),
-            tl.load(ptr + off + 4 * 32, mask=ok, other=0), tl.load(ptr + off + 5 * 32, mask=ok, other=0),
-            tl.load(ptr + off + 6 * 32, mask=ok, other=0), tl.load(ptr + off + 7 * 32, mask=ok, other=0),
-            tl.load(ptr + off + 8 * 32, mask=ok, other=0), tl.load(ptr + off + 9 * 32, mask=ok, other=0),
-            tl.load(ptr + off + 10 * 32, mask=ok, other=0), tl.load(ptr + off + 11 * 32, mask=ok, other=0),
-            tl.load(ptr + off + 12 * 32, mask=ok, other=0), tl.load(ptr + off + 13 * 32, mask=ok, other=0),
-            tl.load(ptr + off + 14 * 32, mask=ok, other=0), tl.load(ptr + off + 15 * 32, mask=ok, other=0))
+    return (
+        tl.load(ptr + off + 0 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 1 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 2 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 3 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 4 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 5 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 6 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 7 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 8 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 9 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 10 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 11 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 12 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 13 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 14 * 32, mask=ok, other=0),
+        tl.load(ptr + off + 15 * 32, mask=ok, other=0),
+    )
 
 
 @triton.jit
@@ -140,13 +181,40 @@ def _reduce(raw, HAS_OLD: tl.constexpr):
 
 @triton.jit
 def _and(a, m):
-    return (a[0] & m, a[1] & m, a[2] & m, a[3] & m, a[4] & m, a[5] & m, a[6] & m, a[7] & m, a[8] & m, a[9] & m,
-            a[10] & m, a[11] & m, a[12] & m, a[13] & m, a[14] & m, a[15] & m)
+    return (
+        a[0] & m,
+        a[1] & m,
+        a[2] & m,
+        a[3] & m,
+        a[4] & m,
+        a[5] & m,
+        a[6] & m,
+        a[7] & m,
+        a[8] & m,
+        a[9] & m,
+        a[10] & m,
+        a[11] & m,
+        a[12] & m,
+        a[13] & m,
+        a[14] & m,
+        a[15] & m,
+    )
 
 
 @triton.jit
-def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok,
-                 HAS_QIN: tl.constexpr):
+def _scale_store(
+    acc,
+    p: tl.constexpr,
+    n_par,
+    scale_ptr,
+    q_in,
+    q_out,
+    q_base,
+    q_stride,
+    off,
+    ok,
+    HAS_QIN: tl.constexpr,
+):
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
     The 16 loads of ``q_in[p]`` are issued first, so they are in flight during the multiply
@@ -176,9 +244,28 @@ def _scale_store(acc, p: tl.constexpr, n_par, scale_ptr, q_in, q_out, q_base, q_
 
 
 @triton.jit
-def _part(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q_base, q_stride,
-          n_par, off, ok, PART: tl.constexpr, BLOCK: tl.constexpr, MATH: tl.constexpr, ACC: tl.constexpr,
-          HAS_OLD: tl.constexpr, HAS_QIN: tl.constexpr, BAL: tl.constexpr):
+def _part(
+    new_ptr,
+    old_ptr,
+    new_stride,
+    old_stride,
+    k,
+    scale_ptr,
+    q_in,
+    q_out,
+    q_base,
+    q_stride,
+    n_par,
+    off,
+    ok,
+    PART: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MATH: tl.constexpr,
+    ACC: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_QIN: tl.constexpr,
+    BAL: tl.constexpr,
+):
     """Syndromes ``S0 .. S(ACC-1)`` (ACC = 4 or 8) of the program's columns: Horner over the
     k pages. Part ``PART`` takes syndromes ``PART * ACC ...`` in order, or with ``BAL`` (all
     16 syndromes launched) mirrored pairs ``G*b + PART, G*b + G-1-PART`` (``G = 32 / ACC``):
@@ -220,8 +307,16 @@ def _part(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q
     f = _fetch(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
     for r in range(k):
         d = _reduce(f, HAS_OLD)
-        f = _fetch(new_ptr, old_ptr, tl.cast(tl.maximum(k - 2 - r, 0), tl.int64), new_stride, old_stride, off, ok,
-                   HAS_OLD)
+        f = _fetch(
+            new_ptr,
+            old_ptr,
+            tl.cast(tl.maximum(k - 2 - r, 0), tl.int64),
+            new_stride,
+            old_stride,
+            off,
+            ok,
+            HAS_OLD,
+        )
         if MATH:
             a0 = _xor(_times_alpha_pow(a0, S0), d)
             a1 = _xor(_times_alpha_pow(a1, S1), d)
@@ -254,29 +349,128 @@ def _part(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, q_in, q_out, q
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
-def _syndrome_kernel(new_ptr, old_ptr, new_stride, old_stride, k, scale_ptr, scale_first,
-                     q_in, q_out, q_base, q_stride, n_par, n_cols, BLOCK: tl.constexpr,
-                     MATH: tl.constexpr = True, ACC: tl.constexpr = 8, HAS_OLD: tl.constexpr = True,
-                     HAS_QIN: tl.constexpr = True, BAL: tl.constexpr = False):
-    part = tl.program_id(0)  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
+def _syndrome_kernel(
+    new_ptr,
+    old_ptr,
+    new_stride,
+    old_stride,
+    k,
+    scale_ptr,
+    scale_first,
+    q_in,
+    q_out,
+    q_base,
+    q_stride,
+    n_par,
+    n_cols,
+    BLOCK: tl.constexpr,
+    MATH: tl.constexpr = True,
+    ACC: tl.constexpr = 8,
+    HAS_OLD: tl.constexpr = True,
+    HAS_QIN: tl.constexpr = True,
+    BAL: tl.constexpr = False,
+):
+    part = tl.program_id(
+        0
+    )  # which ACC syndromes; the fastest grid axis, so parts share deltas in L2
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     # word offset of plane 0 of each column within a page range (2 KiB tiles of 16 x 32 words)
     off = (cols // 32) * 512 + cols % 32
     scale = scale_ptr + tl.cast(scale_first, tl.int64) * _SCALE_WORDS
     if part == 0:
-        _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-              n_par, off, ok, 0, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
+        _part(
+            new_ptr,
+            old_ptr,
+            new_stride,
+            old_stride,
+            k,
+            scale,
+            q_in,
+            q_out,
+            q_base,
+            q_stride,
+            n_par,
+            off,
+            ok,
+            0,
+            BLOCK,
+            MATH,
+            ACC,
+            HAS_OLD,
+            HAS_QIN,
+            BAL,
+        )
     elif part == 1:
-        _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-              n_par, off, ok, 1, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
+        _part(
+            new_ptr,
+            old_ptr,
+            new_stride,
+            old_stride,
+            k,
+            scale,
+            q_in,
+            q_out,
+            q_base,
+            q_stride,
+            n_par,
+            off,
+            ok,
+            1,
+            BLOCK,
+            MATH,
+            ACC,
+            HAS_OLD,
+            HAS_QIN,
+            BAL,
+        )
     elif ACC == 4:
         if part == 2:
-            _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                  n_par, off, ok, 2, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
+            _part(
+                new_ptr,
+                old_ptr,
+                new_stride,
+                old_stride,
+                k,
+                scale,
+                q_in,
+                q_out,
+                q_base,
+                q_stride,
+                n_par,
+                off,
+                ok,
+                2,
+                BLOCK,
+                MATH,
+                ACC,
+                HAS_OLD,
+                HAS_QIN,
+                BAL,
+            )
         else:
-            _part(new_ptr, old_ptr, new_stride, old_stride, k, scale, q_in, q_out, q_base, q_stride,
-                  n_par, off, ok, 3, BLOCK, MATH, ACC, HAS_OLD, HAS_QIN, BAL)
+            _part(
+                new_ptr,
+                old_ptr,
+                new_stride,
+                old_stride,
+                k,
+                scale,
+                q_in,
+                q_out,
+                q_base,
+                q_stride,
+                n_par,
+                off,
+                ok,
+                3,
+                BLOCK,
+                MATH,
+                ACC,
+                HAS_OLD,
+                HAS_QIN,
+                BAL,
+            )
 
 
 @functools.lru_cache(maxsize=8)
@@ -341,13 +535,33 @@ def syndrome_update(
     if unknown:
         raise TypeError(f"unknown launch options of the syndrome kernel: {sorted(unknown)}")
     n_cols = n_tiles * 32
-    block, warps = launch.get("block", TUNING["block"]), launch.get("num_warps", TUNING["num_warps"])
+    block, warps = (
+        launch.get("block", TUNING["block"]),
+        launch.get("num_warps", TUNING["num_warps"]),
+    )
     acc = launch.get("acc", TUNING["acc"])
     if acc not in (4, 8):
         raise ValueError(f"the syndrome kernel holds 4 or 8 accumulators per program, got {acc}")
     grid = (triton.cdiv(n_parity, acc), triton.cdiv(n_cols, block))
-    return _syndrome_kernel[grid](new, new if old is None else old, new_stride, old_stride, k, scale, first_page,
-                                  q_out if q_in is None else q_in, q_out, q_base, q_stride, n_parity, n_cols,
-                                  BLOCK=block, MATH=launch.get("math", True), ACC=acc,
-                                  HAS_OLD=old is not None, HAS_QIN=q_in is not None, BAL=n_parity == MAX_PARITY,
-                                  num_warps=warps)
+    return _syndrome_kernel[grid](
+        new,
+        new if old is None else old,
+        new_stride,
+        old_stride,
+        k,
+        scale,
+        first_page,
+        q_out if q_in is None else q_in,
+        q_out,
+        q_base,
+        q_stride,
+        n_parity,
+        n_cols,
+        BLOCK=block,
+        MATH=launch.get("math", True),
+        ACC=acc,
+        HAS_OLD=old is not None,
+        HAS_QIN=q_in is not None,
+        BAL=n_parity == MAX_PARITY,
+        num_warps=warps,
+    )

@@ -119,8 +119,10 @@ def mac_pages(
     key = tuple(tuple(int(v) for v in row) for row in coef)
     n_out = len(key)
     if n_out != len(outs) or any(len(row) != len(srcs) for row in key):
-        raise ValueError(f"coef is {n_out}x{len(key[0]) if key else 0}, "
-                         f"got {len(outs)} outputs and {len(srcs)} sources")
+        raise ValueError(
+            f"coef is {n_out}x{len(key[0]) if key else 0}, "
+            f"got {len(outs)} outputs and {len(srcs)} sources"
+        )
     src_t = [_tiles(s) for s in srcs]
     xor_t = [_tiles(s) for s in srcs_xor] if srcs_xor is not None else None
     out_t = [_tiles(o) for o in outs]
@@ -133,7 +135,9 @@ def mac_pages(
     idx = _gather_index(key).to(dev) if src_t else None
     for t0 in range(0, n_tiles, _BLOCK_TILES):
         t1 = min(t0 + _BLOCK_TILES, n_tiles)
-        acc = torch.zeros(t1 - t0, n_out, PLANES, WORDS_PER_PLANE // 2, dtype=torch.int64, device=dev)
+        acc = torch.zeros(
+            t1 - t0, n_out, PLANES, WORDS_PER_PLANE // 2, dtype=torch.int64, device=dev
+        )
         for j, s in enumerate(src_t):
             x = s[t0:t1]
             if xor_t is not None:

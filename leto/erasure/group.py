@@ -59,8 +59,9 @@ class RebuildReport:
 
 def _check_flat(name: str, t: torch.Tensor, nbytes: int | None = None) -> None:
     if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-        raise TypeError(f"{name} must be a contiguous flat uint8 tensor, got {t.dtype} "
-                        f"{tuple(t.shape)}")
+        raise TypeError(
+            f"{name} must be a contiguous flat uint8 tensor, got {t.dtype} {tuple(t.shape)}"
+        )
     if nbytes is not None and t.numel() != nbytes:
         raise ValueError(f"{name} has {t.numel()} bytes, expected {nbytes}")
 
@@ -89,8 +90,10 @@ class ProtectionGroup:
         _check_flat("tier1", tier1, config.tier1_parity * pb)
         _check_flat("tier2", tier2, config.tier2_parity * pb)
         if data.numel() % pb or not 0 < data.numel() // pb <= config.data_pages:
-            raise ValueError(f"data has {data.numel()} bytes: need 1..{config.data_pages} "
-                             f"whole pages of {pb} bytes")
+            raise ValueError(
+                f"data has {data.numel()} bytes: need 1..{config.data_pages} "
+                f"whole pages of {pb} bytes"
+            )
         if tier1.device != tier2.device:
             raise ValueError("tier1 and tier2 parity must live on one device")
         self.config = config
@@ -103,8 +106,10 @@ class ProtectionGroup:
         self.code2 = CauchyCode(config.tier1_parity, config.tier2_parity)
         self._c1 = self.code1.coef(range(self.num_pages))
         self._c2 = self.code2.coef()
-        c21 = gf16.mat_mul(np.array(self._c2, dtype=np.int64).reshape(-1, config.tier1_parity),
-                           self.grs.matrix[:, : self.num_pages])
+        c21 = gf16.mat_mul(
+            np.array(self._c2, dtype=np.int64).reshape(-1, config.tier1_parity),
+            self.grs.matrix[:, : self.num_pages],
+        )
         self._c21 = tuple(tuple(int(v) for v in row) for row in c21)
         self._masks: dict[str, torch.Tensor] = {}
 
@@ -154,14 +159,32 @@ class ProtectionGroup:
         keeps S). 2.4 + 0.4 ms per 2 GiB group on an H200 against 12 ms for the generic
         kernel's product. None where the kernel does not apply (CPU engine, H1 > 16)."""
         h1, pb = self.config.tier1_parity, self.config.page_bytes
-        if not (SYNDROME_KERNEL and self._on_device() and h1 <= 16 and self.num_pages >= SYNDROME_MIN_PAGES):
+        if not (
+            SYNDROME_KERNEL
+            and self._on_device()
+            and h1 <= 16
+            and self.num_pages >= SYNDROME_MIN_PAGES
+        ):
             return None
         from triton_kernels.gf16_syndrome import scale_table, syndrome_update
 
         dev = self.data.device
         s = torch.empty(h1 * pb, dtype=torch.uint8, device=dev)
-        syndrome_update(scale_table(self.config.data_pages, dev), 0, self.num_pages, self.data.view(torch.int32),
-                        pb // 4, None, pb // 4, None, s.view(torch.int32), 0, pb // 4, h1, pb // TILE_BYTES)
+        syndrome_update(
+            scale_table(self.config.data_pages, dev),
+            0,
+            self.num_pages,
+            self.data.view(torch.int32),
+            pb // 4,
+            None,
+            pb // 4,
+            None,
+            s.view(torch.int32),
+            0,
+            pb // 4,
+            h1,
+            pb // TILE_BYTES,
+        )
         if self.syndromes:
             return s
         p = torch.empty_like(s)
@@ -208,10 +231,19 @@ class ProtectionGroup:
         _check_flat("out", out, h2 * pb)
         if tier1.device != out.device:
             raise ValueError("tier1 and out must live on one device")
-        masks = self._device_masks("c2", self._c2) if out.device == self.data.device and out.is_cuda else None
-        engine.mac(self._c2, [tier1[p * pb : (p + 1) * pb] for p in range(h1)],
-                   [out[q * pb : (q + 1) * pb] for q in range(h2)], accumulate=False,
-                   backend=self.backend, masks=masks)
+        masks = (
+            self._device_masks("c2", self._c2)
+            if out.device == self.data.device and out.is_cuda
+            else None
+        )
+        engine.mac(
+            self._c2,
+            [tier1[p * pb : (p + 1) * pb] for p in range(h1)],
+            [out[q * pb : (q + 1) * pb] for q in range(h2)],
+            accumulate=False,
+            backend=self.backend,
+            masks=masks,
+        )
 
     def syndromes_of(self, parity: torch.Tensor, out: torch.Tensor) -> None:
         """``out = W parity``: the tier-1 syndromes of a tier-1 parity buffer (16 pages in,
@@ -230,13 +262,19 @@ class ProtectionGroup:
             raise ValueError("conversion needs distinct buffers on one device")
         coef = tuple(tuple(int(v) for v in row) for row in m)
         masks = self._device_masks(name, coef) if out.is_cuda and self._on_device() else None
-        engine.mac(coef, [src[p * pb : (p + 1) * pb] for p in range(h1)],
-                   [out[p * pb : (p + 1) * pb] for p in range(h1)], accumulate=False,
-                   backend=self.backend, masks=masks)
+        engine.mac(
+            coef,
+            [src[p * pb : (p + 1) * pb] for p in range(h1)],
+            [out[p * pb : (p + 1) * pb] for p in range(h1)],
+            accumulate=False,
+            backend=self.backend,
+            masks=masks,
+        )
 
     # -- incremental update ----------------------------------------------------------
-    def _check_range(self, page_index: int, byte_offset: int, old: torch.Tensor,
-                     new: torch.Tensor) -> None:
+    def _check_range(
+        self, page_index: int, byte_offset: int, old: torch.Tensor, new: torch.Tensor
+    ) -> None:
         _check_flat("old", old)
         _check_flat("new", new)
         n = old.numel()
@@ -245,13 +283,16 @@ class ProtectionGroup:
         if not 0 <= page_index < self.num_pages:
             raise IndexError(f"page {page_index} not in group of {self.num_pages} pages")
         if byte_offset % TILE_BYTES or n % TILE_BYTES:
-            raise ValueError(f"update range [{byte_offset}, +{n}) must be aligned to "
-                             f"{TILE_BYTES}-byte tiles; align chunk boundaries to 2 KiB")
+            raise ValueError(
+                f"update range [{byte_offset}, +{n}) must be aligned to "
+                f"{TILE_BYTES}-byte tiles; align chunk boundaries to 2 KiB"
+            )
         if byte_offset < 0 or byte_offset + n > self.config.page_bytes:
             raise ValueError(f"update range [{byte_offset}, +{n}) leaves the page")
 
-    def update(self, page_index: int, byte_offset: int, old: torch.Tensor,
-               new: torch.Tensor) -> None:
+    def update(
+        self, page_index: int, byte_offset: int, old: torch.Tensor, new: torch.Tensor
+    ) -> None:
         """Fold the change ``old -> new`` of bytes ``[byte_offset, +len)`` of data page
         ``page_index`` into both parity tiers, in place.
 
@@ -274,8 +315,14 @@ class ProtectionGroup:
         for k, d in enumerate(dests):
             d ^= host[k * n : (k + 1) * n]
 
-    def update_into(self, parity: torch.Tensor, page_index: int, byte_offset: int,
-                    old: torch.Tensor, new: torch.Tensor) -> None:
+    def update_into(
+        self,
+        parity: torch.Tensor,
+        page_index: int,
+        byte_offset: int,
+        old: torch.Tensor,
+        new: torch.Tensor,
+    ) -> None:
         """Like :meth:`update` but for tier 1 only, accumulated into ``parity`` (a scratch
         copy of tier 1 on the data's device, ``tier1_parity * page_bytes`` bytes).
 
@@ -291,11 +338,21 @@ class ProtectionGroup:
         if parity.is_cuda and self._on_device():
             masks = self._device_masks("c1", self._c1)[page_index : page_index + 1]
         col = [(row[page_index],) for row in self._c1]
-        engine.mac(col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend,
-                   masks=masks)
+        engine.mac(
+            col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend, masks=masks
+        )
 
-    def update_pages(self, parity: torch.Tensor, first_page: int, k: int, byte_offset: int,
-                     old: torch.Tensor, new: torch.Tensor, *, parity_in: torch.Tensor | None = None) -> None:
+    def update_pages(
+        self,
+        parity: torch.Tensor,
+        first_page: int,
+        k: int,
+        byte_offset: int,
+        old: torch.Tensor,
+        new: torch.Tensor,
+        *,
+        parity_in: torch.Tensor | None = None,
+    ) -> None:
         """:meth:`update_into` for a chunk of ``k`` consecutive pages, in one launch.
 
         Bytes ``[byte_offset, +n)`` of data pages ``first_page .. first_page + k - 1``
@@ -321,41 +378,82 @@ class ProtectionGroup:
         if not (0 <= first_page and first_page + k <= self.num_pages):
             raise IndexError(f"pages [{first_page}, +{k}) not in group of {self.num_pages}")
         if byte_offset % TILE_BYTES or n % TILE_BYTES or byte_offset < 0 or byte_offset + n > pb:
-            raise ValueError(f"update range [{byte_offset}, +{n}) must be whole "
-                             f"{TILE_BYTES}-byte tiles inside the page")
+            raise ValueError(
+                f"update range [{byte_offset}, +{n}) must be whole "
+                f"{TILE_BYTES}-byte tiles inside the page"
+            )
         if parity.dtype != torch.uint8 or parity.numel() != h1 * pb:
             raise ValueError(f"parity must be {h1 * pb} uint8 bytes")
-        if parity_in is not None and (parity_in.shape != parity.shape or parity_in.device != parity.device):
+        if parity_in is not None and (
+            parity_in.shape != parity.shape or parity_in.device != parity.device
+        ):
             raise ValueError("parity_in must match parity in size and device")
         if n == 0 or k == 0:
             if parity_in is not None:
-                parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(parity_in.view(h1, pb)[:, byte_offset : byte_offset + n])
+                parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(
+                    parity_in.view(h1, pb)[:, byte_offset : byte_offset + n]
+                )
             return
-        if (self._on_device() and parity.device == old.device == new.device and self.syndromes and h1 <= 16
-                and SYNDROME_KERNEL and k >= SYNDROME_MIN_PAGES):
+        if (
+            self._on_device()
+            and parity.device == old.device == new.device
+            and self.syndromes
+            and h1 <= 16
+            and SYNDROME_KERNEL
+            and k >= SYNDROME_MIN_PAGES
+        ):
             from triton_kernels.gf16_syndrome import scale_table, syndrome_update
 
             q = parity.view(torch.int32)
-            syndrome_update(scale_table(self.config.data_pages, parity.device), first_page, k,
-                            n2.view(torch.int32), n2.stride(0) // 4, o2.view(torch.int32), o2.stride(0) // 4,
-                            q if parity_in is None else parity_in.view(torch.int32), q,
-                            byte_offset // 4, pb // 4, h1, n // TILE_BYTES)
+            syndrome_update(
+                scale_table(self.config.data_pages, parity.device),
+                first_page,
+                k,
+                n2.view(torch.int32),
+                n2.stride(0) // 4,
+                o2.view(torch.int32),
+                o2.stride(0) // 4,
+                q if parity_in is None else parity_in.view(torch.int32),
+                q,
+                byte_offset // 4,
+                pb // 4,
+                h1,
+                n // TILE_BYTES,
+            )
             return
         if parity_in is not None:
-            parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(parity_in.view(h1, pb)[:, byte_offset : byte_offset + n])
+            parity.view(h1, pb)[:, byte_offset : byte_offset + n].copy_(
+                parity_in.view(h1, pb)[:, byte_offset : byte_offset + n]
+            )
         if self._on_device() and parity.device == old.device == new.device:
             from triton_kernels.gf16_mac import gf16_mac_strided
 
             masks = self._device_masks("c1", self._c1)
             gf16_mac_strided(
-                masks, first_page, k, n2.view(torch.int32), n2.stride(0) // 4,
-                parity.view(torch.int32), byte_offset // 4, pb // 4, n // TILE_BYTES,
-                accumulate=True, src2=o2.view(torch.int32), src2_stride=o2.stride(0) // 4)
+                masks,
+                first_page,
+                k,
+                n2.view(torch.int32),
+                n2.stride(0) // 4,
+                parity.view(torch.int32),
+                byte_offset // 4,
+                pb // 4,
+                n // TILE_BYTES,
+                accumulate=True,
+                src2=o2.view(torch.int32),
+                src2_stride=o2.stride(0) // 4,
+            )
             return
         coef = [row[first_page : first_page + k] for row in self._c1]
         dests = [parity[p * pb + byte_offset : p * pb + byte_offset + n] for p in range(h1)]
-        engine.mac(coef, [n2[i] for i in range(k)], dests, accumulate=True,
-                   srcs_xor=[o2[i] for i in range(k)], backend="torch")
+        engine.mac(
+            coef,
+            [n2[i] for i in range(k)],
+            dests,
+            accumulate=True,
+            srcs_xor=[o2[i] for i in range(k)],
+            backend="torch",
+        )
 
     @staticmethod
     def _chunk_view(name: str, t: torch.Tensor, k: int) -> torch.Tensor:
@@ -367,8 +465,10 @@ class ProtectionGroup:
                 raise ValueError(f"{name}: {t.numel()} contiguous bytes are not {k} equal rows")
             t = t.view(k, -1)
         if t.dim() != 2 or t.shape[0] != k or (t.shape[1] > 1 and t.stride(1) != 1):
-            raise ValueError(f"{name} must be [k, n] with unit inner stride, got "
-                             f"{tuple(t.shape)} strides {t.stride()}")
+            raise ValueError(
+                f"{name} must be [k, n] with unit inner stride, got "
+                f"{tuple(t.shape)} strides {t.stride()}"
+            )
         if t.stride(0) % 4 or t.data_ptr() % 4:
             raise ValueError(f"{name} rows must be 4-byte aligned")
         return t
@@ -401,14 +501,16 @@ class ProtectionGroup:
         h2 = self.config.tier2_parity
         h1 = self.config.tier1_parity
         if any(not 0 <= p < h1 for p in l1) or any(not 0 <= q < h2 for q in l2):
-            raise ValueError(f"lost parity pages out of range: tier1 {l1} (of {h1}), "
-                             f"tier2 {l2} (of {h2})")
+            raise ValueError(
+                f"lost parity pages out of range: tier1 {l1} (of {h1}), tier2 {l2} (of {h2})"
+            )
         via_tier2 = bool(l1 or l2) and len(l1) + len(l2) <= h2
         t1_erasures = [] if via_tier2 else l1
         # Plan everything before writing anything: failure must leave the state untouched.
         if (ld or t1_erasures) and self._syndrome_kernel_applies():
-            plan1: DecodePlan | SyndromeDecode = self.code1.syndrome_decode(ld, t1_erasures,
-                                                                            present_data=self.num_pages)
+            plan1: DecodePlan | SyndromeDecode = self.code1.syndrome_decode(
+                ld, t1_erasures, present_data=self.num_pages
+            )
         else:
             plan1 = self.code1.decode_plan(ld, t1_erasures, present_data=self.num_pages)
         plan2 = self.code2.decode_plan(l1, l2) if via_tier2 else None
@@ -422,10 +524,12 @@ class ProtectionGroup:
         reencode = not via_tier2 and bool(l1 or l2) and h2 > 0
         if reencode:
             self.encode_tier2()
-        report = RebuildReport(tuple(ld), tuple(l1), tuple(l2), reencode,
-                               time.perf_counter() - t0, t_plan)
-        logger.info("rebuilt pages", extra={"data": ld, "tier1": l1, "tier2": l2,
-                                            "seconds": report.seconds})
+        report = RebuildReport(
+            tuple(ld), tuple(l1), tuple(l2), reencode, time.perf_counter() - t0, t_plan
+        )
+        logger.info(
+            "rebuilt pages", extra={"data": ld, "tier1": l1, "tier2": l2, "seconds": report.seconds}
+        )
         return report
 
     def _tier1_to_device(self, pages: Sequence[int], out: torch.Tensor) -> torch.cuda.Stream | None:
@@ -476,27 +580,59 @@ class ProtectionGroup:
         syn, par_in, par_out = buf[: e * pb], buf[e * pb : (e + n_in) * pb], buf[(e + n_in) * pb :]
         side = self._tier1_to_device(plan.parity_sources, par_in)
         base = self.data.view(torch.int32)
-        syndrome_update(scale_table(self.config.data_pages, dev), 0, self.num_pages, base, pw, None, pw, None,
-                        syn.view(torch.int32), 0, pw, e, n_tiles)
+        syndrome_update(
+            scale_table(self.config.data_pages, dev),
+            0,
+            self.num_pages,
+            base,
+            pw,
+            None,
+            pw,
+            None,
+            syn.view(torch.int32),
+            0,
+            pw,
+            e,
+            n_tiles,
+        )
         if side is not None:
             torch.cuda.current_stream(dev).wait_stream(side)
 
-        def offsets(t: torch.Tensor, n: int) -> list[int]:  # pages of t, in words from the data's start
+        def offsets(
+            t: torch.Tensor, n: int
+        ) -> list[int]:  # pages of t, in words from the data's start
             return [self._words_from_data(t) + k * pw for k in range(n)]
 
         syn_off = torch.tensor(offsets(syn, e), dtype=torch.int64, device=dev)
         if n_in:
-            gf16_mac(plane_masks_tensor(torch.from_numpy(plan.parity_coef).to(dev)), base,
-                     torch.tensor(offsets(par_in, n_in), dtype=torch.int64, device=dev), base, syn_off, n_tiles,
-                     accumulate=True)
+            gf16_mac(
+                plane_masks_tensor(torch.from_numpy(plan.parity_coef).to(dev)),
+                base,
+                torch.tensor(offsets(par_in, n_in), dtype=torch.int64, device=dev),
+                base,
+                syn_off,
+                n_tiles,
+                accumulate=True,
+            )
         dst = [j * pw for j in lost_data] + offsets(par_out, len(lost_par))
-        gf16_mac(plane_masks_tensor(torch.from_numpy(plan.inverse).to(dev)), base, syn_off, base,
-                 torch.tensor(dst, dtype=torch.int64, device=dev), n_tiles, accumulate=False)
+        gf16_mac(
+            plane_masks_tensor(torch.from_numpy(plan.inverse).to(dev)),
+            base,
+            syn_off,
+            base,
+            torch.tensor(dst, dtype=torch.int64, device=dev),
+            n_tiles,
+            accumulate=False,
+        )
         for k, q in enumerate(lost_par):
             self.tier1_page(q).copy_(par_out[k * pb : (k + 1) * pb])
 
-    def _run_plan(self, plan: DecodePlan, data_page: Callable[[int], torch.Tensor],
-                  parity_page: Callable[[int], torch.Tensor]) -> None:
+    def _run_plan(
+        self,
+        plan: DecodePlan,
+        data_page: Callable[[int], torch.Tensor],
+        parity_page: Callable[[int], torch.Tensor],
+    ) -> None:
         srcs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.sources]
         outs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.outputs]
         engine.mac(plan.coef, srcs, outs, accumulate=False, backend=self.backend)
@@ -532,8 +668,11 @@ class ProtectionGroup:
             else:
                 dst.append(rel(par_out) + kp * pw)
                 kp += 1
-        src = np.array([r.index * pw for r in plan.sources[:nd]] +
-                       [rel(par_in) + k * pw for k in range(len(used))], dtype=np.int64)
+        src = np.array(
+            [r.index * pw for r in plan.sources[:nd]]
+            + [rel(par_in) + k * pw for k in range(len(used))],
+            dtype=np.int64,
+        )
         offs = torch.from_numpy(np.concatenate([src, np.array(dst, dtype=np.int64)]))
         offs = offs.to(dev)
         src_off, dst_off = offs[: len(src)], offs[len(src) :]

@@ -81,8 +81,9 @@ class SyndromeDecode:
 
 def _check_shape(data_pages: int, parity_pages: int, points: int) -> None:
     if data_pages < 1 or parity_pages < 0:
-        raise ConfigError(f"need data_pages >= 1 and parity_pages >= 0, "
-                          f"got {data_pages} and {parity_pages}")
+        raise ConfigError(
+            f"need data_pages >= 1 and parity_pages >= 0, got {data_pages} and {parity_pages}"
+        )
     if data_pages + parity_pages > points:
         raise ConfigError(
             f"data_pages + parity_pages = {data_pages + parity_pages} exceeds the "
@@ -113,8 +114,11 @@ class SystematicCode:
         return tuple(tuple(int(v) for v in row) for row in m)
 
     def decode_plan(
-        self, lost_data: set[int] | list[int], lost_parity: set[int] | list[int],
-        *, present_data: int | None = None,
+        self,
+        lost_data: set[int] | list[int],
+        lost_parity: set[int] | list[int],
+        *,
+        present_data: int | None = None,
     ) -> DecodePlan:
         """Coefficients that rebuild every lost page from the survivors in one pass.
 
@@ -154,18 +158,27 @@ class GRSCode(SystematicCode):
         p = np.arange(parity_pages, dtype=np.int64)[:, None]
         a = np.full((1, 1), gf16.ALPHA, dtype=np.int64)
         self.check_data = _powers(a, p * np.arange(data_pages, dtype=np.int64)[None, :])
-        self.to_syndromes = _powers(a, p * np.arange(data_pages, data_pages + parity_pages, dtype=np.int64)[None, :])
-        self.from_syndromes = (np.array(gf16.mat_inv(self.to_syndromes.tolist()), dtype=np.int64)
-                               if parity_pages else np.zeros((0, 0), dtype=np.int64))
-        self._matrix = gf16.mat_mul(self.from_syndromes, self.check_data) if parity_pages else \
-            np.zeros((0, data_pages), dtype=np.int64)
+        self.to_syndromes = _powers(
+            a, p * np.arange(data_pages, data_pages + parity_pages, dtype=np.int64)[None, :]
+        )
+        self.from_syndromes = (
+            np.array(gf16.mat_inv(self.to_syndromes.tolist()), dtype=np.int64)
+            if parity_pages
+            else np.zeros((0, 0), dtype=np.int64)
+        )
+        self._matrix = (
+            gf16.mat_mul(self.from_syndromes, self.check_data)
+            if parity_pages
+            else np.zeros((0, data_pages), dtype=np.int64)
+        )
 
     def syndromes(self) -> SyndromeCode:
         """The syndrome form ``S = V d`` of this code (the updater's working parity)."""
         return SyndromeCode(self)
 
-    def syndrome_decode(self, lost_data: list[int], lost_parity: list[int], *,
-                        present_data: int | None = None) -> SyndromeDecode:
+    def syndrome_decode(
+        self, lost_data: list[int], lost_parity: list[int], *, present_data: int | None = None
+    ) -> SyndromeDecode:
         """:class:`SyndromeDecode` of these erasures: the parity check ``V d = W P`` (char 2)
         makes the syndromes of the survivors those of the erased pages. Same checks and
         errors as :meth:`decode_plan`."""
@@ -176,8 +189,11 @@ class GRSCode(SystematicCode):
         surv = tuple(q for q in range(self.parity_pages) if q not in gone)
         return SyndromeDecode(
             outputs=tuple(PageRef("data", j) for j in ld) + tuple(PageRef("parity", q) for q in lp),
-            rows=e, parity_sources=surv, parity_coef=self.to_syndromes[:e][:, list(surv)],
-            inverse=_vandermonde_inverse(pos, e))
+            rows=e,
+            parity_sources=surv,
+            parity_coef=self.to_syndromes[:e][:, list(surv)],
+            inverse=_vandermonde_inverse(pos, e),
+        )
 
 
 class SyndromeCode(SystematicCode):
@@ -194,23 +210,31 @@ class SyndromeCode(SystematicCode):
         self._matrix = code.check_data
 
     def decode_plan(
-        self, lost_data: set[int] | list[int], lost_parity: set[int] | list[int],
-        *, present_data: int | None = None,
+        self,
+        lost_data: set[int] | list[int],
+        lost_parity: set[int] | list[int],
+        *,
+        present_data: int | None = None,
     ) -> DecodePlan:
         """Rebuild lost data pages from the survivors and the syndromes (none may be lost)."""
         _refuse_lost_syndromes(lost_parity)
         return super().decode_plan(lost_data, (), present_data=present_data)
 
-    def syndrome_decode(self, lost_data: list[int], lost_parity: list[int], *,
-                        present_data: int | None = None) -> SyndromeDecode:
+    def syndrome_decode(
+        self, lost_data: list[int], lost_parity: list[int], *, present_data: int | None = None
+    ) -> SyndromeDecode:
         """:class:`SyndromeDecode` of lost data pages: the stored syndromes enter ``R``
         directly (``parity_coef`` selects the first ``e``). Lost syndrome pages are refused."""
         _refuse_lost_syndromes(lost_parity)
         _, ld, _ = _checked_erasures(self, lost_data, [], present_data)
         e = len(ld)
         return SyndromeDecode(
-            outputs=tuple(PageRef("data", j) for j in ld), rows=e, parity_sources=tuple(range(e)),
-            parity_coef=np.eye(e, dtype=np.int64), inverse=_vandermonde_inverse(np.array(ld, dtype=np.int64), e))
+            outputs=tuple(PageRef("data", j) for j in ld),
+            rows=e,
+            parity_sources=tuple(range(e)),
+            parity_coef=np.eye(e, dtype=np.int64),
+            inverse=_vandermonde_inverse(np.array(ld, dtype=np.int64), e),
+        )
 
 
 def _refuse_lost_syndromes(lost: set[int] | list[int]) -> None:
@@ -220,13 +244,16 @@ def _refuse_lost_syndromes(lost: set[int] | list[int]) -> None:
         )
 
 
-def _checked_erasures(code: SystematicCode, lost_data: list[int], lost_parity: list[int],
-                      present_data: int | None) -> tuple[int, list[int], list[int]]:
+def _checked_erasures(
+    code: SystematicCode, lost_data: list[int], lost_parity: list[int], present_data: int | None
+) -> tuple[int, list[int], list[int]]:
     """The data pages present and the sorted erasures, checked for every decode."""
     d = code.data_pages if present_data is None else present_data
     ld, lp = sorted(set(lost_data)), sorted(set(lost_parity))
     if any(not 0 <= j < d for j in ld) or any(not 0 <= p < code.parity_pages for p in lp):
-        raise ValueError(f"lost pages out of range: data {ld} (of {d}), parity {lp} (of {code.parity_pages})")
+        raise ValueError(
+            f"lost pages out of range: data {ld} (of {d}), parity {lp} (of {code.parity_pages})"
+        )
     if len(ld) + len(lp) > code.parity_pages:
         raise UnrecoverableStateError(
             f"{len(ld)} data and {len(lp)} parity pages lost, but the code tolerates "
@@ -239,7 +266,9 @@ def _vandermonde_inverse(positions: np.ndarray, rows: int) -> np.ndarray:
     """``M^-1`` for ``M[p][x] = a^(p positions[x])``, ``p < rows = len(positions)``."""
     if rows == 0:
         return np.zeros((0, 0), dtype=np.int64)
-    m = gf16.EXP_NP[(np.arange(rows, dtype=np.int64)[:, None] * positions[None, :]) % (gf16.ORDER - 1)]
+    m = gf16.EXP_NP[
+        (np.arange(rows, dtype=np.int64)[:, None] * positions[None, :]) % (gf16.ORDER - 1)
+    ]
     return np.array(gf16.mat_inv(m.tolist()), dtype=np.int64)
 
 
@@ -268,10 +297,8 @@ def _decode_plan(c_all: np.ndarray, d: int, ld: list[int], lp: list[int]) -> Dec
             via = gf16.mat_mul(c[np.ix_([p], ld)], np.concatenate([r_data, r_par], axis=1))
             row ^= via[0]
         rows.append(row)
-    sources = tuple(PageRef("data", j) for j in surv_d) + tuple(
-        PageRef("parity", p) for p in use_p)
+    sources = tuple(PageRef("data", j) for j in surv_d) + tuple(PageRef("parity", p) for p in use_p)
     outputs = tuple(PageRef("data", j) for j in ld) + tuple(PageRef("parity", p) for p in lp)
-    matrix = (np.stack(rows).astype(np.int64) if rows
-              else np.zeros((0, n_src), dtype=np.int64))
+    matrix = np.stack(rows).astype(np.int64) if rows else np.zeros((0, n_src), dtype=np.int64)
     coef = tuple(tuple(row) for row in matrix.tolist())
     return DecodePlan(sources=sources, outputs=outputs, coef=coef, matrix=matrix)

@@ -77,7 +77,13 @@ class FaultInjector:
         return cls(rank, decode(os.environ.get(ENV_FAULTS, "[]")), events, claim, fired)
 
     def fail_at(
-        self, rank: int, step: int, phase: str = "forward", *, point: str | None = None, chunk: int | None = None
+        self,
+        rank: int,
+        step: int,
+        phase: str = "forward",
+        *,
+        point: str | None = None,
+        chunk: int | None = None,
     ) -> FaultInjector:
         """Chainable: add a fault (tests that drive a trainer in-process)."""
         if rank == self.rank:
@@ -121,7 +127,13 @@ class FaultInjector:
                 if on_fire is not None and fault.kind != "oom":  # the emulated aftermath first:
                     on_fire()  # the event then times the kill itself
                 self.events.emit(
-                    Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase=phase, fault=i, point=at, chunk=chunk,
+                    Kind.FAULT_INJECTED,
+                    rank=self.rank,
+                    step=self.step,
+                    phase=phase,
+                    fault=i,
+                    point=at,
+                    chunk=chunk,
                     fault_kind=fault.kind,
                 )
                 if fault.kind == "oom":
@@ -148,11 +160,22 @@ class FaultInjector:
         """Called by a promoted trainer inside its recovery, before it resumes at ``step``
         (``phase: recovery`` faults; the step loop has not set ``self.step`` yet)."""
         for i, fault in self._mine:
-            if fault.phase == "recovery" and fault.point == point and fault.step == step and self._claim(i):
+            if (
+                fault.phase == "recovery"
+                and fault.point == point
+                and fault.step == step
+                and self._claim(i)
+            ):
                 self.injected += 1
                 self.events.emit(
-                    Kind.FAULT_INJECTED, rank=self.rank, step=step, phase="recovery", fault=i, point=point,
-                    chunk=None, fault_kind=fault.kind,
+                    Kind.FAULT_INJECTED,
+                    rank=self.rank,
+                    step=step,
+                    phase="recovery",
+                    fault=i,
+                    point=point,
+                    chunk=None,
+                    fault_kind=fault.kind,
                 )
                 os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
 
@@ -163,8 +186,14 @@ class FaultInjector:
             if fault.kind == "shadow_crash":
                 self.injected += 1
                 self.events.emit(
-                    Kind.FAULT_INJECTED, rank=self.rank, step=self.step, phase="preinit", fault=i, point=None,
-                    chunk=None, fault_kind=fault.kind,
+                    Kind.FAULT_INJECTED,
+                    rank=self.rank,
+                    step=self.step,
+                    phase="preinit",
+                    fault=i,
+                    point=None,
+                    chunk=None,
+                    fault_kind=fault.kind,
                 )
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -182,7 +211,9 @@ class FaultInjector:
         return bool(self._mine)
 
 
-def erase_pages(pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: ErasureConfig, events: EventLog) -> None:
+def erase_pages(
+    pool: PoolClient, fault: FaultSpec, fault_id: int, erasure: ErasureConfig, events: EventLog
+) -> None:
     """Lose the pages a fault asks for, at recovery time (the agent calls this on its node).
 
     Device pages come from the rank's model state ("state"): the state manager closes the

@@ -139,26 +139,39 @@ class ParallelConfig:
         bad = {k: v for k, v in sizes.items() if v < 1}
         if bad:
             raise ConfigError(f"parallel sizes must be >= 1: {bad}")
-        supported = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+        supported = (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        )
         unsupported = {k: v for k, v in sizes.items() if v != 1 and k not in supported}
         if unsupported:
             raise ConfigError(
                 f"leto's Megatron integration runs tensor, pipeline, expert and data parallelism only, got "
                 f"{unsupported}: context parallelism needs what docs/MEGATRON.md describes"
             )
-        if self.expert_model_parallel_size > 1 and (self.tensor_model_parallel_size > 1
-                                                    or self.pipeline_model_parallel_size > 1):
-            raise ConfigError("expert_model_parallel_size > 1 runs with TP = PP = 1 only: expert tensor parallelism "
-                              "and MoE pipelines are not verified (docs/MEGATRON.md)")
+        if self.expert_model_parallel_size > 1 and (
+            self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1
+        ):
+            raise ConfigError(
+                "expert_model_parallel_size > 1 runs with TP = PP = 1 only: expert tensor parallelism "
+                "and MoE pipelines are not verified (docs/MEGATRON.md)"
+            )
 
     def data_parallel_size(self, world_size: int) -> int:
-        model = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        model = (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
         if world_size % model:
             raise ConfigError(f"world size {world_size} is not a multiple of TP*PP*CP = {model}")
         dp = world_size // model
         if dp % self.expert_model_parallel_size:
-            raise ConfigError(f"data-parallel size {dp} is not a multiple of "
-                              f"expert_model_parallel_size {self.expert_model_parallel_size}")
+            raise ConfigError(
+                f"data-parallel size {dp} is not a multiple of "
+                f"expert_model_parallel_size {self.expert_model_parallel_size}"
+            )
         return dp
 
 
@@ -184,9 +197,14 @@ def init_parallel(ctx: Context, *, seed: int, parallel: ParallelConfig | None = 
     dp = parallel.data_parallel_size(ctx.world_size)
     if not dist.is_initialized():
         if not ctx.is_shadow:
-            raise ConfigError("lm.init_parallel needs leto.init()'s process group: call leto.init() first")
-        logger.info("[rank %d] shadow at level %d: Megatron's groups and model are built at promotion",
-                    ctx.rank, ctx.env.shadow_level)
+            raise ConfigError(
+                "lm.init_parallel needs leto.init()'s process group: call leto.init() first"
+            )
+        logger.info(
+            "[rank %d] shadow at level %d: Megatron's groups and model are built at promotion",
+            ctx.rank,
+            ctx.env.shadow_level,
+        )
         ctx.wait_for_promotion()  # builds the world group
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -210,8 +228,10 @@ def megatron_grad_sync() -> GradSync:
     """
     from megatron.core import parallel_state
 
-    if (parallel_state.get_model_parallel_group().size() == 1
-            and parallel_state.get_expert_model_parallel_world_size() == 1):
+    if (
+        parallel_state.get_model_parallel_group().size() == 1
+        and parallel_state.get_expert_model_parallel_world_size() == 1
+    ):
         return GradSync()
     return GradSync(group=parallel_state.get_data_parallel_group(), clip=clip_grads_model_parallel)
 
@@ -241,7 +261,9 @@ def clip_grads_model_parallel(params: list[torch.nn.Parameter], max_norm: float)
     device = grads[0].device
     norm = _group_norm(dense, parallel_state.get_model_parallel_group(), device)
     if experts:
-        expert_norm = _group_norm(experts, parallel_state.get_expert_tensor_model_pipeline_parallel_group(), device)
+        expert_norm = _group_norm(
+            experts, parallel_state.get_expert_tensor_model_pipeline_parallel_group(), device
+        )
         norm = torch.stack([norm, expert_norm]).square().sum().sqrt()
     coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coeff)
@@ -254,7 +276,11 @@ def _group_norm(params: list[torch.nn.Parameter], group: Any, device: torch.devi
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    counted = [
+        p.grad
+        for p in params
+        if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
     if counted:
         squares = torch.stack([n.float() for n in torch._foreach_norm(counted)]).square().sum()
     else:
@@ -271,8 +297,15 @@ def meta_config(config: TransformerConfig) -> TransformerConfig:
     return dataclasses.replace(config, use_cpu_initialization=True, perform_initialization=True)
 
 
-def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
-              layer_spec: Any = None, **gpt_kwargs: Any) -> GPTModel:
+def build_gpt(
+    ctx: Context,
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    layer_spec: Any = None,
+    **gpt_kwargs: Any,
+) -> GPTModel:
     """A ``GPTModel`` on ``ctx.device``, or on ``meta`` when the trainer will reattach.
 
     Under pipeline parallelism this rank's stage: ``pre_process`` (embedding) on the first
@@ -285,11 +318,15 @@ def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_s
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     if config.sequence_parallel:
-        raise ConfigError("sequence_parallel=True: its norm gradients need a TP all-reduce that leto does not "
-                          "run yet (docs/MEGATRON.md); turn sequence parallelism off")
+        raise ConfigError(
+            "sequence_parallel=True: its norm gradients need a TP all-reduce that leto does not "
+            "run yet (docs/MEGATRON.md); turn sequence parallelism off"
+        )
     if config.virtual_pipeline_model_parallel_size is not None:
-        raise ConfigError("virtual_pipeline_model_parallel_size: the interleaved schedule (model chunks) is not "
-                          "supported; leto runs one chunk per stage (docs/MEGATRON.md)")
+        raise ConfigError(
+            "virtual_pipeline_model_parallel_size: the interleaved schedule (model chunks) is not "
+            "supported; leto runs one chunk per stage (docs/MEGATRON.md)"
+        )
     check_moe(config)
     if config.pipeline_model_parallel_size > 1:
         gpt_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
@@ -299,8 +336,13 @@ def build_gpt(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_s
         on_meta = device.type == "meta"
         cfg = meta_config(config) if on_meta else config
         with _no_embedding_sync() if on_meta else contextlib.nullcontext():
-            return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
-                            max_sequence_length=max_sequence_length, **gpt_kwargs)
+            return GPTModel(
+                config=cfg,
+                transformer_layer_spec=spec,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                **gpt_kwargs,
+            )
 
 
 def local_layer_spec(config: TransformerConfig) -> Any:
@@ -331,18 +373,26 @@ def check_moe(config: TransformerConfig) -> None:
     if not config.num_moe_experts:
         return
     if config.moe_grouped_gemm:
-        raise ConfigError("moe_grouped_gemm=True: grouped-GEMM experts (TEGroupedMLP / GroupedMLP) are not "
-                          "supported; leto runs Megatron's local SequentialMLP experts")
+        raise ConfigError(
+            "moe_grouped_gemm=True: grouped-GEMM experts (TEGroupedMLP / GroupedMLP) are not "
+            "supported; leto runs Megatron's local SequentialMLP experts"
+        )
     if config.moe_token_dispatcher_type not in ("alltoall", "allgather"):
-        raise ConfigError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: leto runs the "
-                          "'alltoall' and 'allgather' dispatchers only")
+        raise ConfigError(
+            f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: leto runs the "
+            "'alltoall' and 'allgather' dispatchers only"
+        )
     if config.add_bias_linear:
-        raise ConfigError("MoE with add_bias_linear=True: megatron-core 0.16.1's expert MLP adds its fc2 bias in "
-                          "place into a view returned by its TP reduction (autograd refuses it at EP = 1); run "
-                          "without linear biases, as Megatron's MoE recipes do (--disable-bias-linear)")
+        raise ConfigError(
+            "MoE with add_bias_linear=True: megatron-core 0.16.1's expert MLP adds its fc2 bias in "
+            "place into a view returned by its TP reduction (autograd refuses it at EP = 1); run "
+            "without linear biases, as Megatron's MoE recipes do (--disable-bias-linear)"
+        )
     if config.moe_expert_capacity_factor is not None:
-        raise ConfigError("moe_expert_capacity_factor: token dropping is not verified under leto; leave it unset "
-                          "(no dropping, Megatron's default)")
+        raise ConfigError(
+            "moe_expert_capacity_factor: token dropping is not verified under leto; leave it unset "
+            "(no dropping, Megatron's default)"
+        )
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -379,9 +429,19 @@ def _no_embedding_sync() -> Iterator[None]:
         LanguageModule._is_in_embd_group = original
 
 
-def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
-                   loss_fn: Callable[[GPTModel], torch.Tensor], micro_batch_size: int, seq_length: int,
-                   num_layers: int = 1, layer_spec: Any = None, **gpt_kwargs: Any) -> ModelWarmupResult | None:
+def warm_up_shadow(
+    ctx: Context,
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    loss_fn: Callable[[GPTModel], torch.Tensor],
+    micro_batch_size: int,
+    seq_length: int,
+    num_layers: int = 1,
+    layer_spec: Any = None,
+    **gpt_kwargs: Any,
+) -> ModelWarmupResult | None:
     """In a shadow at level 3: one forward and backward of a throwaway ``GPTModel`` with the
     job's config cut to ``num_layers`` layers, on ``ctx.device``, so that what Megatron's
     first iteration pays (``jit_fuser`` compilations for these shapes and dtypes, cuBLAS's
@@ -401,13 +461,31 @@ def warm_up_shadow(ctx: Context, config: TransformerConfig, *, vocab_size: int, 
 
     if not ctx.is_shadow:
         return None
-    cut = dataclasses.replace(config, num_layers=min(num_layers, config.num_layers), pipeline_model_parallel_size=1)
-    transient = warmup_bytes(cut, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-                             micro_batch_size=micro_batch_size, seq_length=seq_length)
-    return warm_model(ctx, lambda: run_throwaway(ctx.device, cut, vocab_size=vocab_size,
-                                                 max_sequence_length=max_sequence_length, loss_fn=loss_fn,
-                                                 layer_spec=layer_spec, **gpt_kwargs),
-                      name="megatron", transient_bytes=transient, agree=_agree_over_model_parallel(ctx))
+    cut = dataclasses.replace(
+        config, num_layers=min(num_layers, config.num_layers), pipeline_model_parallel_size=1
+    )
+    transient = warmup_bytes(
+        cut,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        micro_batch_size=micro_batch_size,
+        seq_length=seq_length,
+    )
+    return warm_model(
+        ctx,
+        lambda: run_throwaway(
+            ctx.device,
+            cut,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            loss_fn=loss_fn,
+            layer_spec=layer_spec,
+            **gpt_kwargs,
+        ),
+        name="megatron",
+        transient_bytes=transient,
+        agree=_agree_over_model_parallel(ctx),
+    )
 
 
 def _agree_over_model_parallel(ctx: Context) -> Callable[[bool], bool] | None:
@@ -431,8 +509,16 @@ def _agree_over_model_parallel(ctx: Context) -> Callable[[bool], bool] | None:
     return agree
 
 
-def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
-                  loss_fn: Callable[[GPTModel], torch.Tensor], layer_spec: Any = None, **gpt_kwargs: Any) -> None:
+def run_throwaway(
+    device: torch.device,
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    loss_fn: Callable[[GPTModel], torch.Tensor],
+    layer_spec: Any = None,
+    **gpt_kwargs: Any,
+) -> None:
     """One forward and backward of a fresh ``GPTModel(config)`` on ``device``, then dropped.
 
     Megatron's RNG tracker and its MoE aux-loss tracker are restored afterwards and its global
@@ -450,12 +536,19 @@ def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size
     tracker = get_cuda_rng_tracker()
     states = dict(tracker.get_states())
     aux_losses = get_moe_layer_wise_logging_tracker()
-    logged = {name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-              for name, entry in aux_losses.items()}
+    logged = {
+        name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for name, entry in aux_losses.items()
+    }
     try:
         with torch.device(device):
-            model = GPTModel(config=config, transformer_layer_spec=layer_spec or local_layer_spec(config),
-                             vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs)
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec or local_layer_spec(config),
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                **gpt_kwargs,
+            )
         loss_fn(model).backward()
     finally:
         tracker.set_states(states)
@@ -464,8 +557,14 @@ def run_throwaway(device: torch.device, config: TransformerConfig, *, vocab_size
         parallel_state.get_global_memory_buffer().buffer.clear()
 
 
-def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, micro_batch_size: int,
-                 seq_length: int) -> int:
+def warmup_bytes(
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    micro_batch_size: int,
+    seq_length: int,
+) -> int:
     """Device memory of ``warm_up_shadow`` at its peak, estimated with margin (25 %).
 
     Parameters and gradients of the cut model, activations per layer after Korthikanti et
@@ -477,7 +576,9 @@ def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_len
     s, b = seq_length, micro_batch_size
     param_b = torch.empty((), dtype=config.params_dtype).element_size()
     act_b = 2 if (config.bf16 or config.fp16) else 4
-    experts = (config.num_moe_experts or 1) // config.expert_model_parallel_size  # this rank's experts
+    experts = (
+        config.num_moe_experts or 1
+    ) // config.expert_model_parallel_size  # this rank's experts
     per_layer = (4 * h * h + 2 * h * ffn * experts) // tp + 13 * h
     params = vocab_size // tp * h + max_sequence_length * h + config.num_layers * per_layer + 2 * h
     layer_act = act_b * s * b * h * 17 + act_b * 5 * heads // tp * s * s * b // 2
@@ -488,18 +589,30 @@ def warmup_bytes(config: TransformerConfig, *, vocab_size: int, max_sequence_len
 def adamw(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
     """Megatron's Adam settings on torch's (foreach) AdamW, with Megatron's decay groups."""
     if opt.optimizer != "adam":
-        raise ConfigError(f"leto retains Adam state; OptimizerConfig.optimizer={opt.optimizer!r} is not supported")
+        raise ConfigError(
+            f"leto retains Adam state; OptimizerConfig.optimizer={opt.optimizer!r} is not supported"
+        )
     if opt.use_distributed_optimizer:
-        raise ConfigError("OptimizerConfig.use_distributed_optimizer: build the full AdamW here; Megatron's "
-                          "DistributedOptimizer sharding comes from lm.retain_megatron(ddp_config="
-                          "DistributedDataParallelConfig(use_distributed_optimizer=True))")
+        raise ConfigError(
+            "OptimizerConfig.use_distributed_optimizer: build the full AdamW here; Megatron's "
+            "DistributedOptimizer sharding comes from lm.retain_megatron(ddp_config="
+            "DistributedDataParallelConfig(use_distributed_optimizer=True))"
+        )
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
-                             eps=opt.adam_eps, foreach=True)
+    groups = [
+        {"params": decay, "weight_decay": opt.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=opt.lr,
+        betas=(opt.adam_beta1, opt.adam_beta2),
+        eps=opt.adam_eps,
+        foreach=True,
+    )
 
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> Layout:
@@ -510,9 +623,15 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch
     return Layout.plan(params, list(model.buffers()), optimizer, rng_bytes=rng_blob(device).numel())
 
 
-def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW, *, seed: int,
-                    max_grad_norm: float | None = None,
-                    ddp_config: DistributedDataParallelConfig | None = None) -> MegatronState:
+def retain_megatron(
+    ctx: Context,
+    model: GPTModel,
+    optimizer: torch.optim.AdamW,
+    *,
+    seed: int,
+    max_grad_norm: float | None = None,
+    ddp_config: DistributedDataParallelConfig | None = None,
+) -> MegatronState:
     """``ctx.retain`` for a Megatron model: attributes kept, tracker RNG keyed by step.
 
     With ``ddp_config`` the model is wrapped in Megatron's ``DistributedDataParallel``
@@ -529,14 +648,20 @@ def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
 
     pipeline = parallel_state.get_pipeline_model_parallel_world_size() > 1
     if pipeline and ddp_config is None:
-        raise ConfigError("pipeline parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
-                          "the shared embedding's gradient is all-reduced by Megatron's finalize_model_grads")
+        raise ConfigError(
+            "pipeline parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
+            "the shared embedding's gradient is all-reduced by Megatron's finalize_model_grads"
+        )
     experts = parallel_state.get_expert_model_parallel_world_size() > 1
     if experts and ddp_config is None:
-        raise ConfigError("expert parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
-                          "expert gradients are reduced over the expert-data-parallel group, not the data-parallel one")
+        raise ConfigError(
+            "expert parallelism needs Megatron's DDP (ddp_config; the example's --ddp-impl megatron): "
+            "expert gradients are reduced over the expert-data-parallel group, not the data-parallel one"
+        )
     if ddp_config is not None and ddp_config.use_distributed_optimizer:
-        return _retain_sharded(ctx, model, optimizer, seed=seed, max_grad_norm=max_grad_norm, ddp_config=ddp_config)
+        return _retain_sharded(
+            ctx, model, optimizer, seed=seed, max_grad_norm=max_grad_norm, ddp_config=ddp_config
+        )
     attrs = {id(p): dict(vars(p)) for p in model.parameters()}
     params = list(model.parameters())
     grads = None
@@ -555,8 +680,15 @@ def retain_megatron(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
     return MegatronState(state, seed=seed, max_grad_norm=max_grad_norm, model=wrapped)
 
 
-def _retain_sharded(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW, *, seed: int,
-                    max_grad_norm: float | None, ddp_config: DistributedDataParallelConfig) -> MegatronState:
+def _retain_sharded(
+    ctx: Context,
+    model: GPTModel,
+    optimizer: torch.optim.AdamW,
+    *,
+    seed: int,
+    max_grad_norm: float | None,
+    ddp_config: DistributedDataParallelConfig,
+) -> MegatronState:
     """``retain_megatron`` with Megatron's distributed optimizer (``megatron_distopt``): the
     retained optimizer is ``optimizer``'s shard on this DP rank (``MegatronState.optimizer``);
     the model's parameters are Megatron's ``param_data``, a retained mirror region."""
@@ -565,21 +697,31 @@ def _retain_sharded(ctx: Context, model: GPTModel, optimizer: torch.optim.AdamW,
     from leto.integrations import megatron_distopt
 
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ConfigError("the distributed optimizer runs without pipeline parallelism for now (docs/MEGATRON.md)")
+        raise ConfigError(
+            "the distributed optimizer runs without pipeline parallelism for now (docs/MEGATRON.md)"
+        )
     from leto.trainer.context import _checkpoint_from_env
 
     if _checkpoint_from_env() is not None:
-        raise ConfigError("leto.checkpoint with the distributed optimizer: the per-rank shards have no "
-                          "torch.distributed.checkpoint layout yet (docs/MEGATRON.md); drop leto.checkpoint")
+        raise ConfigError(
+            "leto.checkpoint with the distributed optimizer: the per-rank shards have no "
+            "torch.distributed.checkpoint layout yet (docs/MEGATRON.md); drop leto.checkpoint"
+        )
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    plan = megatron_distopt.plan_shards(model, params, ddp_config,
-                                        dp_rank=parallel_state.get_data_parallel_rank(),
-                                        dp_size=parallel_state.get_data_parallel_world_size())
+    plan = megatron_distopt.plan_shards(
+        model,
+        params,
+        ddp_config,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
     mains = megatron_distopt.main_params(params, plan)
     shard_opt = megatron_distopt.shard_optimizer(optimizer, mains, plan)
     attrs = [dict(vars(params[piece.param])) for piece in plan.pieces]
     state = ctx.retain(model, shard_opt, grads=plan.grad_placement, mirror=plan.mirror)
-    for main, kept in zip(mains, attrs, strict=True):  # Megatron's attributes: the clipping filter reads them
+    for main, kept in zip(
+        mains, attrs, strict=True
+    ):  # Megatron's attributes: the clipping filter reads them
         for key, value in kept.items():
             setattr(main, key, value)
     ddp = megatron_distopt.build_ddp(ctx, state, model, ddp_config, plan, params)
@@ -607,7 +749,9 @@ def pipeline_grad_sync(ctx: Context, ddp: torch.nn.Module) -> None:
         config.no_sync_func = ddp.no_sync
         if ddp.ddp_config.align_grad_reduce:
             config.grad_sync_func = ddp.start_grad_sync
-    ctx.grad_sync = dataclasses.replace(ctx.grad_sync, reduce=functools.partial(finalize_model_grads, [ddp]))
+    ctx.grad_sync = dataclasses.replace(
+        ctx.grad_sync, reduce=functools.partial(finalize_model_grads, [ddp])
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -637,6 +781,7 @@ class MegatronState:
         """``RetainedState.compute`` (forward and backward; an OOM reclaims the shadows and
         re-runs them), with the tracker reseeded for each attempt: a retried step draws the
         same dropout masks."""
+
         def attempt() -> T:
             reseed_tracker(self.seed, self._step)
             return fn()
@@ -646,8 +791,14 @@ class MegatronState:
     def step(self, loss: torch.Tensor | None = None) -> None:
         self.state.step(max_grad_norm=self.max_grad_norm, loss=loss)
 
-    def forward_backward(self, forward_step_func: Callable, batches: Sequence[Any], *, seq_length: int,
-                         micro_batch_size: int) -> torch.Tensor | None:
+    def forward_backward(
+        self,
+        forward_step_func: Callable,
+        batches: Sequence[Any],
+        *,
+        seq_length: int,
+        micro_batch_size: int,
+    ) -> torch.Tensor | None:
         """Megatron's schedule (``get_forward_backward_func``: 1F1B across stages, or
         micro-batch accumulation without pipelining) over ``MegatronState.model``, one
         micro-batch per element of ``batches``, inside ``compute`` (a retry starts from the
@@ -663,9 +814,15 @@ class MegatronState:
         schedule = get_forward_backward_func()
 
         def run() -> torch.Tensor | None:
-            store = schedule(forward_step_func=forward_step_func, data_iterator=iter(batches), model=self.model,
-                             num_microbatches=len(batches), seq_length=seq_length,
-                             micro_batch_size=micro_batch_size, forward_only=False)
+            store = schedule(
+                forward_step_func=forward_step_func,
+                data_iterator=iter(batches),
+                model=self.model,
+                num_microbatches=len(batches),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=False,
+            )
             if not parallel_state.is_pipeline_last_stage():
                 return None
             return torch.stack([out["lm loss"] for out in store]).mean()
@@ -689,7 +846,10 @@ def reseed_tracker(seed: int, step: int) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     tp = parallel_state.get_tensor_model_parallel_rank()
-    ep, etp = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_tensor_parallel_rank()
+    ep, etp = (
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+    )
     ranks = {"data-parallel-rng": (), "model-parallel-rng": (tp,), "expert-parallel-rng": (ep, etp)}
     tracker = get_cuda_rng_tracker()
     tracker.reset()
@@ -699,4 +859,6 @@ def reseed_tracker(seed: int, step: int) -> None:
 
 def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
     """Megatron's boolean attention mask ([1, 1, s, s], True = masked) for a causal GPT."""
-    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[
+        None, None
+    ]

@@ -64,7 +64,7 @@ def check_ddp_config(ddp_config: DistributedDataParallelConfig, *, sharded: bool
     ``sharded``: the distributed optimizer's path (``leto.integrations.megatron_distopt``)."""
     unsupported = {
         "use_distributed_optimizer": "Megatron's DistributedOptimizer buffers are planned by "
-                                     "leto.integrations.megatron_distopt (lm.retain_megatron does this)",
+        "leto.integrations.megatron_distopt (lm.retain_megatron does this)",
         "use_megatron_fsdp": "Megatron FSDP shards parameters outside leto's layout",
         "use_custom_fsdp": "Megatron FSDP shards parameters outside leto's layout",
         "nccl_ub": "NCCL user buffers allocate the gradient buffer from their own pool",
@@ -84,8 +84,11 @@ def region_name(param_dtype: torch.dtype, grad_dtype: torch.dtype, *, expert: bo
     return REGION_PREFIX + ("expert." if expert else "") + (p if p == g else f"{p}.{g}")
 
 
-def grad_placement(model: torch.nn.Module, params: list[torch.nn.Parameter],
-                   ddp_config: DistributedDataParallelConfig) -> GradPlacement:
+def grad_placement(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    ddp_config: DistributedDataParallelConfig,
+) -> GradPlacement:
     """Where Megatron's DDP puts each gradient of ``params`` (the optimizer's order), from
     shapes alone: works on a ``meta`` model. Mirrors ``_ParamAndGradBuffer.__init__``
     without the distributed optimizer (no padding, so bucket boundaries move nothing)."""
@@ -96,11 +99,15 @@ def grad_placement(model: torch.nn.Module, params: list[torch.nn.Parameter],
             continue
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else p.dtype
         if grad_dtype != p.dtype:
-            raise ConfigError(f"parameter {name}: main_grad {grad_dtype} != param {p.dtype}; leto's AdamW reads "
-                              "main_grad as the gradient: use fp32 params (leto retains them as main params)")
+            raise ConfigError(
+                f"parameter {name}: main_grad {grad_dtype} != param {p.dtype}; leto's AdamW reads "
+                "main_grad as the gradient: use fp32 params (leto retains them as main params)"
+            )
         groups.setdefault((not getattr(p, "allreduce", True), p.dtype, grad_dtype), []).append(p)
     regions, where = [], {}
-    ordered = sorted(groups.items(), key=lambda item: item[0][0])  # stable: dense buffers, then experts'
+    ordered = sorted(
+        groups.items(), key=lambda item: item[0][0]
+    )  # stable: dense buffers, then experts'
     for index, ((expert, param_dtype, grad_dtype), members) in enumerate(ordered):
         itemsize = torch.empty((), dtype=grad_dtype).element_size()
         start = 0
@@ -110,8 +117,10 @@ def grad_placement(model: torch.nn.Module, params: list[torch.nn.Parameter],
         regions.append((region_name(param_dtype, grad_dtype, expert=expert), start * itemsize))
     missing = [tuple(p.shape) for p in params if id(p) not in where]
     if missing:
-        raise ConfigError(f"{len(missing)} optimizer parameters are not trainable parameters of the model "
-                          f"(first shape {missing[0]})")
+        raise ConfigError(
+            f"{len(missing)} optimizer parameters are not trainable parameters of the model "
+            f"(first shape {missing[0]})"
+        )
     return GradPlacement(regions=tuple(regions), slots=tuple(where[id(p)] for p in params))
 
 
@@ -124,7 +133,9 @@ class GradBufferAllocation(TorchFunctionMode):
         self.pending = list(buffers)
         self.answered = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.zeros and self.pending and self._is_next(args, kwargs):
             self.answered += 1
@@ -138,8 +149,13 @@ class GradBufferAllocation(TorchFunctionMode):
         return numel == want.numel() and kwargs.get("dtype") == want.dtype
 
 
-def ddp_on_buffers(model: torch.nn.Module, ddp_config: DistributedDataParallelConfig, buffers: list[torch.Tensor],
-                   *, what: str) -> DistributedDataParallel:
+def ddp_on_buffers(
+    model: torch.nn.Module,
+    ddp_config: DistributedDataParallelConfig,
+    buffers: list[torch.Tensor],
+    *,
+    what: str,
+) -> DistributedDataParallel:
     """Megatron's ``DistributedDataParallel`` whose buffer ``torch.zeros`` calls are answered,
     in order, by ``buffers`` (``GradBufferAllocation``); ``ProtocolError`` if one is left over."""
     from megatron.core.distributed import DistributedDataParallel
@@ -148,30 +164,49 @@ def ddp_on_buffers(model: torch.nn.Module, ddp_config: DistributedDataParallelCo
     with allocation:
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     if allocation.pending:
-        raise ProtocolError(f"Megatron's DDP allocated {allocation.answered} of {len(buffers)} planned {what} "
-                            "from leto's regions; this megatron-core lays them out differently")
+        raise ProtocolError(
+            f"Megatron's DDP allocated {allocation.answered} of {len(buffers)} planned {what} "
+            "from leto's regions; this megatron-core lays them out differently"
+        )
     return ddp
 
 
-def build_ddp(ctx: Context, state: RetainedState, model: torch.nn.Module,
-              ddp_config: DistributedDataParallelConfig) -> DistributedDataParallel:
+def build_ddp(
+    ctx: Context,
+    state: RetainedState,
+    model: torch.nn.Module,
+    ddp_config: DistributedDataParallelConfig,
+) -> DistributedDataParallel:
     """Megatron's ``DistributedDataParallel`` around ``model`` (already retained), its
     gradient buffers the retained regions; ``ctx.grad_sync`` then reduces and zeroes them."""
     import dataclasses
 
     layout = state.layout
-    if not layout.main_grad or not all(name.startswith(REGION_PREFIX) for name, _ in layout.grad_regions):
+    if not layout.main_grad or not all(
+        name.startswith(REGION_PREFIX) for name, _ in layout.grad_regions
+    ):
         raise ProtocolError("build_ddp needs a state retained with grads=grad_placement(...)")
     buffers = []
     for name, nbytes in layout.grad_regions:
-        dtype = next(s.dtype for s, r in zip(layout.grads, layout.grad_region, strict=True) if r == name)
+        dtype = next(
+            s.dtype for s, r in zip(layout.grads, layout.grad_region, strict=True) if r == name
+        )
         buffers.append(state.grad_regions[name][:nbytes].view(dtype))
     t0 = time.perf_counter()
     ddp = ddp_on_buffers(model, ddp_config, buffers, what="gradient buffers")
     state.check_main_grads()
-    ctx.grad_sync = dataclasses.replace(ctx.grad_sync, reduce=ddp.finish_grad_sync, zero=ddp.zero_grad_buffer,
-                                        collectives_in_backward=ddp_config.overlap_grad_reduce)
-    logger.info("[rank %d] Megatron DDP on retained gradient regions %s (%d buckets, overlap %s) in %.1f ms",
-                ctx.rank, [name for name, _ in layout.grad_regions], sum(len(g.buckets) for g in ddp.bucket_groups),
-                ddp_config.overlap_grad_reduce, (time.perf_counter() - t0) * 1e3)
+    ctx.grad_sync = dataclasses.replace(
+        ctx.grad_sync,
+        reduce=ddp.finish_grad_sync,
+        zero=ddp.zero_grad_buffer,
+        collectives_in_backward=ddp_config.overlap_grad_reduce,
+    )
+    logger.info(
+        "[rank %d] Megatron DDP on retained gradient regions %s (%d buckets, overlap %s) in %.1f ms",
+        ctx.rank,
+        [name for name, _ in layout.grad_regions],
+        sum(len(g.buckets) for g in ddp.bucket_groups),
+        ddp_config.overlap_grad_reduce,
+        (time.perf_counter() - t0) * 1e3,
+    )
     return ddp

@@ -133,8 +133,10 @@ class ShardPlan:
     def grad_placement(self) -> GradPlacement:
         """Each main param's gradient: its range of the buffer's ``grad_data``."""
         regions = tuple((b.grad_region, b.numel * b.itemsize(b.grad_dtype)) for b in self.buffers)
-        slots = tuple((p.buffer, p.start * self.buffers[p.buffer].itemsize(self.buffers[p.buffer].grad_dtype))
-                      for p in self.pieces)
+        slots = tuple(
+            (p.buffer, p.start * self.buffers[p.buffer].itemsize(self.buffers[p.buffer].grad_dtype))
+            for p in self.pieces
+        )
         return GradPlacement(regions=regions, slots=slots)
 
     @property
@@ -150,13 +152,19 @@ class ShardPlan:
 def check_sharded_config(ddp_config: DistributedDataParallelConfig) -> None:
     """What this integration supports of Megatron's distributed optimizer (one-line errors)."""
     if not ddp_config.use_distributed_optimizer:
-        raise ConfigError("megatron_distopt needs DistributedDataParallelConfig(use_distributed_optimizer=True)")
+        raise ConfigError(
+            "megatron_distopt needs DistributedDataParallelConfig(use_distributed_optimizer=True)"
+        )
     check_ddp_config(ddp_config, sharded=True)
     if ddp_config.overlap_param_gather:
-        raise ConfigError("overlap_param_gather=True: the parameter all-gather would run in the next forward; "
-                          "leto runs it as part of the update (docs/MEGATRON.md)")
+        raise ConfigError(
+            "overlap_param_gather=True: the parameter all-gather would run in the next forward; "
+            "leto runs it as part of the update (docs/MEGATRON.md)"
+        )
     if ddp_config.num_distributed_optimizer_instances != 1:
-        raise ConfigError("num_distributed_optimizer_instances > 1 (partial distributed optimizer) is not supported")
+        raise ConfigError(
+            "num_distributed_optimizer_instances > 1 (partial distributed optimizer) is not supported"
+        )
 
 
 def _bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> int | None:
@@ -168,8 +176,14 @@ def _bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> int
     return ddp_config.bucket_size or max(40000000, 1000000 * dp_size)
 
 
-def plan_shards(model: torch.nn.Module, params: list[torch.nn.Parameter], ddp_config: DistributedDataParallelConfig,
-                *, dp_rank: int, dp_size: int) -> ShardPlan:
+def plan_shards(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    ddp_config: DistributedDataParallelConfig,
+    *,
+    dp_rank: int,
+    dp_size: int,
+) -> ShardPlan:
     """Megatron's padded buffer layout and this DP rank's shard ranges, from shapes alone.
 
     Mirrors ``_ParamAndGradBuffer.__init__`` with the distributed optimizer (reverse
@@ -184,22 +198,35 @@ def plan_shards(model: torch.nn.Module, params: list[torch.nn.Parameter], ddp_co
         if not p.requires_grad:
             continue
         if not getattr(p, "allreduce", True):
-            raise ConfigError(f"parameter {name} is an expert parameter: the distributed optimizer is not "
-                              "integrated with expert parallelism")
+            raise ConfigError(
+                f"parameter {name} is an expert parameter: the distributed optimizer is not "
+                "integrated with expert parallelism"
+            )
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else p.dtype
         if grad_dtype != p.dtype:
-            raise ConfigError(f"parameter {name}: main_grad {grad_dtype} != param {p.dtype}; use fp32 params")
+            raise ConfigError(
+                f"parameter {name}: main_grad {grad_dtype} != param {p.dtype}; use fp32 params"
+            )
         if id(p) not in position:
             raise ConfigError(f"parameter {name} is trainable but not in the optimizer")
         groups.setdefault((p.dtype, grad_dtype), []).append(p)
     bucket_size = _bucket_size(ddp_config, dp_size)
-    divisor = math.lcm(dp_size, 128, *((2**16,) if ddp_config.pad_buckets_for_high_nccl_busbw else ()))
+    divisor = math.lcm(
+        dp_size, 128, *((2**16,) if ddp_config.pad_buckets_for_high_nccl_busbw else ())
+    )
     buffers, pieces = [], []
     for (param_dtype, grad_dtype), members in groups.items():
         buckets, index = _layout(members, position, bucket_size, divisor)
         b = len(buffers)
-        buffers.append(BufferPlan(param_dtype=param_dtype, grad_dtype=grad_dtype, numel=buckets[-1][1],
-                                  buckets=tuple(buckets), index=index))
+        buffers.append(
+            BufferPlan(
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                numel=buckets[-1][1],
+                buckets=tuple(buckets),
+                index=index,
+            )
+        )
         for i, (start, end, bucket) in index.items():
             lo_b, hi_b = buckets[bucket]
             shard = (hi_b - lo_b) // dp_size
@@ -209,13 +236,20 @@ def plan_shards(model: torch.nn.Module, params: list[torch.nn.Parameter], ddp_co
                 pieces.append(ShardPiece(param=i, buffer=b, lo=lo - start, hi=hi - start, start=lo))
     pieces.sort(key=lambda p: p.param)
     if not pieces:
-        raise ConfigError(f"DP rank {dp_rank} owns no parameter elements (a model this small needs DP < {dp_size})")
+        raise ConfigError(
+            f"DP rank {dp_rank} owns no parameter elements (a model this small needs DP < {dp_size})"
+        )
     return ShardPlan(dp_rank=dp_rank, dp_size=dp_size, buffers=tuple(buffers), pieces=tuple(pieces))
 
 
-def _layout(members: list[torch.nn.Parameter], position: dict[int, int], bucket_size: int | None,
-            divisor: int) -> tuple[list[tuple[int, int]], dict[int, tuple[int, int, int]]]:
+def _layout(
+    members: list[torch.nn.Parameter],
+    position: dict[int, int],
+    bucket_size: int | None,
+    divisor: int,
+) -> tuple[list[tuple[int, int]], dict[int, tuple[int, int, int]]]:
     """Bucket (start, end) ranges and each parameter's (start, end, bucket), Megatron's loop."""
+
     def pad(n: int, d: int) -> int:
         return -(-n // d) * d
 
@@ -254,13 +288,17 @@ def main_params(params: list[torch.nn.Parameter], plan: ShardPlan) -> list[torch
     mains = []
     for piece in plan.pieces:
         p = params[piece.param]
-        mains.append(torch.nn.Parameter(p.detach().reshape(-1)[piece.lo:piece.hi].clone(),
-                                        requires_grad=p.requires_grad))
+        mains.append(
+            torch.nn.Parameter(
+                p.detach().reshape(-1)[piece.lo : piece.hi].clone(), requires_grad=p.requires_grad
+            )
+        )
     return mains
 
 
-def shard_optimizer(optimizer: torch.optim.AdamW, mains: list[torch.nn.Parameter],
-                    plan: ShardPlan) -> torch.optim.AdamW:
+def shard_optimizer(
+    optimizer: torch.optim.AdamW, mains: list[torch.nn.Parameter], plan: ShardPlan
+) -> torch.optim.AdamW:
     """A torch ``AdamW`` over the main params with ``optimizer``'s groups and settings (a
     group this rank owns nothing of stays, empty, so group indices and lrs line up)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -268,13 +306,16 @@ def shard_optimizer(optimizer: torch.optim.AdamW, mains: list[torch.nn.Parameter
     members: list[list[torch.nn.Parameter]] = [[] for _ in optimizer.param_groups]
     for piece, main in zip(plan.pieces, mains, strict=True):
         members[group_of[id(params[piece.param])]].append(main)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m}
-              for g, m in zip(optimizer.param_groups, members, strict=True)]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": m}
+        for g, m in zip(optimizer.param_groups, members, strict=True)
+    ]
     return torch.optim.AdamW(groups, lr=optimizer.defaults["lr"], foreach=True)
 
 
-def place_meta_params(model_params: list[torch.nn.Parameter], plan: ShardPlan,
-                      mirror: dict[str, torch.Tensor]) -> None:
+def place_meta_params(
+    model_params: list[torch.nn.Parameter], plan: ShardPlan, mirror: dict[str, torch.Tensor]
+) -> None:
     """A reattaching trainer's ``meta`` parameters become tensors over their planned places
     in ``param_data`` (sharing the region's storage, not views of it: Megatron asserts
     ``param.data._base is None`` before it re-points ``.data`` there and copies the old
@@ -287,7 +328,8 @@ def place_meta_params(model_params: list[torch.nn.Parameter], plan: ShardPlan,
             if not p.is_meta:
                 continue
             data = torch.empty(0, dtype=b.param_dtype, device=region.device).set_(
-                region.untyped_storage(), region.storage_offset() + start, p.shape)
+                region.untyped_storage(), region.storage_offset() + start, p.shape
+            )
             attrs = dict(vars(p))
             torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
             for key, value in attrs.items():
@@ -326,7 +368,11 @@ class ShardedUpdate:
         gen = torch.Generator().manual_seed(13)
         for region in self.mirror:
             flat = region.view(torch.uint8)
-            flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=gen).to(flat.device))
+            flat.copy_(
+                torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=gen).to(
+                    flat.device
+                )
+            )
 
 
 def clip_grads_sharded(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -339,8 +385,13 @@ def clip_grads_sharded(params: list[torch.nn.Parameter], max_norm: float) -> tor
     from megatron.core.transformer.module import param_is_not_shared
 
     grads = [p.grad for p in params if p.grad is not None]
-    counted = [p.grad for p in params
-               if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    counted = [
+        p.grad
+        for p in params
+        if p.grad is not None
+        and param_is_not_shared(p)
+        and param_is_not_tensor_parallel_duplicate(p)
+    ]
     if counted:
         squares = torch.stack([n.float() for n in torch._foreach_norm(counted)]).square().sum()
     else:
@@ -351,15 +402,25 @@ def clip_grads_sharded(params: list[torch.nn.Parameter], max_norm: float) -> tor
     return norm
 
 
-def build_ddp(ctx: Context, state: RetainedState, model: torch.nn.Module, ddp_config: DistributedDataParallelConfig,
-              plan: ShardPlan, model_params: list[torch.nn.Parameter]) -> DistributedDataParallel:
+def build_ddp(
+    ctx: Context,
+    state: RetainedState,
+    model: torch.nn.Module,
+    ddp_config: DistributedDataParallelConfig,
+    plan: ShardPlan,
+    model_params: list[torch.nn.Parameter],
+) -> DistributedDataParallel:
     """Megatron's ``DistributedDataParallel`` with ``param_data``/``grad_data`` in the
     retained regions, checked against the plan; sets ``ctx.grad_sync`` (reduce-scatter,
     zeroing, sharded clipping, the all-gather)."""
     pending = []
     for b in plan.buffers:
         pending.append(state.mirror_regions[b.param_region].view(b.param_dtype))
-        pending.append(state.grad_regions[b.grad_region][:b.numel * b.itemsize(b.grad_dtype)].view(b.grad_dtype))
+        pending.append(
+            state.grad_regions[b.grad_region][: b.numel * b.itemsize(b.grad_dtype)].view(
+                b.grad_dtype
+            )
+        )
     t0 = time.perf_counter()
     place_meta_params(model_params, plan, state.mirror_regions)
     ddp = ddp_on_buffers(model, ddp_config, pending, what="parameter and gradient buffers")
@@ -384,35 +445,64 @@ def build_ddp(ctx: Context, state: RetainedState, model: torch.nn.Module, ddp_co
             if cur < end:
                 pads.append(data[cur:end])
     for piece in plan.pieces:
-        shards.append(ddp.buffers[piece.buffer].param_data[piece.start:piece.start + piece.numel])
-    update = ShardedUpdate(ctx=ctx, ddp=ddp, mains=list(state.params), shards=shards, pads=pads, mirror=mirror)
-    ctx.grad_sync = dataclasses.replace(ctx.grad_sync, reduce=ddp.finish_grad_sync, zero=ddp.zero_grad_buffer,
-                                        clip=clip_grads_sharded, gather=update.gather,
-                                        collectives_in_backward=ddp_config.overlap_grad_reduce)
-    logger.info("[rank %d] Megatron distributed optimizer: DP rank %d of %d owns %d of %d elements, %d buckets, "
-                "built in %.1f ms", ctx.rank, plan.dp_rank, plan.dp_size, plan.shard_numel(),
-                sum(b.numel for b in plan.buffers), sum(len(b.buckets) for b in plan.buffers),
-                (time.perf_counter() - t0) * 1e3)
+        shards.append(ddp.buffers[piece.buffer].param_data[piece.start : piece.start + piece.numel])
+    update = ShardedUpdate(
+        ctx=ctx, ddp=ddp, mains=list(state.params), shards=shards, pads=pads, mirror=mirror
+    )
+    ctx.grad_sync = dataclasses.replace(
+        ctx.grad_sync,
+        reduce=ddp.finish_grad_sync,
+        zero=ddp.zero_grad_buffer,
+        clip=clip_grads_sharded,
+        gather=update.gather,
+        collectives_in_backward=ddp_config.overlap_grad_reduce,
+    )
+    logger.info(
+        "[rank %d] Megatron distributed optimizer: DP rank %d of %d owns %d of %d elements, %d buckets, "
+        "built in %.1f ms",
+        ctx.rank,
+        plan.dp_rank,
+        plan.dp_size,
+        plan.shard_numel(),
+        sum(b.numel for b in plan.buffers),
+        sum(len(b.buckets) for b in plan.buffers),
+        (time.perf_counter() - t0) * 1e3,
+    )
     return ddp
 
 
-def check_against_megatron(ddp: DistributedDataParallel, plan: ShardPlan, params: list[torch.nn.Parameter]) -> None:
+def check_against_megatron(
+    ddp: DistributedDataParallel, plan: ShardPlan, params: list[torch.nn.Parameter]
+) -> None:
     """Megatron's own buffers and ``DistributedOptimizer`` range maps equal the plan."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if len(ddp.buffers) != len(plan.buffers) or ddp.expert_parallel_buffers:
-        raise ProtocolError(f"Megatron built {len(ddp.buffers)} buffers, leto planned {len(plan.buffers)}")
+        raise ProtocolError(
+            f"Megatron built {len(ddp.buffers)} buffers, leto planned {len(plan.buffers)}"
+        )
     position = {id(p): i for i, p in enumerate(params)}
     for bi, (buffer, b) in enumerate(zip(ddp.buffers, plan.buffers, strict=True)):
         index = {position[id(p)]: tuple(v) for p, v in buffer.param_index_map.items()}
-        if buffer.numel != b.numel or [tuple(r) for r in buffer.bucket_indices] != list(b.buckets) or index != b.index:
-            raise ProtocolError(f"Megatron's buffer {bi} ({buffer.numel} elements, {len(buffer.bucket_indices)} buckets) "
-                                f"differs from leto's plan ({b.numel}, {len(b.buckets)}): this megatron-core pads "
-                                "or buckets differently")
+        if (
+            buffer.numel != b.numel
+            or [tuple(r) for r in buffer.bucket_indices] != list(b.buckets)
+            or index != b.index
+        ):
+            raise ProtocolError(
+                f"Megatron's buffer {bi} ({buffer.numel} elements, {len(buffer.bucket_indices)} buckets) "
+                f"differs from leto's plan ({b.numel}, {len(b.buckets)}): this megatron-core pads "
+                "or buckets differently"
+            )
         (ranges,) = DistributedOptimizer._build_gbuf_range_map(buffer).values()
-        theirs = sorted((position[id(p)], r["param"].start, r["param"].end, r["gbuf_world"].start)
-                        for bucket in ranges for p, r in bucket["param_map"].items())
+        theirs = sorted(
+            (position[id(p)], r["param"].start, r["param"].end, r["gbuf_world"].start)
+            for bucket in ranges
+            for p, r in bucket["param_map"].items()
+        )
         ours = sorted((p.param, p.lo, p.hi, p.start) for p in plan.pieces if p.buffer == bi)
         if theirs != ours:
-            raise ProtocolError(f"Megatron's DistributedOptimizer shards buffer {bi} differently from leto's plan "
-                                f"({len(theirs)} vs {len(ours)} ranges)")
+            raise ProtocolError(
+                f"Megatron's DistributedOptimizer shards buffer {bi} differently from leto's plan "
+                f"({len(theirs)} vs {len(ours)} ranges)"
+            )

@@ -77,7 +77,13 @@ class MemfdChunks:
         return fd
 
     def reserve(self, nbytes: int) -> int:
-        return _mmap(None, nbytes, localize.PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+        return _mmap(
+            None,
+            nbytes,
+            localize.PROT_NONE,
+            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            -1,
+        )
 
     def map(self, addr: int, fd: int, chunk_bytes: int) -> None:
         _mmap(addr, chunk_bytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd)
@@ -104,8 +110,16 @@ def _mmap(addr: int | None, nbytes: int, prot: int, flags: int, fd: int) -> int:
 class ChunkedRegion:
     """One device region of one rank: a page table over chunks, mapped at ``ptr``."""
 
-    def __init__(self, backend: ChunkBackend, pool: PoolClient, rank: int, name: str, table: PageTable,
-                 ptr: int, existing: bool) -> None:
+    def __init__(
+        self,
+        backend: ChunkBackend,
+        pool: PoolClient,
+        rank: int,
+        name: str,
+        table: PageTable,
+        ptr: int,
+        existing: bool,
+    ) -> None:
         self.backend, self.pool, self.rank, self.name = backend, pool, rank, name
         self.table, self.ptr, self.existing = table, ptr, existing
         self._replaced: set[int] = set()
@@ -118,21 +132,33 @@ class ChunkedRegion:
         return self.table.nbytes
 
     @classmethod
-    def attach(cls, backend: ChunkBackend, pool: PoolClient, rank: int, name: str, nbytes: int,
-               chunk_bytes: int) -> ChunkedRegion:
+    def attach(
+        cls,
+        backend: ChunkBackend,
+        pool: PoolClient,
+        rank: int,
+        name: str,
+        nbytes: int,
+        chunk_bytes: int,
+    ) -> ChunkedRegion:
         """Create the region (first trainer) or map the retained one (successor, shadow).
 
         A successor takes the retained chunk size; chunks already lost are replaced now
         and reported by the next :meth:`localize`.
         """
         if chunk_bytes % backend.granularity:
-            raise PoolError(f"chunk of {chunk_bytes} B is not a multiple of the {backend.granularity}-byte granularity")
+            raise PoolError(
+                f"chunk of {chunk_bytes} B is not a multiple of the {backend.granularity}-byte granularity"
+            )
         found = pool.fetch(rank, name)
         if found is not None:
             chunk_bytes = found.chunk_bytes
         table = PageTable(-(-nbytes // chunk_bytes) * chunk_bytes, chunk_bytes)
         try:
-            if found is not None and (found.backing, found.spec.nbytes) != (backend.backing, table.nbytes):
+            if found is not None and (found.backing, found.spec.nbytes) != (
+                backend.backing,
+                table.nbytes,
+            ):
                 raise PoolError(
                     f"reattach of rank {rank} region {name!r} does not match: retained "
                     f"{found.spec.nbytes} B {found.backing}, asked {table.nbytes} B {backend.backing}"
@@ -152,7 +178,12 @@ class ChunkedRegion:
             if found is not None:
                 found.close()
         if region._replaced:
-            logger.warning("rank %d region %s: %d chunks were lost before attach", rank, name, len(region._replaced))
+            logger.warning(
+                "rank %d region %s: %d chunks were lost before attach",
+                rank,
+                name,
+                len(region._replaced),
+            )
         return region
 
     def _addr(self, chunk: int) -> int:
@@ -167,7 +198,15 @@ class ChunkedRegion:
                 for i in indices:
                     fds.append(self.backend.create(chunk))
                     self.backend.map(self._addr(i), fds[-1], chunk)
-                self.pool.deposit(self.rank, self.name, self.table.nbytes, chunk, self.backend.backing, fds, start=start)
+                self.pool.deposit(
+                    self.rank,
+                    self.name,
+                    self.table.nbytes,
+                    chunk,
+                    self.backend.backing,
+                    fds,
+                    start=start,
+                )
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -201,8 +240,16 @@ class ChunkedRegion:
         pending, self._pending = self._pending, {}
         try:
             for index in sorted(pending):
-                self.pool.deposit(self.rank, self.name, self.table.nbytes, self.table.chunk_bytes,
-                                  self.backend.backing, [pending[index]], start=index, replace=True)
+                self.pool.deposit(
+                    self.rank,
+                    self.name,
+                    self.table.nbytes,
+                    self.table.chunk_bytes,
+                    self.backend.backing,
+                    [pending[index]],
+                    start=index,
+                    replace=True,
+                )
         finally:
             for fd in pending.values():
                 os.close(fd)
@@ -213,7 +260,9 @@ class ChunkedRegion:
         Also reports the chunks replaced at attach. Fresh chunks read zero on CPU and are
         uninitialised on GPU (the caller zeroes them); rebuilding them is the caller's job.
         """
-        lost = set(self.pool.pagemap(self.rank, self.name)) - set(self._pending)  # ours, being rebuilt
+        lost = set(self.pool.pagemap(self.rank, self.name)) - set(
+            self._pending
+        )  # ours, being rebuilt
         lost |= set(self.backend.failed(self.ptr, self.table.nbytes, self.table.chunk_bytes))
         for i in sorted(lost):
             self._replace(i)

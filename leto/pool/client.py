@@ -91,10 +91,14 @@ class PoolClient:
     def _saw(self, rank: int, name: str, reply: dict[str, Any]) -> None:
         ident = reply.get("ident")
         if not isinstance(ident, str):
-            raise ProtocolError(f"the state manager's reply for region {name!r} carries no identity")
+            raise ProtocolError(
+                f"the state manager's reply for region {name!r} carries no identity"
+            )
         self._seen[(rank, name)] = ident
 
-    def request(self, message: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+    def request(
+        self, message: dict[str, Any], fds: list[int] | None = None
+    ) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
             try:
                 protocol.send(self._sock, message, fds)
@@ -125,16 +129,34 @@ class PoolClient:
         spec = RegionSpec(**reply["spec"])
         return MappedRegion(spec=spec, existing=True, buffer=_map(fds, spec.nbytes))
 
-    def deposit(self, rank: int, name: str, nbytes: int, chunk_bytes: int, backing: str, fds: list[int],
-                start: int = 0, replace: bool = False) -> None:
+    def deposit(
+        self,
+        rank: int,
+        name: str,
+        nbytes: int,
+        chunk_bytes: int,
+        backing: str,
+        fds: list[int],
+        start: int = 0,
+        replace: bool = False,
+    ) -> None:
         """Hand chunks ``start ..`` of a device region (one fd each) to the state manager.
 
         Sent in batches of at most SCM_MAX_FD fds; the caller keeps (and closes) its fds.
         """
         spec = RegionSpec(rank=rank, name=name, nbytes=nbytes, dtype="uint8", tier="device")
         for offset, batch in pagemap.batches(fds):
-            reply, _ = self.request({"op": "deposit", **_asdict(spec), "chunk_bytes": chunk_bytes,
-                                     "backing": backing, "start": start + offset, "replace": replace}, list(batch))
+            reply, _ = self.request(
+                {
+                    "op": "deposit",
+                    **_asdict(spec),
+                    "chunk_bytes": chunk_bytes,
+                    "backing": backing,
+                    "start": start + offset,
+                    "replace": replace,
+                },
+                list(batch),
+            )
             self._saw(rank, name, reply)
 
     def fetch(self, rank: int, name: str) -> FetchedRegion | None:
@@ -153,12 +175,20 @@ class PoolClient:
                 ident = reply["ident"]
                 spec = RegionSpec(**reply["spec"])
                 chunk_bytes = int(reply["chunk_bytes"])
-                found = FetchedRegion(spec, str(reply["backing"]), chunk_bytes, [None] * (spec.nbytes // chunk_bytes))
-            if not reply["found"] or reply.get("ident") != ident or len(fds) != len(reply["indices"]):
+                found = FetchedRegion(
+                    spec, str(reply["backing"]), chunk_bytes, [None] * (spec.nbytes // chunk_bytes)
+                )
+            if (
+                not reply["found"]
+                or reply.get("ident") != ident
+                or len(fds) != len(reply["indices"])
+            ):
                 for fd in fds:
                     os.close(fd)
                 found.close()
-                raise ProtocolError(f"fetch of {name!r} from chunk {start}: the region changed or fds went missing")
+                raise ProtocolError(
+                    f"fetch of {name!r} from chunk {start}: the region changed or fds went missing"
+                )
             for i, fd in zip(reply["indices"], fds, strict=True):
                 found.fds[i] = fd
             start = int(reply["end"])
@@ -166,7 +196,9 @@ class PoolClient:
 
     def pagemap(self, rank: int, name: str) -> list[int]:
         """Chunks of a deposited region whose fd the state manager no longer holds (lost)."""
-        return pagemap.from_runs(self.request({"op": "pagemap", "rank": rank, "name": name})[0]["lost"])
+        return pagemap.from_runs(
+            self.request({"op": "pagemap", "rank": rank, "name": name})[0]["lost"]
+        )
 
     def describe(self, rank: int, name: str) -> RegionSpec | None:
         spec = self.request({"op": "describe", "rank": rank, "name": name})[0]["spec"]
@@ -174,13 +206,17 @@ class PoolClient:
 
     def localize(self, rank: int, name: str, page_bytes: int) -> list[int]:
         """Failed pages of a region, found and remapped (zeroed) by the state manager."""
-        reply, _ = self.request({"op": "localize", "rank": rank, "name": name, "page_bytes": page_bytes})
+        reply, _ = self.request(
+            {"op": "localize", "rank": rank, "name": name, "page_bytes": page_bytes}
+        )
         return [int(p) for p in reply["pages"]]
 
     def erase(self, rank: int, name: str, page_bytes: int, pages: list[int]) -> list[int]:
         """Fault injection: lose these pages of a region (see the state manager); returns the
         pages lost, which for a chunked region are all pages of the chunks that held them."""
-        reply, _ = self.request({"op": "erase", "rank": rank, "name": name, "page_bytes": page_bytes, "pages": pages})
+        reply, _ = self.request(
+            {"op": "erase", "rank": rank, "name": name, "page_bytes": page_bytes, "pages": pages}
+        )
         return [int(p) for p in reply["pages"]]
 
     def free(self, rank: int, name: str) -> bool:
@@ -191,8 +227,11 @@ class PoolClient:
     def identities(self, rank: int) -> RankIdentities:
         """Every region of ``rank`` the state manager holds, with its identity, and the seal."""
         reply = self.request({"op": "identities", "rank": rank})[0]
-        return RankIdentities(str(reply["instance"]), {str(k): str(v) for k, v in reply["regions"].items()},
-                              None if reply["sealed"] is None else str(reply["sealed"]))
+        return RankIdentities(
+            str(reply["instance"]),
+            {str(k): str(v) for k, v in reply["regions"].items()},
+            None if reply["sealed"] is None else str(reply["sealed"]),
+        )
 
     def seal(self, rank: int, digest: str) -> None:
         """Record that ``rank``'s state was initialised over regions of this identity digest."""

@@ -61,16 +61,22 @@ def _prop(device: int) -> Any:
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device
-    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.requestedHandleTypes = (
+        cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
     return prop
 
 
 def granularity(device: int) -> int:
     cu = _driver()
-    return int(_check(
-        cu.cuMemGetAllocationGranularity(_prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-        "cuMemGetAllocationGranularity",
-    ))
+    return int(
+        _check(
+            cu.cuMemGetAllocationGranularity(
+                _prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+            "cuMemGetAllocationGranularity",
+        )
+    )
 
 
 def round_up(nbytes: int, device: int) -> int:
@@ -84,7 +90,9 @@ def create(nbytes: int, device: int) -> int:
     handle = _check(cu.cuMemCreate(nbytes, _prop(device), 0), "cuMemCreate")
     try:
         fd = _check(
-            cu.cuMemExportToShareableHandle(handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            cu.cuMemExportToShareableHandle(
+                handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+            ),
             "cuMemExportToShareableHandle",
         )
     finally:
@@ -109,12 +117,18 @@ class CudaChunks:
         return create(chunk_bytes, self.device)
 
     def reserve(self, nbytes: int) -> int:
-        return int(_check(_driver().cuMemAddressReserve(nbytes, self.granularity, 0, 0), "cuMemAddressReserve"))
+        return int(
+            _check(
+                _driver().cuMemAddressReserve(nbytes, self.granularity, 0, 0), "cuMemAddressReserve"
+            )
+        )
 
     def map(self, addr: int, fd: int, chunk_bytes: int) -> None:
         cu = _driver()
         handle = _check(
-            cu.cuMemImportFromShareableHandle(fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            cu.cuMemImportFromShareableHandle(
+                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            ),
             "cuMemImportFromShareableHandle",
         )
         try:
@@ -156,7 +170,9 @@ class CudaChunks:
 
 def host_device_pointer(host_ptr: int) -> int:
     """The device address of page-locked, mapped host memory (``cudaHostRegisterMapped``)."""
-    return int(_check(_driver().cuMemHostGetDevicePointer(host_ptr, 0), "cuMemHostGetDevicePointer"))
+    return int(
+        _check(_driver().cuMemHostGetDevicePointer(host_ptr, 0), "cuMemHostGetDevicePointer")
+    )
 
 
 def array_interface(ptr: int, nbytes: int) -> Any:

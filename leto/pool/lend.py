@@ -66,19 +66,29 @@ def library_path() -> Path:
         return out
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        raise LetoError("leto.lend_activation_memory needs a C compiler (cc, gcc or clang) to build its "
-                        "allocator; install one or set lend_activation_memory: false")
+        raise LetoError(
+            "leto.lend_activation_memory needs a C compiler (cc, gcc or clang) to build its "
+            "allocator; install one or set lend_activation_memory: false"
+        )
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl", "-lpthread"],
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl", "-lpthread"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode:
-            raise LetoError(f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            raise LetoError(
+                f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip().splitlines()[-1:]}"
+            )
         os.replace(tmp, out)  # atomic: ranks compiling at once each install a whole file
     except OSError as e:  # an unwritable cache directory, a compiler that cannot run
-        raise LetoError(f"building the lending allocator in {out.parent} failed ({e}); set {ENV_CACHE_DIR} "
-                        "to a writable directory") from None
+        raise LetoError(
+            f"building the lending allocator in {out.parent} failed ({e}); set {ENV_CACHE_DIR} "
+            "to a writable directory"
+        ) from None
     return out
 
 
@@ -91,11 +101,19 @@ class Arena:
         self.lib.leto_lend_set_min_bytes.argtypes = [ctypes.c_size_t]
         self.lib.leto_lend_lent_bytes.restype = ctypes.c_size_t
         self.lib.leto_lend_fallback_bytes.restype = ctypes.c_size_t
-        self.lib.leto_lend_segment.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t),
-                                               ctypes.POINTER(ctypes.c_size_t)]
+        self.lib.leto_lend_segment.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
         self.lib.leto_lend_alloc.restype = ctypes.c_void_p
         self.lib.leto_lend_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        self.lib.leto_lend_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        self.lib.leto_lend_free.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_ssize_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
 
     def add(self, ptr: int, nbytes: int) -> None:
         if self.lib.leto_lend_add(ptr, nbytes):
@@ -162,29 +180,44 @@ class ActivationLender:
         if device.type != "cuda":
             raise LetoError("lending activation memory needs a CUDA device")
         if not hasattr(torch.cuda, "MemPool"):
-            raise LetoError(f"lending activation memory needs torch.cuda.MemPool (torch {torch.__version__} has none)")
+            raise LetoError(
+                f"lending activation memory needs torch.cuda.MemPool (torch {torch.__version__} has none)"
+            )
         self.device = device
-        self.regions = {name: (t.data_ptr(), t.numel() * t.element_size()) for name, t in regions.items()}
-        owned = [(int(seg["address"]), int(seg["total_size"])) for seg in torch.cuda.memory_snapshot()]
-        for name, (ptr, nbytes) in self.regions.items():  # its segments would overlap its own blocks
+        self.regions = {
+            name: (t.data_ptr(), t.numel() * t.element_size()) for name, t in regions.items()
+        }
+        owned = [
+            (int(seg["address"]), int(seg["total_size"])) for seg in torch.cuda.memory_snapshot()
+        ]
+        for name, (
+            ptr,
+            nbytes,
+        ) in self.regions.items():  # its segments would overlap its own blocks
             for start, size in owned:
                 if start < ptr + nbytes and ptr < start + size:
-                    raise LetoError(f"{name} lies in the caching allocator's own memory: only memory mapped "
-                                    "outside it (the pool's CUDA VMM regions) can be lent")
+                    raise LetoError(
+                        f"{name} lies in the caching allocator's own memory: only memory mapped "
+                        "outside it (the pool's CUDA VMM regions) can be lent"
+                    )
         self.arena = _arena()
         self.arena.set_min_bytes(MIN_LENT_BYTES)
         for ptr, nbytes in self.regions.values():
             self.arena.add(ptr, nbytes)
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(str(library_path()), "leto_lend_alloc",
-                                                             "leto_lend_free")
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            str(library_path()), "leto_lend_alloc", "leto_lend_free"
+        )
         self.pool = torch.cuda.MemPool(allocator.allocator())
         self._allocator = allocator  # the pool's allocator lives as long as the pool
         rng = torch.cuda.get_rng_state(device)
         warm_library_workspaces(device)
         if not torch.equal(rng, torch.cuda.get_rng_state(device)):
             raise ProtocolError("the library warm-up drew from the CUDA RNG inside a compute phase")
-        logger.info("lending %s (%.0f MiB) to the compute phase's activations", ", ".join(self.regions),
-                    sum(n for _, n in self.regions.values()) / 2**20)
+        logger.info(
+            "lending %s (%.0f MiB) to the compute phase's activations",
+            ", ".join(self.regions),
+            sum(n for _, n in self.regions.values()) / 2**20,
+        )
 
     @contextlib.contextmanager
     def lending(self) -> Iterator[None]:
@@ -220,5 +253,6 @@ class ActivationLender:
                         f"a {block['size']}-byte tensor allocated in the compute phase is still in use when the "
                         f"update begins (at {offset:#x}, in memory lent from the RMU's undo buffer): release it "
                         "before RetainedState.step(); if a library keeps it (a workspace made on first use), "
-                        "make that first use before training, or set leto.lend_activation_memory: false")
+                        "make that first use before training, or set leto.lend_activation_memory: false"
+                    )
                 offset += int(block["size"])

@@ -49,8 +49,14 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 _probe_advice: int | None = None
@@ -68,14 +74,15 @@ def _advice() -> int:
     global _probe_advice
     if _probe_advice is None:
         page = mmap.PAGESIZE
-        addr = _libc.mmap(None, page, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                          -1, 0)
+        addr = _libc.mmap(None, page, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
         ok = _madvise(addr, page, MADV_POPULATE_READ) == 0
         _libc.munmap(addr, page)
         _probe_advice = MADV_POPULATE_READ if ok else MADV_WILLNEED
         if not ok:
-            logger.warning("MADV_POPULATE_READ unsupported; localisation sees only unmapped "
-                           "ranges, not poisoned pages (kernel older than 5.14)")
+            logger.warning(
+                "MADV_POPULATE_READ unsupported; localisation sees only unmapped "
+                "ranges, not poisoned pages (kernel older than 5.14)"
+            )
     return _probe_advice
 
 
@@ -89,16 +96,19 @@ def _failed(err: int, advice: int) -> bool:
     return False
 
 
-def scan_failed_pages(addr: int, length: int, page_bytes: int,
-                      coarse_bytes: int | None = None) -> list[int]:
+def scan_failed_pages(
+    addr: int, length: int, page_bytes: int, coarse_bytes: int | None = None
+) -> list[int]:
     """Indices of the ``page_bytes`` pages in ``[addr, addr + length)`` that fail a probe.
 
     Probes ranges of ``coarse_bytes`` (default 64 pages) and bisects any failing one
     down to single pages. ``page_bytes`` must be a multiple of the OS page size.
     """
     if page_bytes % mmap.PAGESIZE or length % page_bytes or addr % mmap.PAGESIZE:
-        raise ValueError("addr, length and page_bytes must be multiples of the OS page size, "
-                         "and length a multiple of page_bytes")
+        raise ValueError(
+            "addr, length and page_bytes must be multiples of the OS page size, "
+            "and length a multiple of page_bytes"
+        )
     coarse = coarse_bytes or 64 * page_bytes
     coarse -= coarse % page_bytes
     advice = _advice()
@@ -121,8 +131,9 @@ def scan_failed_pages(addr: int, length: int, page_bytes: int,
     total = length // page_bytes
     for lo in range(0, total, step):
         probe(lo, min(step, total - lo))
-    logger.info("scanned host pages", extra={"pages": total, "failed": failed,
-                                             "madvise_calls": calls})
+    logger.info(
+        "scanned host pages", extra={"pages": total, "failed": failed, "madvise_calls": calls}
+    )
     return failed
 
 
@@ -130,8 +141,9 @@ def punch_hole(fd: int, offset: int, nbytes: int) -> None:
     """Drop ``nbytes`` of the memfd at ``offset``: its physical pages are freed, reads give 0."""
     if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes):
         err = ctypes.get_errno()
-        raise OSError(err, f"fallocate(PUNCH_HOLE) of {nbytes} bytes at {offset} failed: "
-                           f"{os.strerror(err)}")
+        raise OSError(
+            err, f"fallocate(PUNCH_HOLE) of {nbytes} bytes at {offset} failed: {os.strerror(err)}"
+        )
 
 
 def remap_pages(addr: int, fd: int, fd_offset: int, page_bytes: int, pages: list[int]) -> None:
@@ -145,17 +157,26 @@ def remap_pages(addr: int, fd: int, fd_offset: int, page_bytes: int, pages: list
     for first, count in runs(pages):
         off, n = first * page_bytes, count * page_bytes
         punch_hole(fd, fd_offset + off, n)
-        got = _libc.mmap(addr + off, n, mmap.PROT_READ | mmap.PROT_WRITE,
-                         mmap.MAP_SHARED | MAP_FIXED, fd, fd_offset + off)
+        got = _libc.mmap(
+            addr + off,
+            n,
+            mmap.PROT_READ | mmap.PROT_WRITE,
+            mmap.MAP_SHARED | MAP_FIXED,
+            fd,
+            fd_offset + off,
+        )
         if got in (None, MAP_FAILED) or got != addr + off:
             err = ctypes.get_errno()
-            raise OSError(err, f"mmap(MAP_FIXED) of pages {first}..{first + count - 1} "
-                               f"failed: {os.strerror(err)}")
+            raise OSError(
+                err,
+                f"mmap(MAP_FIXED) of pages {first}..{first + count - 1} failed: {os.strerror(err)}",
+            )
     logger.info("remapped host pages", extra={"pages": sorted(set(pages))})
 
 
-def make_inaccessible(addr: int, page_bytes: int, pages: list[int],
-                      how: Literal["mprotect", "munmap"] = "mprotect") -> None:
+def make_inaccessible(
+    addr: int, page_bytes: int, pages: list[int], how: Literal["mprotect", "munmap"] = "mprotect"
+) -> None:
     """Fault injection for CPU tests: make pages fail the probe as poisoned pages would.
 
     ``mprotect`` sets ``PROT_NONE`` (a read would fault, ``MADV_POPULATE_READ`` returns
@@ -167,14 +188,12 @@ def make_inaccessible(addr: int, page_bytes: int, pages: list[int],
         rc = _libc.mprotect(a, n, PROT_NONE) if how == "mprotect" else _libc.munmap(a, n)
         if rc:
             err = ctypes.get_errno()
-            raise OSError(err, f"{how} of pages {first}..{first + count - 1}: "
-                               f"{os.strerror(err)}")
+            raise OSError(err, f"{how} of pages {first}..{first + count - 1}: {os.strerror(err)}")
 
 
 def map_memfd(fd: int, length: int, offset: int = 0) -> int:
     """Map ``length`` bytes of ``fd`` shared and read-write; returns the address."""
-    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd,
-                      offset)
+    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
     if addr in (None, MAP_FAILED):
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of memfd failed: {os.strerror(err)}")

@@ -100,7 +100,9 @@ class PageTable:
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.nbytes <= 0 or self.nbytes % self.chunk_bytes:
-            raise ValueError(f"region of {self.nbytes} B is not a whole number of {self.chunk_bytes}-byte chunks")
+            raise ValueError(
+                f"region of {self.nbytes} B is not a whole number of {self.chunk_bytes}-byte chunks"
+            )
 
     @property
     def num_chunks(self) -> int:
@@ -108,7 +110,9 @@ class PageTable:
 
     def _pages_per_chunk(self, page_bytes: int) -> int:
         if page_bytes <= 0 or self.chunk_bytes % page_bytes:
-            raise ValueError(f"page of {page_bytes} B does not divide the {self.chunk_bytes}-byte chunk")
+            raise ValueError(
+                f"page of {page_bytes} B does not divide the {self.chunk_bytes}-byte chunk"
+            )
         return self.chunk_bytes // page_bytes
 
     def pages_of(self, chunks: Sequence[int], page_bytes: int) -> list[int]:
@@ -121,5 +125,7 @@ class PageTable:
         k = self._pages_per_chunk(page_bytes)
         chunks = sorted({p // k for p in pages})
         if chunks and not 0 <= chunks[0] <= chunks[-1] < self.num_chunks:
-            raise ValueError(f"pages {list(pages)} lie outside the region's {self.num_chunks * k} pages")
+            raise ValueError(
+                f"pages {list(pages)} lie outside the region's {self.num_chunks * k} pages"
+            )
         return chunks

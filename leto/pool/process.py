@@ -41,21 +41,34 @@ class ExitStatus:
         return self.code == 0
 
     def __str__(self) -> str:
-        return f"killed by {self.signal.name}" if self.signal is not None else f"exited with code {self.code}"
+        return (
+            f"killed by {self.signal.name}"
+            if self.signal is not None
+            else f"exited with code {self.code}"
+        )
 
 
 class StateManagerProcess:
     """The node's state manager: a torch-free child process serving a 0700 socket dir."""
 
-    def __init__(self, proc: subprocess.Popen[str], socket_dir: str, max_connections_per_peer: int | None = None) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        socket_dir: str,
+        max_connections_per_peer: int | None = None,
+    ) -> None:
         self.proc = proc
         self.socket_dir = socket_dir
         self.socket_path = os.path.join(socket_dir, "state-manager.sock")
         self.max_connections_per_peer = max_connections_per_peer
 
     @classmethod
-    def start(cls, timeout_s: float = 10.0, max_connections_per_peer: int | None = None,
-              socket_dir: str | None = None) -> StateManagerProcess:
+    def start(
+        cls,
+        timeout_s: float = 10.0,
+        max_connections_per_peer: int | None = None,
+        socket_dir: str | None = None,
+    ) -> StateManagerProcess:
         """``socket_dir``: serve there (made now, 0700; it must not exist) instead of a
         fresh temporary directory."""
         if socket_dir is None:
@@ -63,10 +76,16 @@ class StateManagerProcess:
         else:
             os.mkdir(socket_dir, 0o700)  # never one someone else made
         path = os.path.join(socket_dir, "state-manager.sock")
-        options = () if max_connections_per_peer is None else ("--max-connections-per-peer", str(max_connections_per_peer))
+        options = (
+            ()
+            if max_connections_per_peer is None
+            else ("--max-connections-per-peer", str(max_connections_per_peer))
+        )
         proc = subprocess.Popen(
             [sys.executable, "-m", "leto.pool.server", path, *options],
-            stdout=subprocess.PIPE, text=True, close_fds=True,
+            stdout=subprocess.PIPE,
+            text=True,
+            close_fds=True,
         )
         ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
         line = proc.stdout.readline().strip() if ready else ""

@@ -74,7 +74,9 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     if fds and len(fds) > SCM_MAX_FD:
-        raise ProtocolError(f"{len(fds)} fds in one message exceed SCM_MAX_FD={SCM_MAX_FD}: send them in batches")
+        raise ProtocolError(
+            f"{len(fds)} fds in one message exceed SCM_MAX_FD={SCM_MAX_FD}: send them in batches"
+        )
     if fds:
         socket.send_fds(sock, [data], fds)
     else:
@@ -127,7 +129,9 @@ def _depth(value: Any) -> int:
     deepest, todo = 0, [(value, 1)]
     while todo:
         item, depth = todo.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
         if children is None:
             continue
         deepest = max(deepest, depth)

@@ -98,7 +98,9 @@ class _Region:
 
     def mapping(self) -> int:
         if self.deposited:
-            raise PoolError(f"region {self.spec.name!r} is {self.backing} memory: the trainer localises it")
+            raise PoolError(
+                f"region {self.spec.name!r} is {self.backing} memory: the trainer localises it"
+            )
         if self.addr is None:
             self.addr = localize.map_memfd(self.fd, self.spec.nbytes)
         return self.addr
@@ -138,7 +140,9 @@ class StateManager:
     def _new_ident(self) -> str:
         return f"{self.instance}:{next(self._serial)}"
 
-    def handle(self, request: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+    def handle(
+        self, request: dict[str, Any], fds: list[int] | None = None
+    ) -> tuple[dict[str, Any], list[int]]:
         """Serve one request; returns the reply and the fds to attach to it, which the
         caller owns and closes after sending (duplicates, taken under the lock: a region
         freed meanwhile can neither close them nor have their numbers reused).
@@ -160,7 +164,9 @@ class StateManager:
         finally:
             protocol.close_all(fds)
 
-    def _op_deposit(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _op_deposit(
+        self, request: dict[str, Any], fds: list[int]
+    ) -> tuple[dict[str, Any], list[int]]:
         """Retain chunks of a device region a trainer made (CUDA VMM or memfd, one fd each).
 
         ``start`` is the first chunk index the attached fds fill (at most SCM_MAX_FD per
@@ -169,9 +175,15 @@ class StateManager:
         with ``replace``, slots whose chunk the trainer found failed.
         """
         spec = self._spec(request)
-        chunk_bytes, start, backing = request.get("chunk_bytes"), request.get("start", 0), request.get("backing")
+        chunk_bytes, start, backing = (
+            request.get("chunk_bytes"),
+            request.get("start", 0),
+            request.get("backing"),
+        )
         if backing not in ("cuda", "memfd-chunks"):
-            raise PoolError(f"deposit of {spec.name!r}: backing {backing!r} is not cuda or memfd-chunks")
+            raise PoolError(
+                f"deposit of {spec.name!r}: backing {backing!r} is not cuda or memfd-chunks"
+            )
         if not _is_int(chunk_bytes):
             raise PoolError(f"deposit of {spec.name!r}: chunk_bytes {chunk_bytes!r} is not an int")
         try:
@@ -179,25 +191,43 @@ class StateManager:
         except ValueError as e:
             raise PoolError(f"deposit of {spec.name!r}: {e}") from None
         if not fds or not _is_int(start) or not 0 <= start <= table.num_chunks - len(fds):
-            raise PoolError(f"deposit of {spec.name!r}: {len(fds)} fds from chunk {start!r} do not fit "
-                            f"its {table.num_chunks} chunks")
+            raise PoolError(
+                f"deposit of {spec.name!r}: {len(fds)} fds from chunk {start!r} do not fit "
+                f"its {table.num_chunks} chunks"
+            )
         key = (spec.rank, spec.name)
         region = self._regions.get(key)
-        if region is not None and (region.spec, region.chunk_bytes, region.backing) != (spec, chunk_bytes, backing):
-            raise PoolError(f"deposit does not match rank {spec.rank} region {spec.name!r}: retained "
-                            f"{region.spec.nbytes} B in {region.chunk_bytes}-byte {region.backing} chunks")
+        if region is not None and (region.spec, region.chunk_bytes, region.backing) != (
+            spec,
+            chunk_bytes,
+            backing,
+        ):
+            raise PoolError(
+                f"deposit does not match rank {spec.rank} region {spec.name!r}: retained "
+                f"{region.spec.nbytes} B in {region.chunk_bytes}-byte {region.backing} chunks"
+            )
         slots = range(start, start + len(fds))
-        if region is not None and not request.get("replace") and any(region.fds[i] is not None for i in slots):
-            raise PoolError(f"rank {spec.rank} region {spec.name!r}: chunks {start}..{slots[-1]} are already retained")
+        if (
+            region is not None
+            and not request.get("replace")
+            and any(region.fds[i] is not None for i in slots)
+        ):
+            raise PoolError(
+                f"rank {spec.rank} region {spec.name!r}: chunks {start}..{slots[-1]} are already retained"
+            )
         for fd in fds:
             _check_deposit_fd(fd, spec.name, backing, chunk_bytes)
         added = len(fds) - (0 if region is None else sum(region.fds[i] is not None for i in slots))
         if self._held + added > _fd_limit() - pagemap.FD_RESERVE:
-            raise PoolError(f"deposit of {spec.name!r}: {added} more fds would leave the state manager fewer than "
-                            f"{pagemap.FD_RESERVE} free of its open-file limit ({self._held} held); raise the hard "
-                            "`ulimit -n` of leto-run, or use larger chunks")
+            raise PoolError(
+                f"deposit of {spec.name!r}: {added} more fds would leave the state manager fewer than "
+                f"{pagemap.FD_RESERVE} free of its open-file limit ({self._held} held); raise the hard "
+                "`ulimit -n` of leto-run, or use larger chunks"
+            )
         if region is None:
-            region = _Region(spec, self._new_ident(), [None] * table.num_chunks, chunk_bytes, backing=backing)
+            region = _Region(
+                spec, self._new_ident(), [None] * table.num_chunks, chunk_bytes, backing=backing
+            )
             self._regions[key] = region
         self._held -= region.drop(list(slots))
         for i in slots:
@@ -208,7 +238,9 @@ class StateManager:
     def _deposited(self, request: dict[str, Any]) -> _Region | None:
         region = self._regions.get(_key(request))
         if region is not None and not region.deposited:
-            raise PoolError(f"region {region.spec.name!r} was allocated here (memfd): use lookup, not fetch")
+            raise PoolError(
+                f"region {region.spec.name!r} was allocated here (memfd): use lookup, not fetch"
+            )
         return region
 
     def _op_fetch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -222,19 +254,30 @@ class StateManager:
             return {"ok": True, "found": False}, []
         start = request.get("start", 0)
         if not _is_int(start) or not 0 <= start < len(region.fds):
-            raise PoolError(f"fetch of {region.spec.name!r}: start {start!r} outside its {len(region.fds)} chunks")
+            raise PoolError(
+                f"fetch of {region.spec.name!r}: start {start!r} outside its {len(region.fds)} chunks"
+            )
         window = range(start, min(len(region.fds), start + pagemap.SCM_MAX_FD))
         indices = [i for i in window if region.fds[i] is not None]
-        reply = {"ok": True, "found": True, "spec": asdict(region.spec), "ident": region.ident,
-                 "backing": region.backing, "chunk_bytes": region.chunk_bytes, "indices": indices,
-                 "end": window.stop}
+        reply = {
+            "ok": True,
+            "found": True,
+            "spec": asdict(region.spec),
+            "ident": region.ident,
+            "backing": region.backing,
+            "chunk_bytes": region.chunk_bytes,
+            "indices": indices,
+            "end": window.stop,
+        }
         return reply, [region.fds[i] for i in indices]  # type: ignore[misc]
 
     def _op_pagemap(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """The lost (empty) chunk slots of a deposited region, as (first, count) runs."""
         region = self._deposited(request)
         if region is None:
-            raise PoolError(f"rank {request.get('rank')} has no deposited region {request.get('name')!r}")
+            raise PoolError(
+                f"rank {request.get('rank')} has no deposited region {request.get('name')!r}"
+            )
         return {"ok": True, "lost": pagemap.runs(region.lost_chunks())}, []
 
     def _spec(self, request: dict[str, Any]) -> RegionSpec:
@@ -286,7 +329,9 @@ class StateManager:
         region = self._regions.get(_key(request))
         if region is None:
             return {"ok": True, "found": False}, []
-        return {"ok": True, "found": True, "spec": asdict(region.spec), "ident": region.ident}, [region.fd]
+        return {"ok": True, "found": True, "spec": asdict(region.spec), "ident": region.ident}, [
+            region.fd
+        ]
 
     def _op_describe(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         region = self._regions.get(_key(request))
@@ -304,7 +349,12 @@ class StateManager:
         """Every region of a rank with its identity, and the rank's seal (None: unsealed)."""
         rank = _rank(request)
         regions = {name: region.ident for (r, name), region in self._regions.items() if r == rank}
-        return {"ok": True, "instance": self.instance, "regions": regions, "sealed": self._sealed.get(rank)}, []
+        return {
+            "ok": True,
+            "instance": self.instance,
+            "regions": regions,
+            "sealed": self._sealed.get(rank),
+        }, []
 
     def _op_seal(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Record that a rank's state was initialised over regions of this identity digest."""
@@ -324,8 +374,13 @@ class StateManager:
         by_tier = {tier: 0 for tier in protocol.TIERS}
         for region in self._regions.values():
             by_tier[region.spec.tier] += region.spec.nbytes
-        return {"ok": True, "regions": len(self._regions), "bytes": by_tier, "fds": self._held,
-                "fd_limit": _fd_limit()}, []
+        return {
+            "ok": True,
+            "regions": len(self._regions),
+            "bytes": by_tier,
+            "fds": self._held,
+            "fd_limit": _fd_limit(),
+        }, []
 
     def _paged_region(self, request: dict[str, Any]) -> tuple[_Region, int]:
         region = self._regions.get(_key(request))
@@ -333,7 +388,9 @@ class StateManager:
             raise PoolError(f"rank {request.get('rank')} has no region {request.get('name')!r}")
         page_bytes = request.get("page_bytes")
         if not _is_int(page_bytes) or page_bytes <= 0 or region.spec.nbytes % page_bytes:
-            raise PoolError(f"page_bytes {page_bytes!r} does not divide region {region.spec.name!r}")
+            raise PoolError(
+                f"page_bytes {page_bytes!r} does not divide region {region.spec.name!r}"
+            )
         return region, page_bytes
 
     def _op_localize(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -437,12 +494,15 @@ def _check_deposit_fd(fd: int, name: str, backing: str, chunk_bytes: int) -> Non
         link = "?"
     if stat.S_ISREG(st.st_mode) and (link.startswith("/memfd:") or _has_seals(fd)):
         if st.st_size < chunk_bytes:
-            raise PoolError(f"deposit of {name!r} refused: a memfd of {st.st_size} B cannot hold a "
-                            f"{chunk_bytes}-byte chunk")
+            raise PoolError(
+                f"deposit of {name!r} refused: a memfd of {st.st_size} B cannot hold a "
+                f"{chunk_bytes}-byte chunk"
+            )
         return
     kind = stat.S_IFMT(st.st_mode)
     device_handle = kind == 0 or (  # anon_inode fds have no file type
-        kind == stat.S_IFCHR and os.major(st.st_rdev) != _MEM_CHAR_MAJOR and not os.isatty(fd))
+        kind == stat.S_IFCHR and os.major(st.st_rdev) != _MEM_CHAR_MAJOR and not os.isatty(fd)
+    )
     if backing == "cuda" and device_handle:
         return
     what = "a memfd or a CUDA device handle" if backing == "cuda" else "a memfd"
@@ -488,8 +548,13 @@ def _serve_connection(manager: StateManager, conn: socket.socket, peers: _PeerCo
                 logger.warning("rejected a peer with a foreign uid")
                 return
             if not peers.enter(pid):
-                _send_error(conn, PoolError(f"process {pid} already holds {peers.limit} connections to the "
-                                            "state manager; close some (one per process is enough)"))
+                _send_error(
+                    conn,
+                    PoolError(
+                        f"process {pid} already holds {peers.limit} connections to the "
+                        "state manager; close some (one per process is enough)"
+                    ),
+                )
                 return
             try:
                 while _serve_request(manager, conn):
@@ -518,7 +583,11 @@ def _serve_request(manager: StateManager, conn: socket.socket) -> bool:
         reply, reply_fds = {"ok": False, "error": str(e)}, []
     except Exception as e:  # a request nobody foresaw: answer it, log it, close
         logger.exception("request %r failed; closed its connection", request.get("op"))
-        reply, reply_fds, keep = {"ok": False, "error": f"state manager error: {type(e).__name__}: {e}"}, [], False
+        reply, reply_fds, keep = (
+            {"ok": False, "error": f"state manager error: {type(e).__name__}: {e}"},
+            [],
+            False,
+        )
     try:
         protocol.send(conn, reply, reply_fds)
     except ProtocolError as e:  # (a reply too large to send)
@@ -538,8 +607,11 @@ def _send_error(conn: socket.socket, error: Exception) -> None:
         pass
 
 
-def serve(socket_path: str, manager: StateManager | None = None,
-          max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER) -> None:
+def serve(
+    socket_path: str,
+    manager: StateManager | None = None,
+    max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+) -> None:
     """Accept connections until SIGTERM/SIGINT or a ``shutdown`` request.
 
     A failing accept() (out of fds or memory, an aborted connection) is logged and
@@ -560,7 +632,9 @@ def serve(socket_path: str, manager: StateManager | None = None,
     manager._op_shutdown = on_request_shutdown  # type: ignore[attr-defined]
     listener.settimeout(0.2)
     print("ready", flush=True)
-    failing: int | None = None  # the errno accept() last failed with, logged once per run of failures
+    failing: int | None = (
+        None  # the errno accept() last failed with, logged once per run of failures
+    )
     try:
         while not stop.is_set():
             try:
@@ -599,10 +673,16 @@ def _start_connection(manager: StateManager, conn: socket.socket, peers: _PeerCo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m leto.pool.server", description="The node's state manager.")
+    parser = argparse.ArgumentParser(
+        prog="python -m leto.pool.server", description="The node's state manager."
+    )
     parser.add_argument("socket_path", metavar="SOCKET_PATH")
-    parser.add_argument("--max-connections-per-peer", type=int, default=MAX_CONNECTIONS_PER_PEER,
-                        help="connections one process may hold open (default %(default)s)")
+    parser.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=MAX_CONNECTIONS_PER_PEER,
+        help="connections one process may hold open (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.max_connections_per_peer < 1:
         parser.error("--max-connections-per-peer must be >= 1")
@@ -610,7 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     # when the agent died before this: re-parented, maybe to a subreaper, not to init).
     die_with_agent(signal.SIGTERM)
     pagemap.raise_nofile_limit()  # one fd per device chunk of every local rank
-    logging.basicConfig(level=logging.WARNING, format="[leto state manager %(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="[leto state manager %(process)d] %(levelname)s %(message)s"
+    )
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the agent, which stops us
     try:

@@ -43,13 +43,23 @@ class PreinitConfig:
     """CPU runs only: the emulated device memory an active trainer holds."""
 
     def __post_init__(self) -> None:
-        for name in ("l2_bytes", "l3_bytes", "margin_bytes", "emulated_device_bytes", "emulated_trainer_bytes"):
+        for name in (
+            "l2_bytes",
+            "l3_bytes",
+            "margin_bytes",
+            "emulated_device_bytes",
+            "emulated_trainer_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"preinit.{name} must be >= 0, got {getattr(self, name)}")
         if self.l3_bytes < self.l2_bytes:
-            raise ConfigError(f"preinit.l3_bytes ({self.l3_bytes}) must be >= l2_bytes ({self.l2_bytes})")
+            raise ConfigError(
+                f"preinit.l3_bytes ({self.l3_bytes}) must be >= l2_bytes ({self.l2_bytes})"
+            )
         if self.shadow_deaths_limit < 1:
-            raise ConfigError(f"preinit.shadow_deaths_limit must be >= 1, got {self.shadow_deaths_limit}")
+            raise ConfigError(
+                f"preinit.shadow_deaths_limit must be >= 1, got {self.shadow_deaths_limit}"
+            )
         if self.reclaim_timeout_s <= 0 or self.free_wait_s < 0:
             raise ConfigError("preinit.reclaim_timeout_s must be > 0 and free_wait_s >= 0")
         if self.emulated_trainer_bytes > self.emulated_device_bytes:

@@ -30,11 +30,11 @@ logger = logging.getLogger(__name__)
 class ShadowState(str, enum.Enum):
     """The node's shadow generation as the controller sees it::
 
-        NONE ──spawned──▶ LIVE ──reclaimed (an active's OOM)──▶ RECLAIMED
-          ▲                │                                        │
-          └──closed────────┘ (promoted, group restart, job end,     │ spawned again, once
-          │                   died before promotion)                │ every active reported
-          └──closed─────────────────────────────────────────────────┘
+    NONE ──spawned──▶ LIVE ──reclaimed (an active's OOM)──▶ RECLAIMED
+      ▲                │                                        │
+      └──closed────────┘ (promoted, group restart, job end,     │ spawned again, once
+      │                   died before promotion)                │ every active reported
+      └──closed─────────────────────────────────────────────────┘
     """
 
     NONE = "none"
@@ -88,7 +88,9 @@ class PreinitController:
 
     def ready(self) -> bool:
         """Every local shadow of the live generation has announced that it waits for promotion."""
-        return self.state is ShadowState.LIVE and all(self._board.word(s, board.SHADOW_READY) > 0 for s in self._slots)
+        return self.state is ShadowState.LIVE and all(
+            self._board.word(s, board.SHADOW_READY) > 0 for s in self._slots
+        )
 
     def gave_up(self) -> None:
         """The agent stopped relaunching shadows that keep dying: tell the trainers none is coming."""
@@ -110,7 +112,11 @@ class PreinitController:
     # -- requests from the trainers ----------------------------------------------------------
     def requests(self) -> list[int]:
         """Local ranks (slots) waiting for an answer to an OOM."""
-        return [s for s in self._slots if self._board.word(s, board.OOM_REQUEST) > self._board.word(s, board.OOM_ACK)]
+        return [
+            s
+            for s in self._slots
+            if self._board.word(s, board.OOM_REQUEST) > self._board.word(s, board.OOM_ACK)
+        ]
 
     def answer(self, slots: list[int], reclaimed_level: int) -> None:
         for s in slots:
@@ -122,7 +128,8 @@ class PreinitController:
         """After a reclaim: every local active has committed a step since (the retried one),
         so its report holds the peak that needed the shadows' memory."""
         return self.state is ShadowState.RECLAIMED and all(
-            self._board.word(s, board.MEM_SEQ) > seq for s, seq in zip(self._slots, self._seq_at_reclaim, strict=True)
+            self._board.word(s, board.MEM_SEQ) > seq
+            for s, seq in zip(self._slots, self._seq_at_reclaim, strict=True)
         )
 
     def reports(self) -> list[DeviceMemory]:
@@ -142,8 +149,12 @@ class PreinitController:
         below = ShadowLevel(max(1, self.level - 1))
         fallback = self.max_level if reason == "recovery" else below
         choice = choose_level(
-            self.reports(), self._footprint, max_level=self.max_level, margin_bytes=self.config.margin_bytes,
-            reason=reason, fallback=fallback,
+            self.reports(),
+            self._footprint,
+            max_level=self.max_level,
+            margin_bytes=self.config.margin_bytes,
+            reason=reason,
+            fallback=fallback,
         )
         level = min(choice.level, below) if reason == "oom" else max(choice.level, self.level)
         return dataclasses.replace(choice, level=ShadowLevel(level))

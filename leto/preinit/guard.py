@@ -42,10 +42,20 @@ class OomGuard:
     """Reports this active trainer's memory and asks its agent for the shadows' memory."""
 
     def __init__(
-        self, heartbeat: Heartbeat | None, probe: MemoryProbe | None, config: PreinitConfig,
-        events: EventLog, rank: int,
+        self,
+        heartbeat: Heartbeat | None,
+        probe: MemoryProbe | None,
+        config: PreinitConfig,
+        events: EventLog,
+        rank: int,
     ) -> None:
-        self._hb, self.probe, self.config, self.events, self.rank = heartbeat, probe, config, events, rank
+        self._hb, self.probe, self.config, self.events, self.rank = (
+            heartbeat,
+            probe,
+            config,
+            events,
+            rank,
+        )
         self.reclaims = 0
 
     def shadow_level(self) -> int:
@@ -54,7 +64,11 @@ class OomGuard:
 
     def shadow_ready(self) -> bool:
         """This rank's shadow is pre-initialised (it holds its device memory now)."""
-        return self.shadow_level() > 0 and self._hb is not None and self._hb.word(board.SHADOW_READY) > 0
+        return (
+            self.shadow_level() > 0
+            and self._hb is not None
+            and self._hb.word(board.SHADOW_READY) > 0
+        )
 
     def shadow_pid(self) -> int:
         """Pid of this rank's ready shadow (0: none announced since the agent spawned one)."""
@@ -107,8 +121,12 @@ class OomGuard:
         while hb.word(board.OOM_ACK) < n:
             hb.beat()  # waiting on the agent is progress, not a hang
             if time.monotonic() > deadline:
-                logger.error("[rank %d step %d] the agent did not reclaim the shadows in %.0f s",
-                             self.rank, step, self.config.reclaim_timeout_s)
+                logger.error(
+                    "[rank %d step %d] the agent did not reclaim the shadows in %.0f s",
+                    self.rank,
+                    step,
+                    self.config.reclaim_timeout_s,
+                )
                 return 0
             time.sleep(_POLL_S)
         level = hb.word(board.OOM_RECLAIMED)
@@ -117,12 +135,19 @@ class OomGuard:
         if cuda and level >= 2:  # L1 shadows hold no device memory
             assert self.probe is not None
             deadline = time.monotonic() + self.config.free_wait_s
-            while (freed := self.probe.free_bytes() - free_before) <= 0 and time.monotonic() < deadline:
+            while (
+                freed := self.probe.free_bytes() - free_before
+            ) <= 0 and time.monotonic() < deadline:
                 hb.beat()
                 time.sleep(_POLL_S)
         self.reclaims += level > 0
         self.events.emit(
-            Kind.OOM_RETRY, rank=self.rank, step=step, reclaimed_level=level, reaped_s=reaped_s,
-            wait_s=time.perf_counter() - t0, freed_bytes=freed,
+            Kind.OOM_RETRY,
+            rank=self.rank,
+            step=step,
+            reclaimed_level=level,
+            reaped_s=reaped_s,
+            wait_s=time.perf_counter() - t0,
+            freed_bytes=freed,
         )
         return level

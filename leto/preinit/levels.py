@@ -84,8 +84,12 @@ def choose_level(
     tight = min(devices, key=lambda d: d.headroom_bytes - d.ranks * footprint[level])
     needed = tight.ranks * footprint[level] + (margin_bytes if footprint[level] else 0)
     return LevelChoice(
-        level=level, reason=reason, headroom_bytes=tight.headroom_bytes, free_bytes=tight.free_bytes,
-        peak_bytes=tight.peak_bytes, needed_bytes=needed,
+        level=level,
+        reason=reason,
+        headroom_bytes=tight.headroom_bytes,
+        free_bytes=tight.free_bytes,
+        peak_bytes=tight.peak_bytes,
+        needed_bytes=needed,
     )
 
 
@@ -96,8 +100,12 @@ def aggregate(reports: Iterable[tuple[int, int, int, int, int]]) -> list[DeviceM
         by_device.setdefault(r[0], []).append(r)
     return [
         DeviceMemory(
-            device=dev, total_bytes=max(r[1] for r in rs), free_bytes=min(r[2] for r in rs),
-            reserved_bytes=sum(r[3] for r in rs), peak_bytes=sum(r[4] for r in rs), ranks=len(rs),
+            device=dev,
+            total_bytes=max(r[1] for r in rs),
+            free_bytes=min(r[2] for r in rs),
+            reserved_bytes=sum(r[3] for r in rs),
+            peak_bytes=sum(r[4] for r in rs),
+            ranks=len(rs),
         )
         for dev, rs in sorted(by_device.items())
     ]

@@ -71,9 +71,15 @@ class ModelWarmupResult:
     """``torch.compile`` graphs compiled during the warm-up (dynamo's unique graphs)."""
 
 
-def warm_model(ctx: Context, fn: Callable[[], object], *, name: str, transient_bytes: int = 0,
-               agree: Callable[[bool], bool] | None = None,
-               config: ModelWarmupConfig | None = None) -> ModelWarmupResult | None:
+def warm_model(
+    ctx: Context,
+    fn: Callable[[], object],
+    *,
+    name: str,
+    transient_bytes: int = 0,
+    agree: Callable[[bool], bool] | None = None,
+    config: ModelWarmupConfig | None = None,
+) -> ModelWarmupResult | None:
     """Run ``fn`` in this shadow if its level and the actives' memory allow; None in an active.
 
     ``fn`` builds and runs whatever it warms (throwaway modules on ``ctx.device``); it must
@@ -86,38 +92,62 @@ def warm_model(ctx: Context, fn: Callable[[], object], *, name: str, transient_b
     config = config or ModelWarmupConfig()
     result = _decide(ctx, transient_bytes, config)
     if agree is not None and not agree(result is None) and result is None:
-        result = ModelWarmupResult(ran=False, reason="a peer in its collectives' group skips it",
-                                   transient_bytes=transient_bytes)
+        result = ModelWarmupResult(
+            ran=False,
+            reason="a peer in its collectives' group skips it",
+            transient_bytes=transient_bytes,
+        )
     if result is None:
         result = _run(ctx, fn, transient_bytes)
-    ctx.events.emit(Kind.MODEL_WARMED, rank=ctx.rank, gen=ctx.env.generation, level=ctx.env.shadow_level,
-                    name=name, **dataclasses.asdict(result))
+    ctx.events.emit(
+        Kind.MODEL_WARMED,
+        rank=ctx.rank,
+        gen=ctx.env.generation,
+        level=ctx.env.shadow_level,
+        name=name,
+        **dataclasses.asdict(result),
+    )
     log = logger.info if result.ran else logger.warning
-    log("[rank %d shadow gen %d] warm-up %s %s: %s (%.2f s)", ctx.rank, ctx.env.generation, name,
-        "ran" if result.ran else "skipped", result.reason, result.warm_s)
+    log(
+        "[rank %d shadow gen %d] warm-up %s %s: %s (%.2f s)",
+        ctx.rank,
+        ctx.env.generation,
+        name,
+        "ran" if result.ran else "skipped",
+        result.reason,
+        result.warm_s,
+    )
     return result
 
 
-def _decide(ctx: Context, transient_bytes: int, config: ModelWarmupConfig) -> ModelWarmupResult | None:
+def _decide(
+    ctx: Context, transient_bytes: int, config: ModelWarmupConfig
+) -> ModelWarmupResult | None:
     """A skip with its reason, or None: go ahead."""
     level = ctx.env.shadow_level
     if level < config.min_level:
-        return ModelWarmupResult(ran=False, reason=f"shadow level {level} < {config.min_level}: memory is short",
-                            transient_bytes=transient_bytes)
+        return ModelWarmupResult(
+            ran=False,
+            reason=f"shadow level {level} < {config.min_level}: memory is short",
+            transient_bytes=transient_bytes,
+        )
     report = _wait_for_report(ctx, config.report_wait_s)
     if isinstance(report, str):
         return ModelWarmupResult(ran=False, reason=report, transient_bytes=transient_bytes)
     if ctx.store.check([_promote_key(ctx)]):  # the first iteration will pay it now anyway
-        return ModelWarmupResult(ran=False, reason="already promoted", transient_bytes=transient_bytes)
+        return ModelWarmupResult(
+            ran=False, reason="already promoted", transient_bytes=transient_bytes
+        )
     if report is None:  # no memory figures (CPU without emulation): nothing to respect
         return None
     device = aggregate([report])[0]
     needed = transient_bytes + ctx.env.preinit.margin_bytes
     if device.headroom_bytes < needed:
         return ModelWarmupResult(
-            ran=False, transient_bytes=transient_bytes,
+            ran=False,
+            transient_bytes=transient_bytes,
             reason=f"headroom {device.headroom_bytes} B < warm-up {transient_bytes} B + margin "
-                   f"{ctx.env.preinit.margin_bytes} B",
+            f"{ctx.env.preinit.margin_bytes} B",
         )
     return None
 
@@ -140,7 +170,9 @@ def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, i
 
 
 def _promote_key(ctx: Context) -> str:
-    return contract.promote(ctx.env.generation, ctx.rank)  # set by the agent (Context._wait_for_promotion)
+    return contract.promote(
+        ctx.env.generation, ctx.rank
+    )  # set by the agent (Context._wait_for_promotion)
 
 
 def _run(ctx: Context, fn: Callable[[], object], transient_bytes: int) -> ModelWarmupResult:
@@ -165,5 +197,11 @@ def _run(ctx: Context, fn: Callable[[], object], transient_bytes: int) -> ModelW
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base
         torch.cuda.empty_cache()  # back to the level's footprint
-    return ModelWarmupResult(ran=ran, reason=reason, warm_s=time.perf_counter() - t0, transient_bytes=transient_bytes,
-                        peak_bytes=peak, compiled_graphs=counters["stats"]["unique_graphs"] - graphs)
+    return ModelWarmupResult(
+        ran=ran,
+        reason=reason,
+        warm_s=time.perf_counter() - t0,
+        transient_bytes=transient_bytes,
+        peak_bytes=peak,
+        compiled_graphs=counters["stats"]["unique_graphs"] - graphs,
+    )

@@ -22,7 +22,13 @@ class MemoryReading:
     """The most it ever held (a caching allocator keeps a peak's blocks reserved)."""
 
     def words(self) -> tuple[int, int, int, int, int]:
-        return (self.device, self.total_bytes, self.free_bytes, self.reserved_bytes, self.peak_bytes)
+        return (
+            self.device,
+            self.total_bytes,
+            self.free_bytes,
+            self.reserved_bytes,
+            self.peak_bytes,
+        )
 
 
 class MemoryProbe(Protocol):
@@ -46,7 +52,9 @@ class CudaProbe:
     def read(self) -> MemoryReading:
         free, total = torch.cuda.mem_get_info(self.device)
         return MemoryReading(
-            device=self.device.index or 0, total_bytes=total, free_bytes=free,
+            device=self.device.index or 0,
+            total_bytes=total,
+            free_bytes=free,
             reserved_bytes=torch.cuda.memory_reserved(self.device),
             peak_bytes=torch.cuda.max_memory_reserved(self.device),
         )
@@ -72,8 +80,11 @@ class EmulatedProbe:
 
     def read(self) -> MemoryReading:
         return MemoryReading(
-            device=self.device, total_bytes=self.total_bytes, free_bytes=self.free_bytes(),
-            reserved_bytes=self._peak, peak_bytes=self._peak,
+            device=self.device,
+            total_bytes=self.total_bytes,
+            free_bytes=self.free_bytes(),
+            reserved_bytes=self._peak,
+            peak_bytes=self._peak,
         )
 
     def free_bytes(self) -> int:
@@ -88,5 +99,7 @@ def probe_for(device: torch.device, local_rank: int, config: PreinitConfig) -> M
     if device.type == "cuda":
         return CudaProbe(device)
     if config.emulated_device_bytes:
-        return EmulatedProbe(local_rank, config.emulated_device_bytes, config.emulated_trainer_bytes)
+        return EmulatedProbe(
+            local_rank, config.emulated_device_bytes, config.emulated_trainer_bytes
+        )
     return None

@@ -92,27 +92,52 @@ class WarmupTarget:
     once per width of the flag token; empty when the update is not fused."""
 
     @classmethod
-    def plan(cls, *, device: torch.device, layout: Layout, optimizer: torch.optim.Optimizer,
-             erasure: ErasureConfig | None, rmu: bool, chunk_bytes: int, fused: bool) -> WarmupTarget:
+    def plan(
+        cls,
+        *,
+        device: torch.device,
+        layout: Layout,
+        optimizer: torch.optim.Optimizer,
+        erasure: ErasureConfig | None,
+        rmu: bool,
+        chunk_bytes: int,
+        fused: bool,
+    ) -> WarmupTarget:
         """The target of a trainer with this layout (the same planning functions it uses)."""
         from leto.updater.plan import plan_chunks
 
         state_nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
-        chunks = plan_chunks(layout, chunk_bytes, TILE_BYTES if erasure else 64, state_nbytes) if rmu else []
+        chunks = (
+            plan_chunks(layout, chunk_bytes, TILE_BYTES if erasure else 64, state_nbytes)
+            if rmu
+            else []
+        )
         group_pages: tuple[int, ...] = ()
         run_pages = 1
         if erasure is not None:
-            sizes = {s.num_pages for n in (layout.state_bytes, *(b for _, b in layout.grad_regions))
-                     for s in plan_groups(padded_bytes(n, erasure), erasure)}
+            sizes = {
+                s.num_pages
+                for n in (layout.state_bytes, *(b for _, b in layout.grad_regions))
+                for s in plan_groups(padded_bytes(n, erasure), erasure)
+            }
             group_pages = tuple(sorted(sizes))
             spans = [n for c in chunks for _, n in c.spans]
-            run_pages = min(erasure.data_pages, max((-(-n // erasure.page_bytes) + 1 for n in spans), default=1))
+            run_pages = min(
+                erasure.data_pages, max((-(-n // erasure.page_bytes) + 1 for n in spans), default=1)
+            )
         calls = _fused_calls(layout, optimizer, chunks, state_nbytes) if rmu and fused else ()
-        return cls(device=device, erasure=erasure, group_pages=group_pages, run_pages=run_pages, fused_calls=calls)
+        return cls(
+            device=device,
+            erasure=erasure,
+            group_pages=group_pages,
+            run_pages=run_pages,
+            fused_calls=calls,
+        )
 
 
-def _fused_calls(layout: Layout, optimizer: torch.optim.Optimizer, chunks: list, state_nbytes: int
-                 ) -> tuple[dict[str, Any], ...]:
+def _fused_calls(
+    layout: Layout, optimizer: torch.optim.Optimizer, chunks: list, state_nbytes: int
+) -> tuple[dict[str, Any], ...]:
     """The fused kernel's arguments for every piece, from the updater's own chunk plan
     (``FusedChunks`` over meta tensors: planning reads no memory)."""
     from leto.updater.adamw import AdamWHyper
@@ -120,21 +145,37 @@ def _fused_calls(layout: Layout, optimizer: torch.optim.Optimizer, chunks: list,
 
     meta = torch.device("meta")
     undo_nbytes = max(c.undo_bytes for c in chunks) + flag_bytes(chunks)
-    fused = FusedChunks(layout, chunks, torch.empty(state_nbytes, dtype=torch.uint8, device=meta),
-                        torch.empty(layout.grad_bytes, dtype=torch.uint8, device=meta),
-                        torch.empty(undo_nbytes, dtype=torch.uint8, device=meta))
+    fused = FusedChunks(
+        layout,
+        chunks,
+        torch.empty(state_nbytes, dtype=torch.uint8, device=meta),
+        torch.empty(layout.grad_bytes, dtype=torch.uint8, device=meta),
+        torch.empty(undo_nbytes, dtype=torch.uint8, device=meta),
+    )
     group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
     hypers = [AdamWHyper.from_group(g, optimizer, float(g["lr"])) for g in optimizer.param_groups]
     last = len(chunks) - 1
-    tokens = (fused_token(0, last), fused_token(1 << 9, last))  # below and above 2**31 (step 256 on)
+    tokens = (
+        fused_token(0, last),
+        fused_token(1 << 9, last),
+    )  # below and above 2**31 (step 256 on)
     calls = []
     for plan in fused.plans:
         for pc in plan.pieces:
             h = hypers[group_of[pc.param]]
-            hyper = {"lr": h.lr, "beta1": h.beta1, "beta2": h.beta2, "eps": h.eps,
-                     "weight_decay": h.weight_decay, "decoupled": h.decoupled, "step": 1.0}
-            calls += [{"offsets": pc.offsets, "n": pc.n, "flag_base": pc.flag_base, "token": t, **hyper}
-                      for t in tokens]
+            hyper = {
+                "lr": h.lr,
+                "beta1": h.beta1,
+                "beta2": h.beta2,
+                "eps": h.eps,
+                "weight_decay": h.weight_decay,
+                "decoupled": h.decoupled,
+                "step": 1.0,
+            }
+            calls += [
+                {"offsets": pc.offsets, "n": pc.n, "flag_base": pc.flag_base, "token": t, **hyper}
+                for t in tokens
+            ]
     return tuple(calls)
 
 
@@ -152,8 +193,9 @@ def warm_parity(target: WarmupTarget) -> int:
     return calls
 
 
-def _warm_group(cfg: ErasureConfig, pages: int, run_pages: int, dev: torch.device,
-                bucket: Callable[[int], str]) -> int:
+def _warm_group(
+    cfg: ErasureConfig, pages: int, run_pages: int, dev: torch.device, bucket: Callable[[int], str]
+) -> int:
     pb, h1, h2 = cfg.page_bytes, cfg.tier1_parity, cfg.tier2_parity
     cuda = dev.type == "cuda"
     backend = "auto" if cuda else "triton"  # CPU: the interpreter (tests)
@@ -167,14 +209,20 @@ def _warm_group(cfg: ErasureConfig, pages: int, run_pages: int, dev: torch.devic
     calls = 1
     for lost_data in range(min(h1, pages) + 1):
         for lost_t1 in range(h1 - lost_data + 1):
-            if lost_data or lost_t1:  # lost tier-1 pages beyond tier 2's reach: all of tier 2 lost too
+            if (
+                lost_data or lost_t1
+            ):  # lost tier-1 pages beyond tier 2's reach: all of tier 2 lost too
                 group.rebuild(range(lost_data), range(lost_t1), range(h2) if lost_t1 else ())
                 calls += 1
     # the updater's working parity: tier-1 syndromes on the device (Q[sel] and the spare)
-    work = ProtectionGroup(dataclasses.replace(cfg, tier2_parity=0), data,
-                           torch.zeros(h1 * pb, dtype=torch.uint8, device=dev),
-                           torch.empty(0, dtype=torch.uint8, device=dev), backend=backend,  # type: ignore[arg-type]
-                           syndromes=True)
+    work = ProtectionGroup(
+        dataclasses.replace(cfg, tier2_parity=0),
+        data,
+        torch.zeros(h1 * pb, dtype=torch.uint8, device=dev),
+        torch.empty(0, dtype=torch.uint8, device=dev),
+        backend=backend,  # type: ignore[arg-type]
+        syndromes=True,
+    )
     spare = torch.zeros(h1 * pb, dtype=torch.uint8, device=dev)
     work.syndromes_of(spare, work.tier1)  # the load: S = W P
     calls += 1
@@ -182,7 +230,9 @@ def _warm_group(cfg: ErasureConfig, pages: int, run_pages: int, dev: torch.devic
         work.rebuild(range(lost_data))
         calls += 1
     undo = torch.zeros_like(data)
-    per_bucket = {bucket(k): k for k in range(min(pages, run_pages), 0, -1)}  # the smallest k of each
+    per_bucket = {
+        bucket(k): k for k in range(min(pages, run_pages), 0, -1)
+    }  # the smallest k of each
     for k in sorted(per_bucket.values()):
         old, new = undo[: k * pb], data[: k * pb]
         if k > 1:  # a run of whole pages is a [k, page] view, as the updater passes it
@@ -239,7 +289,9 @@ def skip_reason(device: torch.device, level: int, enabled: bool) -> str | None:
     return "no CUDA device: the CPU path runs PyTorch, nothing to compile"
 
 
-def warm_shadow(ctx: Context, layout: Layout, optimizer: torch.optim.Optimizer) -> WarmupReport | None:
+def warm_shadow(
+    ctx: Context, layout: Layout, optimizer: torch.optim.Optimizer
+) -> WarmupReport | None:
     """The shadow's warm-up before it waits for promotion; emits ``kernels_warmed``.
 
     A failed warm-up is logged and reported, never fatal: the kernels then compile at first
@@ -257,14 +309,30 @@ def warm_shadow(ctx: Context, layout: Layout, optimizer: torch.optim.Optimizer) 
     try:
         rmu = env.consistency == "rmu"
         target = WarmupTarget.plan(
-            device=ctx.device, layout=layout, optimizer=optimizer, erasure=env.erasure, rmu=rmu,
-            chunk_bytes=env.rmu_chunk_bytes, fused=rmu and resolve_fused(env.rmu_fused, ctx.device, layout),
+            device=ctx.device,
+            layout=layout,
+            optimizer=optimizer,
+            erasure=env.erasure,
+            rmu=rmu,
+            chunk_bytes=env.rmu_chunk_bytes,
+            fused=rmu and resolve_fused(env.rmu_fused, ctx.device, layout),
         )
         report = warm_up(target)
     except Exception as e:  # noqa: BLE001 - the shadow stays promotable; the error is reported
         logger.warning("[rank %d] kernel warm-up failed: %s", env.rank, e)
-        ctx.events.emit(Kind.KERNELS_WARMED, **fields, ran=False, reason=f"failed: {type(e).__name__}: {e}"[:300])
+        ctx.events.emit(
+            Kind.KERNELS_WARMED,
+            **fields,
+            ran=False,
+            reason=f"failed: {type(e).__name__}: {e}"[:300],
+        )
         return None
     logger.info("[rank %d] kernels warmed in %.2f s: %s", env.rank, report.seconds, report.calls)
-    ctx.events.emit(Kind.KERNELS_WARMED, **fields, ran=True, calls=report.calls, seconds=round(report.seconds, 4))
+    ctx.events.emit(
+        Kind.KERNELS_WARMED,
+        **fields,
+        ran=True,
+        calls=report.calls,
+        seconds=round(report.seconds, 4),
+    )
     return report

@@ -33,10 +33,23 @@ def write_plots(results: list[ScenarioResult], out_dir: Path) -> list[Path]:
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
-        _sweep_figure(plt, results, "hof_sweep", "HOF ratio", out_dir / "ettr_vs_hof_ratio.png",
-                      fixed=lambda r: f"MTTF {r.scenario.failures.mttf_min:g} min"),
-        _sweep_figure(plt, results, "mttf_sweep", "MTTF (min)", out_dir / "ettr_vs_mttf.png", log_x=True,
-                      fixed=lambda r: f"HOF ratio {r.scenario.failures.hof_ratio:g}"),
+        _sweep_figure(
+            plt,
+            results,
+            "hof_sweep",
+            "HOF ratio",
+            out_dir / "ettr_vs_hof_ratio.png",
+            fixed=lambda r: f"MTTF {r.scenario.failures.mttf_min:g} min",
+        ),
+        _sweep_figure(
+            plt,
+            results,
+            "mttf_sweep",
+            "MTTF (min)",
+            out_dir / "ettr_vs_mttf.png",
+            log_x=True,
+            fixed=lambda r: f"HOF ratio {r.scenario.failures.hof_ratio:g}",
+        ),
     ]
     if len({r.scenario.workload.num_gpus for r in results}) > 1:
         paths.append(_scale_figure(plt, results, out_dir / "ettr_vs_scale.png"))
@@ -47,8 +60,14 @@ def write_plots(results: list[ScenarioResult], out_dir: Path) -> list[Path]:
 
 
 def _sweep_figure(
-    plt: Any, results: list[ScenarioResult], attr: str, xlabel: str, path: Path, *,
-    fixed: Callable[[ScenarioResult], str], log_x: bool = False,
+    plt: Any,
+    results: list[ScenarioResult],
+    attr: str,
+    xlabel: str,
+    path: Path,
+    *,
+    fixed: Callable[[ScenarioResult], str],
+    log_x: bool = False,
 ) -> Path:
     """One panel per scenario, one closed-form line per system; ``fixed`` names the
     scenario's parameter that the sweep holds still (in the panel's title)."""

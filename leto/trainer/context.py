@@ -92,8 +92,11 @@ class TrainerEnv(contract.GenerationEnv):
             }
         except KeyError as e:
             raise ProtocolError(f"leto-run did not set {e.args[0]} for this trainer") from None
-        return cls(**contract.GenerationEnv.fields_from_environ(env), **torch_env,  # type: ignore[arg-type]
-                   phase_times=phase_times_enabled())
+        return cls(
+            **contract.GenerationEnv.fields_from_environ(env),
+            **torch_env,  # type: ignore[arg-type]
+            phase_times=phase_times_enabled(),
+        )
 
 
 class Context:
@@ -116,9 +119,15 @@ class Context:
         self.device = _local_device(env)
         """Where this rank computes: its own GPU (LOCAL_RANK modulo the GPUs) or the CPU."""
         if not env.rmu_chunk_bytes:  # the job left it unset: the default for this device
-            self.env = env = dataclasses.replace(env, rmu_chunk_bytes=default_rmu_chunk_bytes(self.device.type))
+            self.env = env = dataclasses.replace(
+                env, rmu_chunk_bytes=default_rmu_chunk_bytes(self.device.type)
+            )
         self.preinit = OomGuard(
-            self.heartbeat, probe_for(self.device, env.local_rank, env.preinit), env.preinit, self.events, env.rank
+            self.heartbeat,
+            probe_for(self.device, env.local_rank, env.preinit),
+            env.preinit,
+            self.events,
+            env.rank,
         )
         """This trainer's side of the pre-initialisation controller (reports, reclaims)."""
         self.injector.shadow_present = self.preinit.shadows_hold_memory
@@ -202,8 +211,16 @@ class Context:
         from leto.trainer.state import RetainedState
 
         wait = self._wait_for_promotion if self.is_shadow else None
-        state = RetainedState(self, model, optimizer, wait_for_promotion=wait, grads=grads, mirror=mirror,
-                              stateful=stateful, stateful_bytes=stateful_bytes)
+        state = RetainedState(
+            self,
+            model,
+            optimizer,
+            wait_for_promotion=wait,
+            grads=grads,
+            mirror=mirror,
+            stateful=stateful,
+            stateful_bytes=stateful_bytes,
+        )
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()
         if config is not None:
@@ -293,10 +310,14 @@ class Context:
         deadline = time.monotonic() + timeout_s
         while not self.preinit.shadow_ready():
             if self.preinit.shadows_given_up():
-                logger.warning("[rank %d] the agent stopped relaunching shadows: none will be ready", self.rank)
+                logger.warning(
+                    "[rank %d] the agent stopped relaunching shadows: none will be ready", self.rank
+                )
                 return
             if time.monotonic() > deadline:
-                raise ProtocolError(f"rank {self.rank}: no shadow became ready within {timeout_s:.0f} s")
+                raise ProtocolError(
+                    f"rank {self.rank}: no shadow became ready within {timeout_s:.0f} s"
+                )
             if self.heartbeat is not None:
                 self.heartbeat.beat()
             time.sleep(0.02)
@@ -312,7 +333,9 @@ class Context:
         deadline = time.monotonic() + timeout_s
         while self.preinit.shadow_pid() == pid:
             if time.monotonic() > deadline:
-                raise ProtocolError(f"rank {self.rank}: the agent did not notice its shadow's death in {timeout_s:.0f} s")
+                raise ProtocolError(
+                    f"rank {self.rank}: the agent did not notice its shadow's death in {timeout_s:.0f} s"
+                )
             if self.heartbeat is not None:
                 self.heartbeat.beat()
             time.sleep(0.02)
@@ -320,31 +343,42 @@ class Context:
     def _wait_for_promotion(self) -> None:
         env = self.env
         self.events.emit(
-            Kind.SHADOW_READY, rank=env.rank, gen=env.generation, level=env.shadow_level,
+            Kind.SHADOW_READY,
+            rank=env.rank,
+            gen=env.generation,
+            level=env.shadow_level,
             init_s=time.time() - self._started,
         )
         self.preinit.announce_ready(env.shadow_level)
-        key = contract.promote(env.generation, env.rank)  # set by this node's agent, after it stopped the actives
+        key = contract.promote(
+            env.generation, env.rank
+        )  # set by this node's agent, after it stopped the actives
         while True:
             try:
                 self.store.wait([key], _WAIT_SLICE)
                 break
             except dist.DistStoreError as e:
                 if "timeout" not in str(e).lower():
-                    raise ProtocolError(f"lost the agent's store while waiting as a shadow: {e}") from None
+                    raise ProtocolError(
+                        f"lost the agent's store while waiting as a shadow: {e}"
+                    ) from None
         self.promoted_at = time.time()
         if self.device.type == "cuda" and not env.holds_device:
             torch.cuda.set_device(self.device)  # an L1 shadow's CUDA context starts now
         # The predecessor may have died of its device: never resume on one that computes
         # wrong (DeviceUnhealthyError is reported as fatal: a group restart, not a retry).
         check_s = check_device(
-            self.device, pattern_bytes=(64 << 20) if self.device.type == "cuda" else (1 << 20),
+            self.device,
+            pattern_bytes=(64 << 20) if self.device.type == "cuda" else (1 << 20),
             flip_bit=self._raw_store.check([self._device_fault_key]),
         )
         if not dist.is_initialized():
             self._build_group()
         self.events.emit(
-            Kind.PROMOTED, rank=env.rank, gen=env.generation, level=env.shadow_level,
+            Kind.PROMOTED,
+            rank=env.rank,
+            gen=env.generation,
+            level=env.shadow_level,
             device_check_s=round(check_s, 4),
         )
 
@@ -388,11 +422,17 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     ctx.report_fatal_on_unrecoverable()
     now = time.time()
     ctx.events.emit(
-        Kind.TRAINER_STARTED, rank=env.rank, gen=env.generation, role=env.role, pid=os.getpid(),
+        Kind.TRAINER_STARTED,
+        rank=env.rank,
+        gen=env.generation,
+        role=env.role,
+        pid=os.getpid(),
         # where a start-up goes: the process until leto.init (interpreter, imports, the
         # script's top), the store, the context (the device's CUDA context among it)
-        before_init_s=round(t_entry - _process_start_t(), 3), store_s=round(t_store - t_entry, 3),
-        context_s=round(now - t_store, 3), deterministic=torch.are_deterministic_algorithms_enabled(),
+        before_init_s=round(t_entry - _process_start_t(), 3),
+        store_s=round(t_store - t_entry, 3),
+        context_s=round(now - t_store, 3),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
     )
     # A relaunched shadow generation (after a reclaim) must not meet the killed one's keys.
     launch = f".{env.shadow_launch}" if env.shadow_launch else ""
@@ -403,7 +443,10 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
 
     def build_group() -> None:
         dist.init_process_group(
-            backend, store=pg_store, rank=env.rank, world_size=env.world_size,
+            backend,
+            store=pg_store,
+            rank=env.rank,
+            world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
             device_id=ctx.device if backend == "nccl" else None,  # eager communicator
         )
@@ -463,7 +506,9 @@ def warm_up(device: torch.device | None = None) -> None:
     device = device or torch.device("cpu")
     with torch.device("meta"):
         torch.nn.Linear(8, 8)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()).to(device)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()).to(
+        device
+    )
     attn = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(device)
     params = list(net.parameters()) + list(attn.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
@@ -471,7 +516,9 @@ def warm_up(device: torch.device | None = None) -> None:
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         h = net(x)
         out = attn(h, h, h, need_weights=False)[0].reshape(-1, 8)
-    loss = torch.nn.functional.cross_entropy(out.float(), torch.zeros(8, dtype=torch.long, device=device))
+    loss = torch.nn.functional.cross_entropy(
+        out.float(), torch.zeros(8, dtype=torch.long, device=device)
+    )
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
     opt.step()

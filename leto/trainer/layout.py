@@ -54,7 +54,9 @@ class GradPlacement:
     def __post_init__(self) -> None:
         names = [name for name, _ in self.regions]
         if len(set(names)) != len(names) or "grads" in names or "state" in names:
-            raise ConfigError(f"gradient regions need unique names other than 'grads' and 'state': {names}")
+            raise ConfigError(
+                f"gradient regions need unique names other than 'grads' and 'state': {names}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +93,12 @@ class Layout:
 
     @classmethod
     def plan(
-        cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-        rng_bytes: int | None = None, grads: GradPlacement | None = None,
+        cls,
+        params: list[torch.nn.Parameter],
+        buffers: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        rng_bytes: int | None = None,
+        grads: GradPlacement | None = None,
         mirror: tuple[tuple[str, int], ...] = (),
     ) -> Layout:
         """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state);
@@ -124,19 +130,32 @@ class Layout:
             grad_regions, grad_region = (("grads", max(cursor, ALIGN)),), ("grads",) * len(params)
         else:
             grad_regions, grad_region = grads.regions, _place_grads(params, grads, grad_slots)
-        described_keys = (tuple(k.name for k in state_keys[0]) if rule.kind == "adamw" and state_keys
-                          else [[(k, s.shape, str(s.dtype)) for k, s in o.items()] for o in optim_slots])
+        described_keys = (
+            tuple(k.name for k in state_keys[0])
+            if rule.kind == "adamw" and state_keys
+            else [[(k, s.shape, str(s.dtype)) for k, s in o.items()] for o in optim_slots]
+        )
         description = repr(
-            (type(optimizer).__name__, described_keys, [(s.shape, str(s.dtype)) for s in param_slots + buffer_slots])
+            (
+                type(optimizer).__name__,
+                described_keys,
+                [(s.shape, str(s.dtype)) for s in param_slots + buffer_slots],
+            )
         )
         if grads is not None:  # a job must reattach with the gradient placement it started with
             description += repr((grad_regions, [s.offset for s in grad_slots]))
         if mirror:
             names = [name for name, _ in mirror]
-            if len(set(names)) != len(names) or {"state", "grads"} & set(names) or set(names) & set(dict(grad_regions)):
+            if (
+                len(set(names)) != len(names)
+                or {"state", "grads"} & set(names)
+                or set(names) & set(dict(grad_regions))
+            ):
                 raise ConfigError(f"mirror regions need unique names of their own: {names}")
             description += repr(("mirror", tuple(mirror)))
-        digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little")
+        digest = int.from_bytes(
+            hashlib.blake2b(description.encode(), digest_size=8).digest(), "little"
+        )
         return cls(
             params=tuple(param_slots),
             buffers=tuple(buffer_slots),
@@ -153,16 +172,22 @@ class Layout:
         )
 
 
-def _place_grads(params: list[torch.nn.Parameter], grads: GradPlacement, out: list[Slot]) -> tuple[str, ...]:
+def _place_grads(
+    params: list[torch.nn.Parameter], grads: GradPlacement, out: list[Slot]
+) -> tuple[str, ...]:
     """Fill ``out`` with each parameter's slot in its region; returns the region names."""
     if len(grads.slots) != len(params):
-        raise ConfigError(f"the gradient placement has {len(grads.slots)} slots for {len(params)} parameters")
+        raise ConfigError(
+            f"the gradient placement has {len(grads.slots)} slots for {len(params)} parameters"
+        )
     names = []
     for p, (index, offset) in zip(params, grads.slots, strict=True):
         name, nbytes = grads.regions[index]
         slot = Slot(offset, tuple(p.shape), p.dtype)
         if offset < 0 or offset + slot.nbytes > nbytes or offset % _itemsize(p.dtype):
-            raise ConfigError(f"gradient slot at byte {offset} ({slot.nbytes} bytes) does not fit region {name}")
+            raise ConfigError(
+                f"gradient slot at byte {offset} ({slot.nbytes} bytes) does not fit region {name}"
+            )
         out.append(slot)
         names.append(name)
     return tuple(names)

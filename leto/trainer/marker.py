@@ -138,7 +138,9 @@ class Marker:
     def layout_hash(self) -> int:
         return int(self._words[1])
 
-    def initialise(self, layout_hash: int, step: int = 0, identity: IdentityRecord | None = None) -> None:
+    def initialise(
+        self, layout_hash: int, step: int = 0, identity: IdentityRecord | None = None
+    ) -> None:
         """Mark the state as fully initialised at ``step`` (0, or a loaded checkpoint's);
         ``identity``: of its regions (None keeps the one recorded, e.g. at a checkpoint load)."""
         if identity is None:
@@ -156,8 +158,10 @@ class Marker:
         words = [int(self._words[_IDENTITY + i]) for i in range(4)]
         if check and words[3] != _checksum(self.layout_hash(), *words[:3]):
             raise RegionIdentityError(
-                "marker", "the marker's identity record fails its checksum (the marker region was overwritten); "
-                "refusing to resume on it (restart the job from a checkpoint)")
+                "marker",
+                "the marker's identity record fails its checksum (the marker region was overwritten); "
+                "refusing to resume on it (restart the job from a checkpoint)",
+            )
         return IdentityRecord(words[0] & _MASK64, words[1] & _MASK64, words[2])
 
     def check_layout(self, layout_hash: int) -> None:
@@ -190,7 +194,9 @@ class Marker:
         """Which of the two working parity buffers is authoritative (rmu phases)."""
         return (self.word >> 8) & 1
 
-    def advance(self, phase: Phase, step: int | None = None, *, chunk: int = 0, sel: int | None = None) -> None:
+    def advance(
+        self, phase: Phase, step: int | None = None, *, chunk: int = 0, sel: int | None = None
+    ) -> None:
         """Move to ``phase`` (and ``step``, chunk, parity buffer), checking the transitions.
 
         Chunk transactions must follow one another: CHUNK_SAVED(j) comes after
@@ -203,9 +209,13 @@ class Marker:
         if phase == Phase.CHUNK_SAVED:
             expected = 0 if current == Phase.PARITY_LOADED else cur_chunk + 1
             if chunk != expected:
-                raise InvalidTransitionError(f"chunk {chunk} saved after {current.name}({cur_chunk}); expected {expected}")
+                raise InvalidTransitionError(
+                    f"chunk {chunk} saved after {current.name}({cur_chunk}); expected {expected}"
+                )
         if phase == Phase.CHUNK_COMMITTED and chunk != cur_chunk:
-            raise InvalidTransitionError(f"chunk {chunk} committed while chunk {cur_chunk} is in flight")
+            raise InvalidTransitionError(
+                f"chunk {chunk} committed while chunk {cur_chunk} is in flight"
+            )
         if not 0 <= chunk < MAX_CHUNKS:
             raise ValueError(f"chunk {chunk} out of range")
         new_step = self.step if step is None else step
@@ -222,7 +232,9 @@ class Marker:
 
     def recorded_lrs(self) -> list[float]:
         n = int(self._words[3])
-        return [struct.unpack("<d", struct.pack("<q", int(self._words[4 + i])))[0] for i in range(n)]
+        return [
+            struct.unpack("<d", struct.pack("<q", int(self._words[4 + i])))[0] for i in range(n)
+        ]
 
 
 def pack(step: int, phase: Phase, chunk: int = 0, sel: int = 0) -> int:

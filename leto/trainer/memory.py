@@ -63,9 +63,13 @@ class RegionMemory:
 
     def chunk_budget(self) -> int:
         """Device chunks this rank may deposit: its share of the state manager's fd limit."""
-        return pagemap.fd_budget(int(self.pool.stats()["fd_limit"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return pagemap.fd_budget(
+            int(self.pool.stats()["fd_limit"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        )
 
-    def device_region(self, name: str, nbytes: int, chunk_bytes: int | None = None) -> tuple[torch.Tensor, bool]:
+    def device_region(
+        self, name: str, nbytes: int, chunk_bytes: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
         """(uint8 tensor on the model's device, True when it was already retained).
 
         The region is ``chunk_bytes`` physical chunks (default: one chunk for the whole
@@ -74,11 +78,15 @@ class RegionMemory:
         chunk = chunk_bytes or -(-nbytes // self.granularity) * self.granularity
         region = ChunkedRegion.attach(self.backend, self.pool, self.rank, name, nbytes, chunk)
         if self.cuda:
-            tensor = torch.as_tensor(cuda_vmm.array_interface(region.ptr, region.nbytes), device=self.device)
+            tensor = torch.as_tensor(
+                cuda_vmm.array_interface(region.ptr, region.nbytes), device=self.device
+            )
             if not region.existing:
                 tensor.zero_()  # cuMemCreate memory is uninitialised; padding must digest the same
         else:
-            tensor = torch.frombuffer((ctypes.c_ubyte * region.nbytes).from_address(region.ptr), dtype=torch.uint8)
+            tensor = torch.frombuffer(
+                (ctypes.c_ubyte * region.nbytes).from_address(region.ptr), dtype=torch.uint8
+            )
         self._chunked[name] = (region, tensor)
         return tensor[:nbytes], region.existing  # the allocation is rounded up to whole chunks
 
@@ -131,7 +139,9 @@ class RegionMemory:
         portable_mapped = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
         err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), portable_mapped)
         if int(err) != 0:
-            raise PoolError(f"cudaHostRegister(mapped) of a {host.numel()}-byte host region failed: error {int(err)}")
+            raise PoolError(
+                f"cudaHostRegister(mapped) of a {host.numel()}-byte host region failed: error {int(err)}"
+            )
         ptr = cuda_vmm.host_device_pointer(host.data_ptr())
         return torch.as_tensor(cuda_vmm.array_interface(ptr, host.numel()), device=self.device)
 
@@ -163,13 +173,18 @@ class RegionMemory:
         if reattached:
             problem = identity_problem(marker.identity(), now, self.pool.seen(self.rank))
         elif now.sealed is not None:
-            problem = ("marker", "was lost, though the rank's state was initialised (the state manager holds its seal)")
+            problem = (
+                "marker",
+                "was lost, though the rank's state was initialised (the state manager holds its seal)",
+            )
         else:
             return
         if problem is not None:
             region, what = problem
-            error = (f"rank {self.rank}: retained region {region!r} {what}; refusing to resume on it "
-                     "(restart the job from a checkpoint)")
+            error = (
+                f"rank {self.rank}: retained region {region!r} {what}; refusing to resume on it "
+                "(restart the job from a checkpoint)"
+            )
             events.emit(Kind.UNRECOVERABLE, rank=self.rank, region=region, error=error)
             raise RegionIdentityError(region, error)
 
@@ -182,7 +197,11 @@ class RegionMemory:
         weighted = torch.zeros((), dtype=torch.int64, device=region.device)
         for start in range(0, words.numel(), _DIGEST_CHUNK):
             chunk = words[start : start + _DIGEST_CHUNK]
-            weights = torch.arange(start, start + chunk.numel(), device=region.device, dtype=torch.int64) * 2 + 1
+            weights = (
+                torch.arange(start, start + chunk.numel(), device=region.device, dtype=torch.int64)
+                * 2
+                + 1
+            )
             plain += chunk.sum()
             weighted += (chunk * weights).sum()
         return f"{int(plain) & (2**64 - 1):016x}{int(weighted) & (2**64 - 1):016x}"
@@ -193,7 +212,9 @@ def _record(ids: RankIdentities) -> IdentityRecord:
     return IdentityRecord(int(ids.digest(), 16), int(ids.instance, 16), max(serials, default=0))
 
 
-def identity_problem(record: IdentityRecord, now: RankIdentities, seen: dict[str, str]) -> tuple[str, str] | None:
+def identity_problem(
+    record: IdentityRecord, now: RankIdentities, seen: dict[str, str]
+) -> tuple[str, str] | None:
     """(region, what is wrong) when the regions of a rank are not those its state was
     initialised over (``record``), judged from the state manager's view ``now`` and the
     identities this process received when it mapped them (``seen``); None when they are."""
@@ -203,10 +224,15 @@ def identity_problem(record: IdentityRecord, now: RankIdentities, seen: dict[str
         if now.regions[name] != ident:
             return name, "was replaced after this process mapped it"
     if int(now.instance, 16) != record.instance:
-        return min(now.regions, default="marker"), "was made by another state manager (it was restarted)"
+        return min(
+            now.regions, default="marker"
+        ), "was made by another state manager (it was restarted)"
     for name, ident in sorted(now.regions.items()):
         if protocol.ident_parts(ident)[1] > record.last_serial:
-            return name, "was made after the rank's state was initialised (it holds none of that state)"
+            return (
+                name,
+                "was made after the rank's state was initialised (it holds none of that state)",
+            )
     if int(now.digest(), 16) != record.digest:
         return "regions", "differ from the marker's record of them (one was freed)"
     if now.sealed is not None and now.sealed != f"{record.digest:016x}":

@@ -38,8 +38,15 @@ class LostPages:
 class ProtectedRegion:
     """Parity bookkeeping of one retained region (the data view is passed in)."""
 
-    def __init__(self, pool: PoolClient, rank: int, name: str, data: torch.Tensor, cfg: ErasureConfig,
-                 lost_data_pages: Callable[[int], list[int]]) -> None:
+    def __init__(
+        self,
+        pool: PoolClient,
+        rank: int,
+        name: str,
+        data: torch.Tensor,
+        cfg: ErasureConfig,
+        lost_data_pages: Callable[[int], list[int]],
+    ) -> None:
         """``lost_data_pages(page_bytes)`` localises the data region itself (a device region:
         the trainer's page-map query, ``RegionMemory.lost_pages``)."""
         self.pool, self.rank, self.name, self.cfg = pool, rank, name, cfg
@@ -52,17 +59,23 @@ class ProtectedRegion:
             "p1": pool.alloc(rank, f"{name}.p1", n * cfg.tier1_parity * pb, "uint8", "host"),
         }
         if cfg.tier2_parity:
-            self._regions["p2"] = pool.alloc(rank, f"{name}.p2", n * cfg.tier2_parity * pb, "uint8", "host")
+            self._regions["p2"] = pool.alloc(
+                rank, f"{name}.p2", n * cfg.tier2_parity * pb, "uint8", "host"
+            )
         p1 = torch.frombuffer(self._regions["p1"].buffer, dtype=torch.uint8)
         p2 = (
             torch.frombuffer(self._regions["p2"].buffer, dtype=torch.uint8)
-            if "p2" in self._regions else torch.empty(0, dtype=torch.uint8)
+            if "p2" in self._regions
+            else torch.empty(0, dtype=torch.uint8)
         )
         h1, h2 = cfg.tier1_parity * pb, cfg.tier2_parity * pb
         self.groups = [
             ProtectionGroup(
-                cfg, data[s.byte_offset : s.byte_offset + s.num_pages * pb],
-                p1[i * h1 : (i + 1) * h1], p2[i * h2 : (i + 1) * h2], backend="torch" if not data.is_cuda else "auto",
+                cfg,
+                data[s.byte_offset : s.byte_offset + s.num_pages * pb],
+                p1[i * h1 : (i + 1) * h1],
+                p2[i * h2 : (i + 1) * h2],
+                backend="torch" if not data.is_cuda else "auto",
             )
             for i, s in enumerate(self.spans)
         ]
@@ -95,7 +108,6 @@ class ProtectedRegion:
                 group.rebuild(data, t1, t2)
         return time.perf_counter() - t0
 
-
     def rebuild_data(self, lost: LostPages, working: list[ProtectionGroup]) -> float:
         """Rebuild lost data pages from working parity (one group per protection group).
 
@@ -111,7 +123,9 @@ class ProtectedRegion:
         return time.perf_counter() - t0
 
 
-def pages_to_erase(total_pages: int, per_group: int, group_pages: int, group: int | None, seed: int) -> list[int]:
+def pages_to_erase(
+    total_pages: int, per_group: int, group_pages: int, group: int | None, seed: int
+) -> list[int]:
     """Deterministic choice of ``per_group`` pages in each group (or in one group)."""
     import random
 

@@ -73,9 +73,14 @@ class RetainedState:
     """The retained state of one rank and its crash-consistent step protocol."""
 
     def __init__(
-        self, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        wait_for_promotion: Callable[[], None] | None = None, grads: GradPlacement | None = None,
-        mirror: tuple[tuple[str, int], ...] = (), stateful: Mapping[str, Any] | None = None,
+        self,
+        ctx: Context,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        wait_for_promotion: Callable[[], None] | None = None,
+        grads: GradPlacement | None = None,
+        mirror: tuple[tuple[str, int], ...] = (),
+        stateful: Mapping[str, Any] | None = None,
         stateful_bytes: int | None = None,
     ) -> None:
         """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
@@ -105,13 +110,21 @@ class RetainedState:
             raise ProtocolError("a parameter appears twice in the optimizer's groups")
         self.buffers = [b for b in model.buffers()]
         self.device = ctx.device if self.params[0].is_meta else self.params[0].device
-        self.layout = Layout.plan(self.params, self.buffers, optimizer, rng_bytes=rng_blob(self.device).numel(),
-                                  grads=grads, mirror=mirror)
+        self.layout = Layout.plan(
+            self.params,
+            self.buffers,
+            optimizer,
+            rng_bytes=rng_blob(self.device).numel(),
+            grads=grads,
+            mirror=mirror,
+        )
         if ctx.env.erasure is not None:
             refuse_buffer_updates(model)
         if mirror and ctx.env.consistency != "rmu":
-            raise ConfigError("a sharded optimizer (Megatron's distributed optimizer) needs consistency: rmu; "
-                              "the snapshot path steps torch's optimizer over full parameters")
+            raise ConfigError(
+                "a sharded optimizer (Megatron's distributed optimizer) needs consistency: rmu; "
+                "the snapshot path steps torch's optimizer over full parameters"
+            )
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
         mapped_ahead = wait_for_promotion is None or ctx.ready_to_map_ahead()
@@ -131,7 +144,9 @@ class RetainedState:
             self.marker.reload()
         rank = ctx.rank
         self.reattached = self.marker.is_valid()
-        self.memory.check_identity(self.marker, self.reattached, ctx.events)  # no resume on a re-made region
+        self.memory.check_identity(
+            self.marker, self.reattached, ctx.events
+        )  # no resume on a re-made region
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
             ctx.injector.recovery_point("attach", self.marker.step)
@@ -171,8 +186,12 @@ class RetainedState:
         self.memory = mem = RegionMemory(pool, rank, self.device)
         chunk = None  # unprotected regions: one chunk (nothing could rebuild a lost one)
         if erasure is not None:  # one chunk per erasure page, unless the fd budget says coarser
-            chunk = plan_chunk_bytes(state_nbytes + sum(grad_nbytes.values()), erasure.page_bytes, mem.granularity,
-                                     mem.chunk_budget())
+            chunk = plan_chunk_bytes(
+                state_nbytes + sum(grad_nbytes.values()),
+                erasure.page_bytes,
+                mem.granularity,
+                mem.chunk_budget(),
+            )
         views = {
             "state": mem.device_region("state", state_nbytes, chunk)[0],
             **{name: mem.device_region(name, n, chunk)[0] for name, n in grad_nbytes.items()},
@@ -184,8 +203,13 @@ class RetainedState:
         self.rmu = self.ctx.env.consistency == "rmu"
         if self.rmu:  # one chunk of undo + two working parity buffers (activation memory on GPU)
             self.rmu_fused = resolve_fused(self.ctx.env.rmu_fused, self.device, self.layout)
-            undo_nbytes, parity_nbytes = buffer_bytes(self.layout, state_nbytes, self.ctx.env.rmu_chunk_bytes, erasure,
-                                                      fused=self.rmu_fused)
+            undo_nbytes, parity_nbytes = buffer_bytes(
+                self.layout,
+                state_nbytes,
+                self.ctx.env.rmu_chunk_bytes,
+                erasure,
+                fused=self.rmu_fused,
+            )
             views["rmu.undo"] = mem.device_region("rmu.undo", undo_nbytes)[0]
             if parity_nbytes:
                 views["rmu.parity"] = mem.device_region("rmu.parity", parity_nbytes)[0]
@@ -199,30 +223,46 @@ class RetainedState:
         """Full parameter buffers of a sharded optimizer, by name (``Layout.mirror_regions``)."""
         self.snapshot_bytes = views.get("snapshot")
         marker_words = mem.mapped_on_device(views["marker"])
-        self.marker = Marker(views["marker"], None if marker_words is None else marker_words.view(torch.int64))
+        self.marker = Marker(
+            views["marker"], None if marker_words is None else marker_words.view(torch.int64)
+        )
         self._rng_next = views["rng_next"]
         self.protected = (
             {}
             if erasure is None
             else {
-                name: ProtectedRegion(pool, rank, name, views[name], erasure, functools.partial(mem.lost_pages, name))
+                name: ProtectedRegion(
+                    pool, rank, name, views[name], erasure, functools.partial(mem.lost_pages, name)
+                )
                 for name in ("state", *grad_nbytes)
             }
         )
-        self._lend = (self.rmu and self.device.type == "cuda"
-                      and self.ctx.env.lend_activations is not False)
+        self._lend = (
+            self.rmu and self.device.type == "cuda" and self.ctx.env.lend_activations is not False
+        )
         if self.ctx.env.lend_activations and not self._lend:  # rmu is checked with the job file
-            logger.info("leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)", self.device)
+            logger.info(
+                "leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)",
+                self.device,
+            )
         self._lender: ActivationLender | None = None  # built at the first compute phase
         self._lent = {"rmu.undo": views["rmu.undo"]} if self._lend else {}
         self.updater: ResumableUpdater | None = None
         if self.rmu:
             self.updater = ResumableUpdater(
-                layout=self.layout, state=self.state_bytes, grads=self.grad_regions, rng_next=self._rng_next,
-                optimizer=self.optimizer, marker=self.marker, undo=views["rmu.undo"], parity=views.get("rmu.parity"),
-                protected=self.protected.get("state"), injector=self.ctx.injector,
+                layout=self.layout,
+                state=self.state_bytes,
+                grads=self.grad_regions,
+                rng_next=self._rng_next,
+                optimizer=self.optimizer,
+                marker=self.marker,
+                undo=views["rmu.undo"],
+                parity=views.get("rmu.parity"),
+                protected=self.protected.get("state"),
+                injector=self.ctx.injector,
                 chunk_bytes=self.ctx.env.rmu_chunk_bytes,
-                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0", fused=self.rmu_fused,
+                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
+                fused=self.rmu_fused,
             )
 
     def _bind(self) -> None:
@@ -238,7 +278,9 @@ class RetainedState:
             if fresh:
                 grad.zero_()
             p.grad = None if self.layout.main_grad else grad  # main_grad: the integration binds it
-        self.optimizer_state = StateSlots(self.optimizer.state, self.params, self.layout.optim, self.state_bytes)
+        self.optimizer_state = StateSlots(
+            self.optimizer.state, self.params, self.layout.optim, self.state_bytes
+        )
         if fresh:  # zeroed, or the state the optimizer already holds (Adagrad's)
             self.optimizer_state.capture()
         else:
@@ -258,9 +300,12 @@ class RetainedState:
         self.buffer_undo: BufferUndo | None = None
         if self.layout.buffers:
             nbytes = BufferUndo.region_bytes(BufferUndo.span(self.layout.buffers)[1])
-            self.buffer_undo = BufferUndo(self.state_bytes, self.layout.buffers,
-                                          self.memory.device_region(BUFFER_UNDO, nbytes)[0],
-                                          functools.partial(self.memory.lost_chunks, BUFFER_UNDO))
+            self.buffer_undo = BufferUndo(
+                self.state_bytes,
+                self.layout.buffers,
+                self.memory.device_region(BUFFER_UNDO, nbytes)[0],
+                functools.partial(self.memory.lost_chunks, BUFFER_UNDO),
+            )
         records = map_records(self.memory, stateful_bytes or DEFAULT_SLOT_BYTES)
         self.extras = RetainedExtras(records, self.optimizer, stateful, self.ctx.rank)
 
@@ -270,16 +315,20 @@ class RetainedState:
         if changed := self.buffer_undo.changed():
             names = {id(b): n for n, b in self.model.named_buffers(remove_duplicate=False)}
             which = ", ".join(names.get(id(self.buffers[i]), "?") for i in changed)
-            raise ConfigError(f"module buffers were updated in forward ({which}), which leto.erasure's "
-                              "parity does not follow: run without leto.erasure, or keep such buffers "
-                              "out of the model")
+            raise ConfigError(
+                f"module buffers were updated in forward ({which}), which leto.erasure's "
+                "parity does not follow: run without leto.erasure, or keep such buffers "
+                "out of the model"
+            )
 
     def _grad_views(self) -> list[torch.Tensor]:
         """Each parameter's gradient as a view of its retained region (built once: a few
         hundred views cost milliseconds of host time per step on a 1 B model)."""
         if self._grad_view_list is None:
-            self._grad_view_list = [slot.view(self.grad_regions[name])
-                                    for slot, name in zip(self.layout.grads, self.layout.grad_region, strict=True)]
+            self._grad_view_list = [
+                slot.view(self.grad_regions[name])
+                for slot, name in zip(self.layout.grads, self.layout.grad_region, strict=True)
+            ]
         return self._grad_view_list
 
     def _encode(self, name: str) -> None:
@@ -308,13 +357,20 @@ class RetainedState:
             self.updater.prepare()  # undo a torn chunk, resync the scratch parity
         for name in self.mirror_regions:  # fresh zeroed chunks; the resume's gather refills them
             if lost := self.memory.lost_chunks(name):
-                logger.info("[rank %d] %d lost chunks of %s replaced; the gather at resume refills them",
-                            self.ctx.rank, len(lost), name)
+                logger.info(
+                    "[rank %d] %d lost chunks of %s replaced; the gather at resume refills them",
+                    self.ctx.rank,
+                    len(lost),
+                    name,
+                )
         if not self.protected:
             self._refuse_unprotected_losses(phase)
             self.memory.commit_replacements()
             return
-        needed = {"state": phase != Phase.UPDATING, **{name: phase != Phase.IDLE for name in self.grad_regions}}
+        needed = {
+            "state": phase != Phase.UPDATING,
+            **{name: phase != Phase.IDLE for name in self.grad_regions},
+        }
         report: dict[str, dict[str, int]] = {}
         seconds = localize_s = 0.0
         for name, region in self.protected.items():
@@ -323,7 +379,11 @@ class RetainedState:
             localize_s += time.perf_counter() - t0
             if lost.count:  # fresh zeroed chunks are mapped now; a kill here is one mid-rebuild
                 self.ctx.injector.recovery_point("rebuild", self.marker.step)
-            report[name] = {"data": len(lost.data), "tier1": len(lost.tier1), "tier2": len(lost.tier2)}
+            report[name] = {
+                "data": len(lost.data),
+                "tier1": len(lost.tier1),
+                "tier2": len(lost.tier2),
+            }
             if lost.count and needed[name]:
                 t0 = time.perf_counter()
                 try:
@@ -335,11 +395,24 @@ class RetainedState:
                     self.memory.fence()  # GPU kernels run asynchronously: time them to the end
                     seconds += time.perf_counter() - t0
                 except UnrecoverableStateError as e:
-                    self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, lost=report[name], error=str(e))
+                    self.ctx.events.emit(
+                        Kind.UNRECOVERABLE,
+                        rank=self.ctx.rank,
+                        region=name,
+                        lost=report[name],
+                        error=str(e),
+                    )
                     raise
         self.memory.commit_replacements()  # only now: a kill mid-rebuild leaves the losses to the next
-        self.ctx.events.emit(Kind.PAGES_REBUILT, rank=self.ctx.rank, gen=self.ctx.env.generation, lost=report, rebuild_s=seconds,
-                             localize_s=localize_s, phase=phase.name)
+        self.ctx.events.emit(
+            Kind.PAGES_REBUILT,
+            rank=self.ctx.rank,
+            gen=self.ctx.env.generation,
+            lost=report,
+            rebuild_s=seconds,
+            localize_s=localize_s,
+            phase=phase.name,
+        )
 
     def _refuse_unprotected_losses(self, phase: Phase) -> None:
         """Without erasure protection nothing can rebuild a lost chunk of the model state or
@@ -347,9 +420,13 @@ class RetainedState:
         needed = {"state": True, **{name: phase != Phase.IDLE for name in self.grad_regions}}
         for name, need in needed.items():
             if need and (lost := self.memory.lost_chunks(name)):
-                error = (f"rank {self.ctx.rank}: {len(lost)} chunks of retained region {name} were lost and "
-                         "nothing protects them (leto.erasure is off)")
-                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error)
+                error = (
+                    f"rank {self.ctx.rank}: {len(lost)} chunks of retained region {name} were lost and "
+                    "nothing protects them (leto.erasure is off)"
+                )
+                self.ctx.events.emit(
+                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error
+                )
                 raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
 
     def _check_update_buffers(self, phase: Phase) -> None:
@@ -360,7 +437,9 @@ class RetainedState:
         for name, need in needed.items():
             if name in self.memory.regions and self.memory.lost_chunks(name) and need:
                 error = f"rank {self.ctx.rank}: device pages of {name} were lost in the middle of an update ({phase.name})"
-                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error)
+                self.ctx.events.emit(
+                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error
+                )
                 raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
 
     def _install_fault_hooks(self) -> None:
@@ -378,7 +457,9 @@ class RetainedState:
         e.g. Megatron's skipped bias, would reach compiled fusions as a plain tensor, and the
         injected run would compile what the fault-free one never does.)"""
         outputs = output if isinstance(output, (tuple, list)) else (output,)
-        out = next((t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        out = next(
+            (t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
+        )
         if out is not None:
             out.register_hook(self._backward_point)
 
@@ -406,14 +487,18 @@ class RetainedState:
             if not self._committed_this_step:
                 raise ProtocolError(f"step {step} ended without RetainedState.step() being called")
             step += 1
-        if self.updater is not None and self.device.type == "cuda":  # the last flush's host copies land
+        if (
+            self.updater is not None and self.device.type == "cuda"
+        ):  # the last flush's host copies land
             self.updater.join()
             torch.cuda.current_stream(self.device).synchronize()
         self.ctx.finished()  # no more heartbeats: the hang watch leaves this trainer alone
 
     def _begin(self, step: int) -> None:
         if self.marker.step != step or self.marker.phase != Phase.IDLE:
-            raise ProtocolError(f"step {step} begins with the marker at {self.marker.step}/{self.marker.phase.name}")
+            raise ProtocolError(
+                f"step {step} begins with the marker at {self.marker.step}/{self.marker.phase.name}"
+            )
         self._committed_this_step = False
         self._step_started = time.perf_counter()
         self._phases = PhaseTimes(self.device, self._step_started, enabled=self.ctx.env.phase_times)
@@ -459,22 +544,34 @@ class RetainedState:
             except LetoError as e:  # no C compiler, a torch without MemPool: lend only if asked to
                 if self.ctx.env.lend_activations:
                     raise
-                logger.warning("[rank %d] not lending the undo buffer to activations: %s", self.ctx.rank, e)
+                logger.warning(
+                    "[rank %d] not lending the undo buffer to activations: %s", self.ctx.rank, e
+                )
                 self._lend = False
         while True:
             try:
-                with self._lender.lending() if self._lender is not None else contextlib.nullcontext():
+                with (
+                    self._lender.lending() if self._lender is not None else contextlib.nullcontext()
+                ):
                     return fn()
             except torch.OutOfMemoryError as e:
                 if not self.ctx.preinit.can_reclaim():
                     raise
                 # A model-parallel forward runs collectives (a narrowed grad_sync group says
                 # so): the other ranks would not retry with this one, so no retry.
-                if self.ctx.grad_sync.group is not None or self.ctx.grad_sync.collectives_in_backward:
-                    what = ("a model-parallel forward runs collectives" if self.ctx.grad_sync.group is not None
-                            else "an overlapped backward runs bucket all-reduces")
-                    e.add_note(f"rank {self.ctx.rank} step {step}: not retried after reclaiming the shadows: "
-                               f"{what} the other ranks would not repeat")
+                if (
+                    self.ctx.grad_sync.group is not None
+                    or self.ctx.grad_sync.collectives_in_backward
+                ):
+                    what = (
+                        "a model-parallel forward runs collectives"
+                        if self.ctx.grad_sync.group is not None
+                        else "an overlapped backward runs bucket all-reduces"
+                    )
+                    e.add_note(
+                        f"rank {self.ctx.rank} step {step}: not retried after reclaiming the shadows: "
+                        f"{what} the other ranks would not repeat"
+                    )
                     raise
                 message = str(e).splitlines()[0] if str(e) else "out of memory"
             # Out of the except block: the traceback, and with it the failed attempt's
@@ -482,7 +579,12 @@ class RetainedState:
             if self.device.type == "cuda":  # device memory held in reference cycles, cached blocks
                 gc.collect()
                 torch.cuda.empty_cache()
-            logger.warning("[rank %d step %d] %s: reclaiming the shadows and retrying", self.ctx.rank, step, message)
+            logger.warning(
+                "[rank %d step %d] %s: reclaiming the shadows and retrying",
+                self.ctx.rank,
+                step,
+                message,
+            )
             if not self.ctx.preinit.reclaim(step):
                 raise torch.OutOfMemoryError(f"{message} (no shadows left to reclaim)")
             self._restart_compute()
@@ -531,11 +633,18 @@ class RetainedState:
         self._committed_this_step = True
         self.ctx.preinit.report()  # memory after the step, before the agent may read it
         self.ctx.events.emit(
-            Kind.STEP_DONE, rank=self.ctx.rank, step=step, total=self._total,
+            Kind.STEP_DONE,
+            rank=self.ctx.rank,
+            step=step,
+            total=self._total,
             iter_s=time.perf_counter() - self._step_started,
             loss=None if loss is None else float(loss.detach()),
             **self._phases.fields(),
-            **({} if self.device.type != "cuda" else {"device_peak_bytes": self._device_peak_bytes()}),
+            **(
+                {}
+                if self.device.type != "cuda"
+                else {"device_peak_bytes": self._device_peak_bytes()}
+            ),
             **({} if self._lender is None else {"lent_bytes": self._lender.arena.lent_bytes()}),
         )
         if not self._announced:  # this generation is training: the agent ends the recovery
@@ -572,7 +681,9 @@ class RetainedState:
         if self.ctx.grad_sync.gather is not None:
             self.ctx.grad_sync.gather()
         elif self.mirror_regions:
-            raise ProtocolError("a sharded optimizer's full parameter buffers need ctx.grad_sync.gather")
+            raise ProtocolError(
+                "a sharded optimizer's full parameter buffers need ctx.grad_sync.gather"
+            )
 
     def _committed(self) -> None:
         if self.ctx.env.digest:
@@ -584,7 +695,9 @@ class RetainedState:
         self.optimizer_state.read_flags()  # a restored snapshot (or checkpoint) may have changed them
         self.optimizer_state.bind()
         self.optimizer.step()
-        self.optimizer_state.adopt(range(len(self.params)))  # state torch created lazily, into its slots
+        self.optimizer_state.adopt(
+            range(len(self.params))
+        )  # state torch created lazily, into its slots
         self._rng.copy_(self._rng_next)
         self._encode("state")
         self.ctx.injector.point("update")
@@ -605,8 +718,10 @@ class RetainedState:
         from the retained regions, as planned); raises ``ProtocolError`` otherwise."""
         unbound = [tuple(p.shape) for p, _ in self._unbound_grads()]
         if unbound:
-            raise ProtocolError(f"{len(unbound)} main_grad buffers are not the retained gradient views planned "
-                                f"(first shape {unbound[0]}): the integration's buffer layout differs from leto's plan")
+            raise ProtocolError(
+                f"{len(unbound)} main_grad buffers are not the retained gradient views planned "
+                f"(first shape {unbound[0]}): the integration's buffer layout differs from leto's plan"
+            )
 
     def _check_grads_bound(self) -> None:
         if self.layout.main_grad:
@@ -627,7 +742,9 @@ class RetainedState:
             sync.reduce()
             return
         if self.layout.main_grad:
-            raise ProtocolError("gradients live in an integration's buffers but ctx.grad_sync has no reduce")
+            raise ProtocolError(
+                "gradients live in an integration's buffers but ctx.grad_sync has no reduce"
+            )
         if self.ctx.world_size == 1 or sync.size() == 1:
             return
         dtypes = {s.dtype for s in self.layout.grads}
@@ -643,7 +760,11 @@ class RetainedState:
     def _resume(self) -> int:
         """Agree with every rank on the resume point and bring this rank to it."""
         t0 = time.perf_counter()
-        mine = torch.tensor([self.marker.step, int(self.marker.phase)], dtype=torch.int64, device=self.ctx.collective_device)
+        mine = torch.tensor(
+            [self.marker.step, int(self.marker.phase)],
+            dtype=torch.int64,
+            device=self.ctx.collective_device,
+        )
         gathered = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, mine)
         points = [(int(t[0]), Phase(int(t[1]))) for t in gathered]
@@ -664,7 +785,9 @@ class RetainedState:
             try:
                 action = self.updater.resume(step)
             except UnrecoverableStateError as e:
-                self.ctx.events.emit(Kind.UNRECOVERABLE, rank=self.ctx.rank, region="state", error=str(e))
+                self.ctx.events.emit(
+                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region="state", error=str(e)
+                )
                 raise
         elif finish and step == low:
             if phase == Phase.UPDATING:
@@ -685,14 +808,24 @@ class RetainedState:
         elif not finish:
             action = "rerun"
         resume_at = low + 1 if finish else low
-        self._report_unreported(resume_at - 1, time.perf_counter() - t_finish if finish and step == low else 0.0)
+        self._report_unreported(
+            resume_at - 1, time.perf_counter() - t_finish if finish and step == low else 0.0
+        )
         # Step resume_at's forward may have begun on this rank: its buffers back to its start.
         buffers = self.buffer_undo is not None and self.buffer_undo.restore(resume_at)
         extras = self.extras.resume(resume_at)
         self.ctx.events.emit(
-            Kind.RESUMED, rank=self.ctx.rank, gen=self.ctx.env.generation, step=resume_at, action=action, points=[list(p) for p in points],
-            attach_s=self.attach_s, decide_s=time.perf_counter() - t0, mapped_ahead_step=self.mapped_ahead_step,
-            extras=extras, buffers_restored=buffers,
+            Kind.RESUMED,
+            rank=self.ctx.rank,
+            gen=self.ctx.env.generation,
+            step=resume_at,
+            action=action,
+            points=[list(p) for p in points],
+            attach_s=self.attach_s,
+            decide_s=time.perf_counter() - t0,
+            mapped_ahead_step=self.mapped_ahead_step,
+            extras=extras,
+            buffers_restored=buffers,
         )
         self._gather()  # every rank: the full parameters from every rank's committed shards
         if self.ctx.env.digest:
@@ -710,15 +843,24 @@ class RetainedState:
         src = self.ctx.events.source
         last = last_event(path, lambda e: e.get("kind") == "step_done" and e.get("src") == src)
         if last is None or last.get("step", -1) < step:
-            self.ctx.events.emit(Kind.STEP_DONE, rank=self.ctx.rank, step=step, total=self._total, iter_s=iter_s,
-                                 loss=None, finished_in_recovery=True)
+            self.ctx.events.emit(
+                Kind.STEP_DONE,
+                rank=self.ctx.rank,
+                step=step,
+                total=self._total,
+                iter_s=iter_s,
+                loss=None,
+                finished_in_recovery=True,
+            )
 
     def emit_digest(self) -> str:
         """Digest of the state region (with a sharded optimizer: and of the full parameters)
         and of the stateful objects at the last commit (``RetainedExtras.commit_digest``)."""
-        parts = [self.memory.digest(self.state_bytes),
-                 *(self.memory.digest(region) for region in self.mirror_regions.values()),
-                 self.extras.commit_digest]
+        parts = [
+            self.memory.digest(self.state_bytes),
+            *(self.memory.digest(region) for region in self.mirror_regions.values()),
+            self.extras.commit_digest,
+        ]
         digest = hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
         self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
         return digest

@@ -32,15 +32,30 @@ class AdamWHyper:
     """AdamW (decoupled weight decay) when True, Adam's L2 penalty otherwise."""
 
     @classmethod
-    def from_group(cls, group: dict[str, Any], optimizer: torch.optim.Optimizer, lr: float) -> AdamWHyper:
+    def from_group(
+        cls, group: dict[str, Any], optimizer: torch.optim.Optimizer, lr: float
+    ) -> AdamWHyper:
         for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
             if group.get(key):
-                raise ConfigError(f"consistency: rmu does not support Adam {key}=True yet; use consistency: snapshot")
-        if any(isinstance(group[k], torch.Tensor) for k in ("lr", "betas")) or isinstance(group["betas"][0], torch.Tensor):
+                raise ConfigError(
+                    f"consistency: rmu does not support Adam {key}=True yet; use consistency: snapshot"
+                )
+        if any(isinstance(group[k], torch.Tensor) for k in ("lr", "betas")) or isinstance(
+            group["betas"][0], torch.Tensor
+        ):
             raise ConfigError("consistency: rmu needs float lr and betas (not tensors)")
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+            group.get("decoupled_weight_decay")
+        )
         beta1, beta2 = group["betas"]
-        return cls(float(lr), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]), decoupled)
+        return cls(
+            float(lr),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            decoupled,
+        )
 
 
 def adamw_pieces(

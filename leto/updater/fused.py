@@ -40,13 +40,22 @@ def resolve_fused(setting: bool | None, device: torch.device, layout: Layout) ->
     under Leto's AdamW (the kernel is AdamW's; other optimizers run their own step)."""
     fp32 = all(s.dtype == torch.float32 for s in layout.params)
     if setting is None:  # the kernel addresses every gradient in one region
-        return device.type == "cuda" and fp32 and len(layout.grad_regions) == 1 and layout.rule.kind == "adamw"
+        return (
+            device.type == "cuda"
+            and fp32
+            and len(layout.grad_regions) == 1
+            and layout.rule.kind == "adamw"
+        )
     if setting and layout.rule.kind != "adamw":
-        raise ConfigError(f"leto.rmu_fused: true is Leto's AdamW kernel, but {layout.rule.reason}; "
-                          "set rmu_fused: false or leave it unset")
+        raise ConfigError(
+            f"leto.rmu_fused: true is Leto's AdamW kernel, but {layout.rule.reason}; "
+            "set rmu_fused: false or leave it unset"
+        )
     if setting and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("leto.rmu_fused: true needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
-                          "set rmu_fused: false or leave it unset")
+        raise ConfigError(
+            "leto.rmu_fused: true needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
+            "set rmu_fused: false or leave it unset"
+        )
     return setting
 
 
@@ -85,14 +94,24 @@ class _ChunkPlan:
 class FusedChunks:
     """Saves, applies and restores chunks with the fused kernel."""
 
-    def __init__(self, layout: Layout, chunks: list[Chunk], state: torch.Tensor, grads: torch.Tensor,
-                 undo: torch.Tensor) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        chunks: list[Chunk],
+        state: torch.Tensor,
+        grads: torch.Tensor,
+        undo: torch.Tensor,
+    ) -> None:
         if any(s.dtype != torch.float32 for s in layout.params):
-            raise ConfigError("leto.rmu_fused needs float32 parameters (master weights); set rmu_fused: false")
+            raise ConfigError(
+                "leto.rmu_fused needs float32 parameters (master weights); set rmu_fused: false"
+            )
         from triton_kernels import adamw_rmu
 
         if adamw_rmu.BLOCK != BLOCK:
-            raise ProtocolError("triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ")
+            raise ProtocolError(
+                "triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ"
+            )
         self._kernel = adamw_rmu.adamw_undo
         self.flag_nbytes = flag_bytes(chunks)
         self._undo_nbytes = max(c.undo_bytes for c in chunks)
@@ -150,14 +169,30 @@ class FusedChunks:
         for s, u, n in self.plans[j].gaps:
             self.undo_bytes[u : u + n].copy_(self.state[s : s + n])
 
-    def apply(self, j: int, step: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]) -> None:
+    def apply(
+        self, j: int, step: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]
+    ) -> None:
         """The kernel over each piece of chunk ``j``; ``steps`` are the post-increment counts."""
         token = fused_token(step, j)
         for pc in self.plans[j].pieces:
             h = hypers[group_of[pc.param]]
-            self._kernel(self.state_f, self.grads_f, self.undo_f, self.flags, pc.offsets, pc.n, pc.flag_base, token,
-                         lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                         decoupled=h.decoupled, step=steps[pc.param])
+            self._kernel(
+                self.state_f,
+                self.grads_f,
+                self.undo_f,
+                self.flags,
+                pc.offsets,
+                pc.n,
+                pc.flag_base,
+                token,
+                lr=h.lr,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                eps=h.eps,
+                weight_decay=h.weight_decay,
+                decoupled=h.decoupled,
+                step=steps[pc.param],
+            )
 
     def restore(self, j: int, step: int) -> None:
         """Undo chunk ``j`` of step ``step``: gaps, and the element blocks that were written."""

@@ -81,7 +81,11 @@ def plan_chunks(layout: Layout, chunk_bytes: int, align: int, region_bytes: int)
         )
         raw: list[tuple[int, int]] = []
         for p in pieces:
-            slots = [layout.params[p.param], layout.optim[p.param]["exp_avg"], layout.optim[p.param]["exp_avg_sq"]]
+            slots = [
+                layout.params[p.param],
+                layout.optim[p.param]["exp_avg"],
+                layout.optim[p.param]["exp_avg_sq"],
+            ]
             raw += [(s.offset + p.lo * itemsize, (p.hi - p.lo) * itemsize) for s in slots]
             if p.owns_step:
                 step = layout.optim[p.param]["step"]
@@ -93,10 +97,14 @@ def plan_chunks(layout: Layout, chunk_bytes: int, align: int, region_bytes: int)
     return chunks
 
 
-def _whole_parameter_chunks(layout: Layout, chunk_bytes: int, align: int, region_bytes: int) -> list[Chunk]:
+def _whole_parameter_chunks(
+    layout: Layout, chunk_bytes: int, align: int, region_bytes: int
+) -> list[Chunk]:
     if not layout.rule.separable:
-        raise ConfigError(f"consistency: rmu steps the optimizer one chunk of parameters at a time, but "
-                          f"{layout.rule.reason}; use consistency: snapshot")
+        raise ConfigError(
+            f"consistency: rmu steps the optimizer one chunk of parameters at a time, but "
+            f"{layout.rule.reason}; use consistency: snapshot"
+        )
     members: list[list[int]] = [[]]
     size = 0
     for i, s in enumerate(layout.params):
@@ -107,7 +115,12 @@ def _whole_parameter_chunks(layout: Layout, chunk_bytes: int, align: int, region
         size += s.nbytes
     chunks = []
     for j, group in enumerate(members):
-        raw = [(s.offset, s.nbytes) for i in group for s in (layout.params[i], *layout.optim[i].values()) if s.nbytes]
+        raw = [
+            (s.offset, s.nbytes)
+            for i in group
+            for s in (layout.params[i], *layout.optim[i].values())
+            if s.nbytes
+        ]
         last = j == len(members) - 1
         if last:
             raw.append((layout.rng.offset, layout.rng.nbytes))

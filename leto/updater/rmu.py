@@ -64,12 +64,20 @@ from leto.updater.torch_step import TorchStep
 
 logger = logging.getLogger(__name__)
 
-WORKING_PHASES = frozenset({Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED, Phase.FLUSHING})
+WORKING_PHASES = frozenset(
+    {Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED, Phase.FLUSHING}
+)
 """Phases in which the working parity Q[sel], not the host tier 1, matches the data."""
 
 
-def buffer_bytes(layout: Layout, state_nbytes: int, chunk_bytes: int, erasure: ErasureConfig | None,
-                 *, fused: bool = False) -> tuple[int, int]:
+def buffer_bytes(
+    layout: Layout,
+    state_nbytes: int,
+    chunk_bytes: int,
+    erasure: ErasureConfig | None,
+    *,
+    fused: bool = False,
+) -> tuple[int, int]:
     """Sizes of the undo buffer (with the fused path's progress flags at its end) and of
     the two working parity buffers together."""
     align = TILE_BYTES if erasure is not None else 64
@@ -84,8 +92,10 @@ def buffer_bytes(layout: Layout, state_nbytes: int, chunk_bytes: int, erasure: E
 def _only_region(regions: dict[str, torch.Tensor]) -> torch.Tensor:
     """The fused kernel addresses every gradient in one flat region."""
     if len(regions) != 1:
-        raise ConfigError(f"leto.rmu_fused needs one gradient region, the layout has {sorted(regions)}; "
-                          "set rmu_fused: false")
+        raise ConfigError(
+            f"leto.rmu_fused needs one gradient region, the layout has {sorted(regions)}; "
+            "set rmu_fused: false"
+        )
     (region,) = regions.values()
     return region
 
@@ -136,22 +146,32 @@ class ResumableUpdater:
         self._torch: TorchStep | None = None
         if layout.rule.kind == "torch":
             if fused:
-                raise ConfigError(f"leto.rmu_fused is Leto's AdamW kernel; {layout.rule.reason}: set rmu_fused: false "
-                                  "or leave it unset")
+                raise ConfigError(
+                    f"leto.rmu_fused is Leto's AdamW kernel; {layout.rule.reason}: set rmu_fused: false "
+                    "or leave it unset"
+                )
             self._torch = TorchStep(optimizer, layout, state, regions)
         else:
             self._param = [s.view(state).view(-1) for s in layout.params]
             self._m = [o["exp_avg"].view(state).view(-1) for o in layout.optim]
             self._v = [o["exp_avg_sq"].view(state).view(-1) for o in layout.optim]
             self._step = [o["step"].view(state) for o in layout.optim]
-            self._grad = [s.view(regions[name]).view(-1)
-                          for s, name in zip(layout.grads, layout.grad_region, strict=True)]
-        self._counters = [(i, o[key].view(state)) for i, o in enumerate(layout.optim)
-                          for key in sorted(layout.rule.counters) if key in o]
+            self._grad = [
+                s.view(regions[name]).view(-1)
+                for s, name in zip(layout.grads, layout.grad_region, strict=True)
+            ]
+        self._counters = [
+            (i, o[key].view(state))
+            for i, o in enumerate(layout.optim)
+            for key in sorted(layout.rule.counters)
+            if key in o
+        ]
         """Step counters of the ``torch`` rule (``UpdateRule.counters``), for check_counters."""
         self._rng = layout.rng.view(state)
         self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
-        self.fused = FusedChunks(layout, self.chunks, state, _only_region(regions), undo) if fused else None
+        self.fused = (
+            FusedChunks(layout, self.chunks, state, _only_region(regions), undo) if fused else None
+        )
         self._working: list[list[ProtectionGroup]] = []
         self._stale: dict[int, list[tuple[int, int]]] = {}
         """Parity byte ranges per group where Q[1-sel] lags Q[sel] (see ``_fold_parity``)."""
@@ -167,9 +187,17 @@ class ResumableUpdater:
             no_t2 = dataclasses.replace(cfg, tier2_parity=0)
             empty = torch.empty(0, dtype=torch.uint8, device=parity.device)
             self._working = [
-                [ProtectionGroup(no_t2, g.data, parity[(s * n + i) * h1 : (s * n + i + 1) * h1], empty,
-                                 backend=g.backend, syndromes=True)
-                 for i, g in enumerate(protected.groups)]
+                [
+                    ProtectionGroup(
+                        no_t2,
+                        g.data,
+                        parity[(s * n + i) * h1 : (s * n + i + 1) * h1],
+                        empty,
+                        backend=g.backend,
+                        syndromes=True,
+                    )
+                    for i, g in enumerate(protected.groups)
+                ]
                 for s in (0, 1)
             ]
 
@@ -182,9 +210,13 @@ class ResumableUpdater:
         over: call only between updates (marker IDLE or GRADS_READY).
         """
         if self.marker.phase in WORKING_PHASES:
-            raise ProtocolError(f"cannot move the rmu buffers in the middle of an update ({self.marker.phase.name})")
+            raise ProtocolError(
+                f"cannot move the rmu buffers in the middle of an update ({self.marker.phase.name})"
+            )
         if undo.numel() != self.undo.numel() or (parity is None) != (not self._working):
-            raise ProtocolError("bind_buffers needs buffers of the sizes the updater was built with")
+            raise ProtocolError(
+                "bind_buffers needs buffers of the sizes the updater was built with"
+            )
         self.undo = undo
         if self.fused is not None:
             self.fused.bind(undo)
@@ -243,7 +275,11 @@ class ResumableUpdater:
                 self.fused.restore(self.marker.chunk, self.marker.step)
             else:
                 self._restore(self.chunks[self.marker.chunk])
-        if self._working and phase in (Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED):
+        if self._working and phase in (
+            Phase.PARITY_LOADED,
+            Phase.CHUNK_SAVED,
+            Phase.CHUNK_COMMITTED,
+        ):
             sel = self.marker.parity_sel
             for auth, other in zip(self._working[sel], self._working[1 - sel], strict=True):
                 other.tier1.copy_(auth.tier1)
@@ -261,20 +297,30 @@ class ResumableUpdater:
         """
         phase, cursor = self.marker.phase, self.marker.chunk
         done = {
-            Phase.GRADS_READY: 0, Phase.PARITY_LOADED: 0, Phase.CHUNK_SAVED: cursor,
-            Phase.CHUNK_COMMITTED: cursor + 1, Phase.FLUSHING: len(self.chunks),
+            Phase.GRADS_READY: 0,
+            Phase.PARITY_LOADED: 0,
+            Phase.CHUNK_SAVED: cursor,
+            Phase.CHUNK_COMMITTED: cursor + 1,
+            Phase.FLUSHING: len(self.chunks),
         }[phase]
         applied = {p.param for c in self.chunks[:done] for p in c.pieces if p.owns_step}
         if self._torch is not None:
             flags = self._torch.begin()
             bad = [(i, float(f)) for i, f in enumerate(flags) if f not in (0, 1)]
-            values = torch.stack([t for _, t in self._counters]).cpu().tolist() if self._counters else []
-            counted = [(i, float(v) - (i in applied), float(v))
-                       for (i, _), v in zip(self._counters, values, strict=True) if self._torch.slots.present[i]]
+            values = (
+                torch.stack([t for _, t in self._counters]).cpu().tolist() if self._counters else []
+            )
+            counted = [
+                (i, float(v) - (i in applied), float(v))
+                for (i, _), v in zip(self._counters, values, strict=True)
+                if self._torch.slots.present[i]
+            ]
             if not bad and counted:
                 bad = [(i, v) for i, base, v in counted if base != counted[0][1]]
         else:
-            bad = [(i, float(t)) for i, t in enumerate(self._step) if float(t) != step + (i in applied)]
+            bad = [
+                (i, float(t)) for i, t in enumerate(self._step) if float(t) != step + (i in applied)
+            ]
         if bad:
             raise UnrecoverableStateError(
                 f"retained optimizer step counters contradict the update marker ({phase.name}, chunk "
@@ -293,8 +339,10 @@ class ResumableUpdater:
             hypers: list[AdamWHyper] | list[float] = lrs
             self._torch.begin()  # after any restore: which parameters' state torch has created
         else:
-            hypers = [AdamWHyper.from_group(g, self.optimizer, lr)
-                      for g, lr in zip(self.optimizer.param_groups, lrs, strict=True)]
+            hypers = [
+                AdamWHyper.from_group(g, self.optimizer, lr)
+                for g, lr in zip(self.optimizer.param_groups, lrs, strict=True)
+            ]
             # host copy of the step counters (one device sync per update, not one per piece)
             self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
         for j in range(first, len(self.chunks)):
@@ -367,7 +415,9 @@ class ResumableUpdater:
         if chunk.installs_rng:
             self._rng.copy_(self.rng_next)
 
-    def _fold_parity(self, chunk: Chunk, auth: list[ProtectionGroup], spare: list[ProtectionGroup]) -> None:
+    def _fold_parity(
+        self, chunk: Chunk, auth: list[ProtectionGroup], spare: list[ProtectionGroup]
+    ) -> None:
         """``Q[1-sel] = Q[sel] ^ RS_j(U xor C)``, written only into the spare ``Q[1-sel]``.
 
         The first fold into a parity range reads the authoritative buffer and writes the
@@ -398,13 +448,21 @@ class ResumableUpdater:
                         self._copy_range(auth[g], spare[g], lo, hi)
                     spare[g].update_pages(spare[g].tier1, page, k, boff, old, new)
                 else:
-                    spare[g].update_pages(spare[g].tier1, page, k, boff, old, new, parity_in=auth[g].tier1)
+                    spare[g].update_pages(
+                        spare[g].tier1, page, k, boff, old, new, parity_in=auth[g].tier1
+                    )
                 written[g] = _union(done, [rng])
                 if first:
                     first = False
                     scratch = [gr.tier1 for gr in spare]
-                    self.injector.point("update", at="parity", chunk=chunk.index,
-                                        on_fire=lambda s=scratch: [_scribble(t, [(0, t.numel())], seed=7) for t in s])
+                    self.injector.point(
+                        "update",
+                        at="parity",
+                        chunk=chunk.index,
+                        on_fire=lambda s=scratch: [
+                            _scribble(t, [(0, t.numel())], seed=7) for t in s
+                        ],
+                    )
             pos += n
         for g, ranges in self._stale.items():
             for lo, hi in _subtract(ranges, written.get(g, [])):
@@ -505,8 +563,13 @@ class ResumableUpdater:
                 half = src.numel() // 2 // TILE_BYTES * TILE_BYTES
                 host.tier1[:half].copy_(src[:half], non_blocking=True)
                 if i == 0:
-                    self.injector.point("update", at="flush",
-                                        on_fire=lambda h=host, a=half: _scribble(h.tier1, [(a, h.tier1.numel() - a)], seed=11))
+                    self.injector.point(
+                        "update",
+                        at="flush",
+                        on_fire=lambda h=host, a=half: _scribble(
+                            h.tier1, [(a, h.tier1.numel() - a)], seed=11
+                        ),
+                    )
                 host.tier1[half:].copy_(src[half:], non_blocking=True)
         for host, s in zip(self.protected.groups, spare, strict=True):
             if side is not None:
@@ -535,7 +598,13 @@ def _page_runs(spans: list, pb: int) -> list[tuple[int, int, int, int, int, int]
     runs: list[list[int]] = []
     for s in spans:
         whole = s.offset == 0 and s.nbytes == pb
-        if whole and runs and runs[-1][4] == pb and runs[-1][0] == s.group and runs[-1][1] + runs[-1][2] == s.page:
+        if (
+            whole
+            and runs
+            and runs[-1][4] == pb
+            and runs[-1][0] == s.group
+            and runs[-1][1] + runs[-1][2] == s.page
+        ):
             runs[-1][2] += 1
         else:
             runs.append([s.group, s.page, 1, s.offset, s.nbytes, s.region_offset])
@@ -573,9 +642,10 @@ def _subtract(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[
     return out
 
 
-def _scribble(t: torch.Tensor, spans: tuple[tuple[int, int], ...] | list[tuple[int, int]], seed: int) -> None:
+def _scribble(
+    t: torch.Tensor, spans: tuple[tuple[int, int], ...] | list[tuple[int, int]], seed: int
+) -> None:
     """Fill byte ranges with random bytes (what a kernel or copy killed midway leaves)."""
     gen = torch.Generator().manual_seed(seed)
     for off, n in spans:
         t[off : off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
-

@@ -22,7 +22,9 @@ def test_young_interval_uses_the_fatal_failure_mttf() -> None:
 
 
 def test_checkpoint_section_is_validated() -> None:
-    cfg = from_dict(LetoConfig, {"checkpoint": {"dir": "/c", "interval_steps": 50}}, where="job.leto")
+    cfg = from_dict(
+        LetoConfig, {"checkpoint": {"dir": "/c", "interval_steps": 50}}, where="job.leto"
+    )
     assert cfg.checkpoint == CheckpointConfig(dir="/c", interval_steps=50)
     with pytest.raises(ConfigError, match="hof_ratio"):
         CheckpointConfig(dir="x", hof_ratio=1.0)

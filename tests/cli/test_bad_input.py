@@ -37,82 +37,120 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
     "nproc-negative": ({}, ["--nproc_per_node", "-1", "train.py"], ("--nproc_per_node:", "-1")),
     "nproc-word": ({}, ["--nproc-per-node", "lots", "train.py"], ("--nproc-per-node:", "'lots'")),
     "nproc-job-file": (
-        {"job.yaml": "launch: {nproc_per_node: 0}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "launch: {nproc_per_node: 0}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("job.yaml: launch.nproc_per_node:", ">= 1"),
     ),
     "max-restarts-negative": ({}, ["--max-restarts", "-1", "train.py"], ("--max-restarts:",)),
     "nnodes-zero": ({}, ["--nnodes", "0", "train.py"], ("--nnodes '0'",)),
     # the events file: the agent would open it only after the launch
     "events-missing-dir": (
-        {}, ["--events", "missing/ev.jsonl", "train.py"], ("--events:", "'missing/ev.jsonl'"),
+        {},
+        ["--events", "missing/ev.jsonl", "train.py"],
+        ("--events:", "'missing/ev.jsonl'"),
     ),
     "events-under-a-file": (
-        {}, ["--events", "train.py/ev.jsonl", "train.py"], ("--events:", "not a directory"),
+        {},
+        ["--events", "train.py/ev.jsonl", "train.py"],
+        ("--events:", "not a directory"),
     ),
     "events-job-file": (
-        {"job.yaml": "leto: {events_file: missing/ev.jsonl}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "leto: {events_file: missing/ev.jsonl}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("job.yaml: leto.events_file:", "does not exist"),
     ),
     "job-file-not-utf8": (
-        {"job.yaml": NOT_UTF8}, ["--config", "job.yaml", "train.py"], ("'job.yaml'", "not UTF-8"),
+        {"job.yaml": NOT_UTF8},
+        ["--config", "job.yaml", "train.py"],
+        ("'job.yaml'", "not UTF-8"),
     ),
     # faults: every key named, and none that can never fire
     "fault-rank-beyond-the-job": (
-        {}, ["--nproc-per-node", "2", "--inject-fault", "rank=7,step=1", "train.py"],
+        {},
+        ["--nproc-per-node", "2", "--inject-fault", "rank=7,step=1", "train.py"],
         ("--inject-fault 'rank=7,step=1':", "rank 7", "2 ranks"),
     ),
     "fault-rank-beyond-two-nodes": (
-        {}, ["--nnodes", "2", "--nproc-per-node", "2", "--inject-fault", "rank=4,step=1", "train.py"],
+        {},
+        ["--nnodes", "2", "--nproc-per-node", "2", "--inject-fault", "rank=4,step=1", "train.py"],
         ("--inject-fault 'rank=4,step=1':", "4 ranks"),
     ),
     "fault-rank-beyond-job-file": (
-        {"job.yaml": "leto: {faults: [{rank: 2, step: 1}]}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "leto: {faults: [{rank: 2, step: 1}]}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("job.yaml: leto.faults[0]:", "rank 2", "1 ranks"),
     ),
     "fault-step-missing": (
-        {}, ["--inject-fault", "rank=1", "train.py"], ("--inject-fault 'rank=1':", "step is missing"),
+        {},
+        ["--inject-fault", "rank=1", "train.py"],
+        ("--inject-fault 'rank=1':", "step is missing"),
     ),
     "fault-step-missing-job-file": (
-        {"job.yaml": "leto: {faults: [{rank: 0}]}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "leto: {faults: [{rank: 0}]}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("job.yaml: leto.faults[0]: step is missing",),
     ),
     "fault-unknown-key": (
-        {}, ["--inject-fault", "rnak=0,step=2", "train.py"],
+        {},
+        ["--inject-fault", "rnak=0,step=2", "train.py"],
         ("--inject-fault 'rnak=0,step=2':", "unknown key 'rnak'; did you mean 'rank'?"),
     ),
     "fault-bad-value": (
-        {}, ["--inject-fault", "rank=one,step=2", "train.py"], ("rank: expected int, got 'one'",),
+        {},
+        ["--inject-fault", "rank=one,step=2", "train.py"],
+        ("rank: expected int, got 'one'",),
     ),
     "fault-bad-phase": (
-        {}, ["--inject-fault", "rank=0,step=1,phase=fwd", "train.py"], ("phase: 'fwd' is not one of",),
+        {},
+        ["--inject-fault", "rank=0,step=1,phase=fwd", "train.py"],
+        ("phase: 'fwd' is not one of",),
     ),
     "fault-key-twice": (
-        {}, ["--inject-fault", "rank=0,step=1,step=2", "train.py"], ("step is given twice",),
+        {},
+        ["--inject-fault", "rank=0,step=1,step=2", "train.py"],
+        ("step is given twice",),
     ),
     # Leto's settings: the flag when a flag set the value, the file and key otherwise
-    "hang-timeout-flag": ({}, ["--hang-timeout", "-1", "train.py"], ("--hang-timeout: must be > 0",)),
-    "hang-timeout-equals": ({}, ["--hang-timeout=-1", "train.py"], ("--hang-timeout: must be > 0",)),
+    "hang-timeout-flag": (
+        {},
+        ["--hang-timeout", "-1", "train.py"],
+        ("--hang-timeout: must be > 0",),
+    ),
+    "hang-timeout-equals": (
+        {},
+        ["--hang-timeout=-1", "train.py"],
+        ("--hang-timeout: must be > 0",),
+    ),
     "hang-timeout-abbreviated": ({}, ["--hang", "-1", "train.py"], ("--hang: must be > 0",)),
     "hang-timeout-job-file": (
-        {"job.yaml": "leto: {hang_timeout_s: -1}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "leto: {hang_timeout_s: -1}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("job.yaml: leto.hang_timeout_s: must be > 0",),
     ),
     "first-step-timeout": (
-        {}, ["--first-step-timeout", "5", "train.py"], ("--first-step-timeout: must be >=",),
+        {},
+        ["--first-step-timeout", "5", "train.py"],
+        ("--first-step-timeout: must be >=",),
     ),
     "checkpoint-every-zero": (
-        {}, ["--checkpoint-dir", "ck", "--checkpoint-every", "0", "train.py"],
+        {},
+        ["--checkpoint-dir", "ck", "--checkpoint-every", "0", "train.py"],
         ("--checkpoint-every: must be >= 1",),
     ),
     "checkpoint-every-without-dir": (
-        {}, ["--checkpoint-every", "5", "train.py"], ("--checkpoint-every needs --checkpoint-dir",),
+        {},
+        ["--checkpoint-every", "5", "train.py"],
+        ("--checkpoint-every needs --checkpoint-dir",),
     ),
     "metrics-port-out-of-range": (
-        {}, ["--metrics-port", "70000", "train.py"], ("--metrics-port: must be in [0, 65535]",),
+        {},
+        ["--metrics-port", "70000", "train.py"],
+        ("--metrics-port: must be in [0, 65535]",),
     ),
     # unknown keys suggest the closest
     "unknown-leto-key": (
-        {"job.yaml": "leto: {hang_timeout: 5}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "leto: {hang_timeout: 5}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("job.yaml: leto: unknown key 'hang_timeout'; did you mean 'hang_timeout_s'?",),
     ),
     "unknown-nested-key": (
@@ -121,40 +159,59 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
         ("job.yaml: leto.checkpoint: unknown key 'intervall'; did you mean 'interval_steps'?",),
     ),
     "unknown-launch-key": (
-        {"job.yaml": "launch: {nproc-per-node: 2}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "launch: {nproc-per-node: 2}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("job.yaml: launch: unknown key 'nproc-per-node'; did you mean 'nproc_per_node'?",),
     ),
     "leto-key-under-launch": (
-        {"job.yaml": "launch: {hang_timeout_s: 5}\n"}, ["--config", "job.yaml", "train.py"],
+        {"job.yaml": "launch: {hang_timeout_s: 5}\n"},
+        ["--config", "job.yaml", "train.py"],
         ("launch: unknown key 'hang_timeout_s'", "under leto:"),
     ),
     "unknown-top-level-key": (
-        {"job.yaml": "scirpt: train.py\n"}, ["--config", "job.yaml"],
+        {"job.yaml": "scirpt: train.py\n"},
+        ["--config", "job.yaml"],
         ("unknown top-level key 'scirpt' (did you mean 'script'?)",),
     ),
     # the simulator, in the launcher's style
     "sim-scenario-not-utf8": (
-        {"scenario.yaml": NOT_UTF8}, ["sim", "scenario.yaml"], ("'scenario.yaml'", "not UTF-8"),
+        {"scenario.yaml": NOT_UTF8},
+        ["sim", "scenario.yaml"],
+        ("'scenario.yaml'", "not UTF-8"),
     ),
     "sim-plots-under-a-file": (
-        {}, ["sim", "--plots", "train.py/plots", KIMI], ("--plots 'train.py/plots'", "is a file"),
+        {},
+        ["sim", "--plots", "train.py/plots", KIMI],
+        ("--plots 'train.py/plots'", "is a file"),
     ),
     "sim-json-under-a-file": (
-        {}, ["sim", "--json", "train.py/out.json", KIMI], ("--json 'train.py/out.json'",),
+        {},
+        ["sim", "--json", "train.py/out.json", KIMI],
+        ("--json 'train.py/out.json'",),
     ),
     "sim-unknown-key": (
-        {"scenario.yaml": TYPO_SCENARIO}, ["sim", "scenario.yaml"],
+        {"scenario.yaml": TYPO_SCENARIO},
+        ["sim", "scenario.yaml"],
         ("scenario.yaml: failures: unknown key 'hof_ratoi'; did you mean 'hof_ratio'?",),
     ),
     "sim-no-scenario": ({}, ["sim"], ("Missing argument",)),
     "sim-unknown-option": ({}, ["sim", "--bogus", KIMI], ("--bogus",)),
-    "sim-bad-option-value": ({}, ["sim", "--monte-carlo-runs", "-1", KIMI], ("--monte-carlo-runs",)),
+    "sim-bad-option-value": (
+        {},
+        ["sim", "--monte-carlo-runs", "-1", KIMI],
+        ("--monte-carlo-runs",),
+    ),
 }
 
 # The cases that also run as real processes.
 SUBPROCESS_CASES = (
-    "nproc-zero", "events-missing-dir", "job-file-not-utf8", "sim-scenario-not-utf8",
-    "sim-plots-under-a-file", "fault-rank-beyond-the-job", "sim-no-scenario",
+    "nproc-zero",
+    "events-missing-dir",
+    "job-file-not-utf8",
+    "sim-scenario-not-utf8",
+    "sim-plots-under-a-file",
+    "fault-rank-beyond-the-job",
+    "sim-no-scenario",
 )
 
 # script, argv, the flag the one line must name
@@ -163,8 +220,11 @@ EXAMPLES: dict[str, tuple[str, list[str], str]] = {
     "train_gpt-zero": ("train_gpt.py", ["--steps", "0"], "--steps"),
     "train_scheduled": ("train_scheduled.py", ["--steps", "0"], "--steps"),
     "plain_ddp": ("plain_ddp.py", ["--steps", "0"], "--steps"),
-    "torchrun_gpt_ckpt": ("torchrun_gpt_ckpt.py", ["--ckpt-dir", "ck", "--ckpt-every", "0"],
-                          "--ckpt-every"),
+    "torchrun_gpt_ckpt": (
+        "torchrun_gpt_ckpt.py",
+        ["--ckpt-dir", "ck", "--ckpt-every", "0"],
+        "--ckpt-every",
+    ),
     "megatron_gpt": ("megatron_gpt.py", ["--train-iters", "0"], "--train-iters"),
 }
 
@@ -209,7 +269,9 @@ def test_every_leto_flag_maps_onto_one_setting() -> None:
     dests = {a.dest for a in parser._actions}
     hints = typing.get_type_hints(LetoConfig)
     for flag, setting in cli.LETO_FLAGS.items():
-        assert any(flag in a.option_strings and a.dest == cli._dest(setting) for a in parser._actions)
+        assert any(
+            flag in a.option_strings and a.dest == cli._dest(setting) for a in parser._actions
+        )
         head, _, rest = setting.partition(".")
         assert head in hints, flag
         if rest:
@@ -260,8 +322,9 @@ def processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.
     commands["--version"] = ([*LETO_RUN, "--version"], tmp_path_factory.mktemp("version"))
     commands["sim -h"] = ([*LETO_RUN, "sim", "-h"], tmp_path_factory.mktemp("sim-h"))
     procs = {
-        name: subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+        name: subprocess.Popen(
+            cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for name, (cmd, cwd) in commands.items()
     }
     results = {}

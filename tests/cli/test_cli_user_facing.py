@@ -28,7 +28,9 @@ BAD_INPUT: dict[str, tuple[str | None, list[str], str]] = {
     "wrong-type-launch": ("launch: {max_restarts: two}\n", ["--config", "job.yaml"], "restarts"),
     "wrong-type-leto": ("leto: {digest: maybe}\n", ["--config", "job.yaml"], "leto.digest"),
     "wrong-type-faults": (
-        "leto: {faults: [{rank: a, step: 1}]}\n", ["--config", "job.yaml"], "faults[0].rank",
+        "leto: {faults: [{rank: a, step: 1}]}\n",
+        ["--config", "job.yaml"],
+        "faults[0].rank",
     ),
     "missing-config": (None, ["--config", "nope.yaml", "train.py"], "'nope.yaml' does not exist"),
     "missing-script": (None, ["--nproc-per-node", "2", "nope.py"], "'nope.py' does not exist"),
@@ -45,8 +47,14 @@ BAD_INPUT: dict[str, tuple[str | None, list[str], str]] = {
 
 # One per kind of bad input the launcher issue lists, run as real processes.
 SUBPROCESS_CASES = (
-    "malformed-yaml", "unknown-top-level-key", "unknown-launch-key", "unknown-leto-key",
-    "wrong-type-launch", "missing-config", "missing-script", "bad-fault-syntax",
+    "malformed-yaml",
+    "unknown-top-level-key",
+    "unknown-launch-key",
+    "unknown-leto-key",
+    "wrong-type-launch",
+    "missing-config",
+    "missing-script",
+    "bad-fault-syntax",
 )
 
 
@@ -86,8 +94,11 @@ def bad_input_results(
         job, argv, _ = BAD_INPUT[name]
         cwd = job_dir(tmp_path_factory.mktemp(name), job)
         procs[name] = subprocess.Popen(
-            [str(LETO_RUN), *argv], cwd=cwd, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [str(LETO_RUN), *argv],
+            cwd=cwd,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
     results = {}
     for name, proc in procs.items():
@@ -119,8 +130,16 @@ def test_help_lists_every_torchrun_flag_the_leto_group_and_sim() -> None:
     shown = set(re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", result.stdout))
     torchrun_flags = {s for a in get_args_parser()._actions for s in a.option_strings}
     assert torchrun_flags - shown == set()
-    leto_flags = {"--config", "--no-dashboard", "--events", "--inject-fault", "--consistency",
-                  "--shadow-level", "--recovery", "--digest"}
+    leto_flags = {
+        "--config",
+        "--no-dashboard",
+        "--events",
+        "--inject-fault",
+        "--consistency",
+        "--shadow-level",
+        "--recovery",
+        "--digest",
+    }
     assert leto_flags - shown == set()
     assert "\nleto:\n" in result.stdout and "leto-run sim" in result.stdout
 
@@ -167,7 +186,8 @@ def test_main_keeps_double_dash_for_argparse(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert dispatch(["--", "train.py", "--", "x"], monkeypatch) == (
-        "launch", ["--", "train.py", "--", "x"],
+        "launch",
+        ["--", "train.py", "--", "x"],
     )
 
 

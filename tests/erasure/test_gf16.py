@@ -73,8 +73,13 @@ def test_symbol_layout_roundtrip(tiles: int, seed: int) -> None:
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 2), st.integers(0, 2**32 - 1),
-       st.booleans())
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 2),
+    st.integers(0, 2**32 - 1),
+    st.booleans(),
+)
 def test_bitsliced_mac_equals_symbol_arithmetic(
     n_src: int, n_out: int, tiles: int, seed: int, accumulate: bool
 ) -> None:

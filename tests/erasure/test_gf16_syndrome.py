@@ -20,12 +20,20 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @settings(max_examples=24, deadline=None)
-@given(st.integers(1, 40), st.sampled_from([1, 3, 8, 9, 16, 16]), st.integers(1, 5), st.integers(1, 2),
-       st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from([4, 8]))
+@given(
+    st.integers(1, 40),
+    st.sampled_from([1, 3, 8, 9, 16, 16]),
+    st.integers(1, 5),
+    st.integers(1, 2),
+    st.integers(0, 2**32 - 1),
+    st.booleans(),
+    st.sampled_from([4, 8]),
+)
 @example(20, 16, 5, 1, 1, False, 4)  # H = 16: balanced parts, always tried with both part sizes
 @example(20, 16, 5, 1, 2, True, 8)
-def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, seed: int, in_place: bool,
-                                          acc: int) -> None:
+def test_syndrome_kernel_equals_reference(
+    d: int, h: int, k: int, tiles: int, seed: int, in_place: bool, acc: int
+) -> None:
     """Any D, H, run and range, in place or not, 4 or 8 syndromes per program (in order, or
     in mirrored pairs when all 16 are launched)."""
     from triton_kernels.gf16_syndrome import scale_table, syndrome_update
@@ -43,14 +51,31 @@ def test_syndrome_kernel_equals_reference(d: int, h: int, k: int, tiles: int, se
     code = GRSCode(d, h)
     coef = code.check_data[:, j0 : j0 + k].tolist()
     ref = q_in.clone()
-    mac_pages(coef, [new[i * (n + pad) : i * (n + pad) + n] for i in range(k)],
-              [ref[pad + p * (n + pad) : pad + p * (n + pad) + n] for p in range(h)], accumulate=True,
-              srcs_xor=[old[i * (n + pad) : i * (n + pad) + n] for i in range(k)])
+    mac_pages(
+        coef,
+        [new[i * (n + pad) : i * (n + pad) + n] for i in range(k)],
+        [ref[pad + p * (n + pad) : pad + p * (n + pad) + n] for p in range(h)],
+        accumulate=True,
+        srcs_xor=[old[i * (n + pad) : i * (n + pad) + n] for i in range(k)],
+    )
     q_dev = q_in.to(DEV)
     q_out = q_dev if in_place else q_dev.clone()
-    syndrome_update(scale_table(d, DEV), j0, k, new.to(DEV).view(torch.int32), (n + pad) // 4,
-                    old.to(DEV).view(torch.int32), (n + pad) // 4, q_dev.view(torch.int32), q_out.view(torch.int32),
-                    pad // 4, (n + pad) // 4, h, tiles, acc=acc)
+    syndrome_update(
+        scale_table(d, DEV),
+        j0,
+        k,
+        new.to(DEV).view(torch.int32),
+        (n + pad) // 4,
+        old.to(DEV).view(torch.int32),
+        (n + pad) // 4,
+        q_dev.view(torch.int32),
+        q_out.view(torch.int32),
+        pad // 4,
+        (n + pad) // 4,
+        h,
+        tiles,
+        acc=acc,
+    )
     assert torch.equal(q_out.cpu(), ref)
 
 
@@ -65,26 +90,44 @@ def test_syndrome_kernel_refuses_unknown_launch_options() -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_syndrome_group_update_pages_and_conversions(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_syndrome_group_update_pages_and_conversions(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A syndrome-form group (the updater's working parity) updated chunk by chunk holds
     the syndromes of the data; ``parity_of`` gives the GRS parity bytes, ``syndromes_of``
     inverts it; a lost data page is rebuilt from the syndromes; lost syndromes are refused."""
     import leto.erasure.group as erasure_group
 
-    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # the Horner kernel through update_pages,
+    monkeypatch.setattr(
+        erasure_group, "SYNDROME_KERNEL", True
+    )  # the Horner kernel through update_pages,
     monkeypatch.setattr(erasure_group, "SYNDROME_MIN_PAGES", 1)  # for the short runs below too
     cfg = ErasureConfig(page_bytes=2 * TILE_BYTES, data_pages=8, tier1_parity=9, tier2_parity=0)
     pb = cfg.page_bytes
     g = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (7 * pb,), dtype=torch.uint8, generator=g).to(DEV)
     empty = torch.empty(0, dtype=torch.uint8, device=DEV)
-    host = ProtectionGroup(cfg, data, torch.empty(9 * pb, dtype=torch.uint8, device=DEV), empty, backend=backend)
+    host = ProtectionGroup(
+        cfg, data, torch.empty(9 * pb, dtype=torch.uint8, device=DEV), empty, backend=backend
+    )
     host.encode_tier1()
-    work = ProtectionGroup(cfg, data, torch.empty(9 * pb, dtype=torch.uint8, device=DEV), empty, syndromes=True,
-                           backend=backend)
+    work = ProtectionGroup(
+        cfg,
+        data,
+        torch.empty(9 * pb, dtype=torch.uint8, device=DEV),
+        empty,
+        syndromes=True,
+        backend=backend,
+    )
     work.syndromes_of(host.tier1, work.tier1)
-    fresh = ProtectionGroup(cfg, data, torch.empty(9 * pb, dtype=torch.uint8, device=DEV), empty, syndromes=True,
-                            backend="torch")
+    fresh = ProtectionGroup(
+        cfg,
+        data,
+        torch.empty(9 * pb, dtype=torch.uint8, device=DEV),
+        empty,
+        syndromes=True,
+        backend="torch",
+    )
     assert torch.equal(work.tier1, fresh.encode_tier1())
     # a chunk of 3 pages (whole) and a sub-page range of 2 pages, folded in place
     old = data.clone()
@@ -92,7 +135,14 @@ def test_syndrome_group_update_pages_and_conversions(backend: str, monkeypatch: 
     work.update_pages(work.tier1, 2, 3, 0, old[2 * pb : 5 * pb], data[2 * pb : 5 * pb])
     old2 = data.clone()
     data.view(7, pb)[5:7, TILE_BYTES:] ^= 0x5A
-    work.update_pages(work.tier1, 5, 2, TILE_BYTES, old2.view(7, pb)[5:7, TILE_BYTES:], data.view(7, pb)[5:7, TILE_BYTES:])
+    work.update_pages(
+        work.tier1,
+        5,
+        2,
+        TILE_BYTES,
+        old2.view(7, pb)[5:7, TILE_BYTES:],
+        data.view(7, pb)[5:7, TILE_BYTES:],
+    )
     assert torch.equal(work.tier1, fresh.encode_tier1())
     back = torch.empty_like(work.tier1)
     work.parity_of(work.tier1, back)
@@ -109,7 +159,9 @@ def test_syndrome_group_update_pages_and_conversions(backend: str, monkeypatch: 
 
 
 @pytest.mark.parametrize("syndromes", [False, True])
-def test_encode_by_syndromes_equals_the_generic_encode(syndromes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_encode_by_syndromes_equals_the_generic_encode(
+    syndromes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``encode_all`` on the device path (the Horner kernel over every page, then
     ``P = W^-1 S`` and tier 2 where the data lives) writes the same bytes in both tiers as
     the PyTorch engine's product, for a full and a short group."""
@@ -122,10 +174,17 @@ def test_encode_by_syndromes_equals_the_generic_encode(syndromes: bool, monkeypa
         data = torch.randint(0, 256, (pages * pb,), dtype=torch.uint8, generator=g)
         tiers = {}
         for backend in ("torch", "triton"):
-            t1, t2 = torch.full((5 * pb,), 0xAA, dtype=torch.uint8), torch.full((2 * pb,), 0x55, dtype=torch.uint8)
-            grp = ProtectionGroup(cfg, data.to(DEV), t1.to(DEV), t2.to(DEV), backend=backend, syndromes=syndromes)
+            t1, t2 = (
+                torch.full((5 * pb,), 0xAA, dtype=torch.uint8),
+                torch.full((2 * pb,), 0x55, dtype=torch.uint8),
+            )
+            grp = ProtectionGroup(
+                cfg, data.to(DEV), t1.to(DEV), t2.to(DEV), backend=backend, syndromes=syndromes
+            )
             if backend == "triton":
                 assert grp._encode_tier1_by_syndromes() is not None  # the path under test runs
             grp.encode_all()
             tiers[backend] = (grp.tier1.cpu(), grp.tier2.cpu())
-        assert torch.equal(tiers["torch"][0], tiers["triton"][0]) and torch.equal(tiers["torch"][1], tiers["triton"][1])
+        assert torch.equal(tiers["torch"][0], tiers["triton"][0]) and torch.equal(
+            tiers["torch"][1], tiers["triton"][1]
+        )

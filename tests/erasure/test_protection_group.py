@@ -21,7 +21,9 @@ from leto.erasure.bitslice import TILE_BYTES
 from leto.errors import ConfigError, UnrecoverableStateError
 
 
-def make_group(d: int, h1: int, h2: int, tiles: int, present: int, seed: int, backend: str = "torch"):
+def make_group(
+    d: int, h1: int, h2: int, tiles: int, present: int, seed: int, backend: str = "torch"
+):
     pb = tiles * TILE_BYTES
     cfg = ErasureConfig(page_bytes=pb, data_pages=d, tier1_parity=h1, tier2_parity=h2)
     g = torch.Generator().manual_seed(seed)
@@ -68,11 +70,16 @@ def test_decode_by_syndromes_any_pattern_within_tolerance(shape, data) -> None:
     calls: list[int] = []
     real = ProtectionGroup._rebuild_t1_by_syndromes
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ProtectionGroup, "_rebuild_t1_by_syndromes",
-                   lambda self, plan: calls.append(plan.rows) or real(self, plan))
+        mp.setattr(
+            ProtectionGroup,
+            "_rebuild_t1_by_syndromes",
+            lambda self, plan: calls.append(plan.rows) or real(self, plan),
+        )
         ld, l1, via_tier2 = decode_any_pattern(shape, data, "triton")
     t1_erasures = [] if via_tier2 else l1
-    assert calls == ([len(ld) + len(t1_erasures)] if ld or t1_erasures else [])  # the path under test ran
+    assert calls == (
+        [len(ld) + len(t1_erasures)] if ld or t1_erasures else []
+    )  # the path under test ran
 
 
 def decode_any_pattern(shape, data, backend: str) -> tuple[list[int], list[int], bool]:
@@ -82,10 +89,13 @@ def decode_any_pattern(shape, data, backend: str) -> tuple[list[int], list[int],
     want = snapshot(grp)
     n_lost = data.draw(st.integers(1, min(h1, present + h1)), label="erasures")
     pool = [("d", j) for j in range(present)] + [("p", p) for p in range(h1)]
-    lost = data.draw(st.lists(st.sampled_from(pool), min_size=n_lost, max_size=n_lost,
-                              unique=True), label="lost")
-    lost2 = data.draw(st.lists(st.integers(0, h2 - 1), max_size=h2, unique=True)
-                      if h2 else st.just([]), label="lost tier 2")
+    lost = data.draw(
+        st.lists(st.sampled_from(pool), min_size=n_lost, max_size=n_lost, unique=True), label="lost"
+    )
+    lost2 = data.draw(
+        st.lists(st.integers(0, h2 - 1), max_size=h2, unique=True) if h2 else st.just([]),
+        label="lost tier 2",
+    )
     ld = [j for k, j in lost if k == "d"]
     l1 = [p for k, p in lost if k == "p"]
     for j in ld:
@@ -179,8 +189,7 @@ def test_tier1_and_tier2_lost_together_falls_back_to_tier1(backend: str) -> None
 def test_short_group_pads_with_zero_pages() -> None:
     """A 3-page group of a D=8 code has the parity of the same data plus 5 zero pages."""
     short = make_group(8, 2, 1, 1, 3, 11)
-    full_data = torch.cat([short.data, torch.zeros(5 * short.config.page_bytes,
-                                                   dtype=torch.uint8)])
+    full_data = torch.cat([short.data, torch.zeros(5 * short.config.page_bytes, dtype=torch.uint8)])
     t1, t2 = torch.empty_like(short.tier1), torch.empty_like(short.tier2)
     ProtectionGroup(short.config, full_data, t1, t2, backend="torch").encode_all()
     assert torch.equal(t1, short.tier1) and torch.equal(t2, short.tier2)
@@ -209,7 +218,11 @@ def test_config_validation(kwargs: dict, match: str) -> None:
 def test_config_defaults_are_the_papers() -> None:
     cfg = ErasureConfig()
     assert (cfg.page_bytes, cfg.data_pages, cfg.tier1_parity, cfg.tier2_parity) == (
-        2 << 20, 1024, 16, 1)
+        2 << 20,
+        1024,
+        16,
+        1,
+    )
     assert cfg.group_bytes == 2 << 30
 
 
@@ -218,10 +231,15 @@ def test_layout_helpers() -> None:
     assert padded_bytes(4097, cfg) == 8192
     groups = plan_groups(10 * 4096 + 1, cfg)
     assert [(g.index, g.byte_offset, g.num_pages) for g in groups] == [
-        (0, 0, 4), (1, 4 * 4096, 4), (2, 8 * 4096, 3)]
+        (0, 0, 4),
+        (1, 4 * 4096, 4),
+        (2, 8 * 4096, 3),
+    ]
     spans = split_range(3 * 4096 + 2048, 4096, cfg)
     assert [(s.group, s.page, s.offset, s.nbytes) for s in spans] == [
-        (0, 3, 2048, 2048), (1, 0, 0, 2048)]
+        (0, 3, 2048, 2048),
+        (1, 0, 0, 2048),
+    ]
     assert sum(s.nbytes for s in spans) == 4096
 
 

@@ -27,18 +27,33 @@ ERASURE = {"page_bytes": 2 << 20, "data_pages": 32, "tier1_parity": 16, "tier2_p
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS, model_args=MODEL,
-                              leto={"erasure": ERASURE}, timeout_s=600)
+    return fault_free_digests(
+        tmp_path_factory.mktemp("ref"),
+        steps=STEPS,
+        model_args=MODEL,
+        leto={"erasure": ERASURE},
+        timeout_s=600,
+    )
 
 
 @pytest.mark.timeout(900)
-def test_gpu_hof_plus_h1_lost_device_pages_per_group_recovers_bit_identically(tmp_path, reference) -> None:
-    proc, events = run_leto(tmp_path, steps=STEPS, model_args=MODEL, faults=H1_LOSSES, leto={"erasure": ERASURE},
-                            timeout_s=600)
+def test_gpu_hof_plus_h1_lost_device_pages_per_group_recovers_bit_identically(
+    tmp_path, reference
+) -> None:
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        model_args=MODEL,
+        faults=H1_LOSSES,
+        leto={"erasure": ERASURE},
+        timeout_s=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
-    assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), "several groups lost 16 pages"
+    assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), (
+        "several groups lost 16 pages"
+    )
     rebuilt = {(e["rank"], e["gen"]): e for e in events if e["kind"] == "pages_rebuilt"}
     # Compute-phase kills: every erased device page was found by the page-map query and rebuilt.
     assert rebuilt[(1, 1)]["lost"]["state"]["data"] == len(erased[0]["pages"])
@@ -47,16 +62,27 @@ def test_gpu_hof_plus_h1_lost_device_pages_per_group_recovers_bit_identically(tm
     assert rebuilt[(0, 1)]["lost"]["state"] == {"data": 0, "tier1": 0, "tier2": 0}
     # Mid-update kill: rebuilt from the RMU's working parity, still found page by page.
     assert rebuilt[(1, 3)]["lost"]["state"]["data"] == len(erased[2]["pages"])
-    for (rank, gen), e in sorted(rebuilt.items()):  # shown with pytest -s: the numbers for BENCHMARKS.md
-        print(f"rank {rank} gen {gen}: lost {e['lost']['state']}  localise {e['localize_s'] * 1e3:.1f} ms  "
-              f"rebuild {e['rebuild_s'] * 1e3:.1f} ms")
+    for (rank, gen), e in sorted(
+        rebuilt.items()
+    ):  # shown with pytest -s: the numbers for BENCHMARKS.md
+        print(
+            f"rank {rank} gen {gen}: lost {e['lost']['state']}  localise {e['localize_s'] * 1e3:.1f} ms  "
+            f"rebuild {e['rebuild_s'] * 1e3:.1f} ms"
+        )
 
 
 @pytest.mark.timeout(900)
 def test_gpu_more_than_h1_lost_device_pages_restart_the_group_exactly(tmp_path, reference) -> None:
     faults = [FaultSpec(rank=1, step=6, phase="backward", erase_device_pages=17, erase_group=0)]
-    proc, events = run_leto(tmp_path, steps=STEPS, model_args=MODEL, faults=faults, leto={"erasure": ERASURE},
-                            extra=["--max-restarts", "1"], timeout_s=600)
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        model_args=MODEL,
+        faults=faults,
+        leto={"erasure": ERASURE},
+        extra=["--max-restarts", "1"],
+        timeout_s=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (unrecoverable,) = [e for e in events if e["kind"] == "unrecoverable_state"]
     assert unrecoverable["rank"] == 1 and unrecoverable["lost"]["data"] == 17

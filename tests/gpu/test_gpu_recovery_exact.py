@@ -22,11 +22,17 @@ STEPS = 16
 MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "128", "--batch", "8", "--bf16"]
 
 
-def run_against_fault_free(tmp_path, nproc: int, model: list[str], steps: int, faults: list[FaultSpec]) -> list[dict]:
+def run_against_fault_free(
+    tmp_path, nproc: int, model: list[str], steps: int, faults: list[FaultSpec]
+) -> list[dict]:
     """A fault-free run, then the same job with ``faults``: every per-step digest of the
     second equals the first's, and each fault was injected and recovered in place."""
-    reference = fault_free_digests(tmp_path, steps=steps, nproc=nproc, model_args=model, timeout_s=550)
-    proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, model_args=model, faults=faults, timeout_s=550)
+    reference = fault_free_digests(
+        tmp_path, steps=steps, nproc=nproc, model_args=model, timeout_s=550
+    )
+    proc, events = run_leto(
+        tmp_path, steps=steps, nproc=nproc, model_args=model, faults=faults, timeout_s=550
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     assert len([e for e in events if e["kind"] == "fault_injected"]) == len(faults)
@@ -45,8 +51,21 @@ def test_gpu_kills_in_every_phase_recover_bit_identically(tmp_path, nproc: int) 
     run_against_fault_free(tmp_path, nproc, MODEL, STEPS, faults)
 
 
-GPT_1B = ["--vocab", "32000", "--dim", "2048", "--layers", "20", "--heads", "16", "--seq", "512",
-          "--batch", "4", "--bf16"]
+GPT_1B = [
+    "--vocab",
+    "32000",
+    "--dim",
+    "2048",
+    "--layers",
+    "20",
+    "--heads",
+    "16",
+    "--seq",
+    "512",
+    "--batch",
+    "4",
+    "--bf16",
+]
 
 
 def random_kills(seed: int, nproc: int, steps: int, count: int) -> list[FaultSpec]:
@@ -54,7 +73,9 @@ def random_kills(seed: int, nproc: int, steps: int, count: int) -> list[FaultSpe
     shadow generation spawned after the previous recovery)."""
     rng = random.Random(seed)
     kill_steps = sorted(rng.sample(range(2, steps - 1, 2), count))
-    return [FaultSpec(rank=rng.randrange(nproc), step=s, phase=rng.choice(PHASES)) for s in kill_steps]
+    return [
+        FaultSpec(rank=rng.randrange(nproc), step=s, phase=rng.choice(PHASES)) for s in kill_steps
+    ]
 
 
 @pytest.mark.timeout(1200)

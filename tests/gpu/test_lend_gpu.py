@@ -23,8 +23,12 @@ MODEL = ["--dim", "256", "--layers", "4", "--heads", "8", "--seq", "256", "--bat
 
 def test_activations_land_in_the_lent_region_and_a_kept_one_stops_the_update() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    with pytest.raises(LetoError, match="caching allocator"):  # memory the allocator owns cannot be lent
-        ActivationLender(device, {"rmu.undo": torch.zeros(64 * MIB, dtype=torch.uint8, device=device)})
+    with pytest.raises(
+        LetoError, match="caching allocator"
+    ):  # memory the allocator owns cannot be lent
+        ActivationLender(
+            device, {"rmu.undo": torch.zeros(64 * MIB, dtype=torch.uint8, device=device)}
+        )
     # The undo region as the trainer has it: pool memory, a CUDA VMM mapping outside the allocator.
     chunks = CudaChunks(device.index)
     addr = chunks.reserve(256 * MIB)
@@ -58,12 +62,28 @@ def test_activations_land_in_the_lent_region_and_a_kept_one_stops_the_update() -
 
 @pytest.mark.timeout(1200)
 def test_recovery_with_lent_activations_equals_the_run_without_lending(tmp_path) -> None:
-    reference = fault_free_digests(tmp_path, steps=14, nproc=1, model_args=MODEL, timeout_s=550,
-                                   leto={"lend_activation_memory": False})
-    faults = [FaultSpec(rank=0, step=3, phase="forward"), FaultSpec(rank=0, step=7, phase="backward"),
-              FaultSpec(rank=0, step=11, phase="update")]
-    proc, events = run_leto(tmp_path, steps=14, nproc=1, model_args=MODEL, faults=faults, timeout_s=550,
-                            leto={"lend_activation_memory": True})
+    reference = fault_free_digests(
+        tmp_path,
+        steps=14,
+        nproc=1,
+        model_args=MODEL,
+        timeout_s=550,
+        leto={"lend_activation_memory": False},
+    )
+    faults = [
+        FaultSpec(rank=0, step=3, phase="forward"),
+        FaultSpec(rank=0, step=7, phase="backward"),
+        FaultSpec(rank=0, step=11, phase="update"),
+    ]
+    proc, events = run_leto(
+        tmp_path,
+        steps=14,
+        nproc=1,
+        model_args=MODEL,
+        faults=faults,
+        timeout_s=550,
+        leto={"lend_activation_memory": True},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)

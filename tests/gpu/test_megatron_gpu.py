@@ -76,17 +76,59 @@ pytest.importorskip(
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 16
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "4", "--vocab-size", "512", "--lr", "1e-3", "--seed", "11"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "4",
+    "--vocab-size",
+    "512",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "11",
+]
 # ~5.3 M parameters: 64 MiB of fp32 params + Adam state = one group of D=32 two-MiB pages.
-SMALL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
-         "--micro-batch-size", "4", "--vocab-size", "4096", "--lr", "1e-3", "--seed", "11"]
-RMU = {"consistency": "rmu", "rmu_chunk_bytes": 65536}  # about ten chunks of TINY: chunk 1 is mid-update
-PARITY = {"consistency": "rmu", "rmu_chunk_bytes": 1 << 20,
-          "erasure": {"page_bytes": 2 << 20, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}}
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "128",
+    "--micro-batch-size",
+    "4",
+    "--vocab-size",
+    "4096",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "11",
+]
+RMU = {
+    "consistency": "rmu",
+    "rmu_chunk_bytes": 65536,
+}  # about ten chunks of TINY: chunk 1 is mid-update
+PARITY = {
+    "consistency": "rmu",
+    "rmu_chunk_bytes": 1 << 20,
+    "erasure": {"page_bytes": 2 << 20, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1},
+}
 
 
-OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # TINY (~0.2 M parameters): ~10 buckets
+OVERLAP = [
+    "--overlap-grad-reduce",
+    "--ddp-bucket-size",
+    "20000",
+]  # TINY (~0.2 M parameters): ~10 buckets
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,15 +162,22 @@ class Case:
 CASES = {
     "nccl-1rank-bf16": Case(1, TINY, RMU, bf16=True),
     "gloo-2ranks-fp32": Case(2, TINY, RMU, bf16=False),
-    "nccl-1rank-bf16-parity": Case(1, SMALL, PARITY, bf16=True, lost_device_pages=16, lost_grad_pages=8),
+    "nccl-1rank-bf16-parity": Case(
+        1, SMALL, PARITY, bf16=True, lost_device_pages=16, lost_grad_pages=8
+    ),
     "nccl-tp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, tp=2, gpus=2),
     "nccl-pp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, pp=2, gpus=2),
     "nccl-ep2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ep=2),
     "nccl-dp2-2gpus-bf16": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=OVERLAP),
-    "nccl-dp2-2gpus-bf16-leto-ddp": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=["--ddp-impl", "leto"]),
-    "nccl-1rank-bf16-distopt": Case(1, TINY, RMU, bf16=True, ddp=["--use-distributed-optimizer"], distopt=True),
-    "nccl-dp2-2gpus-bf16-distopt": Case(2, TINY, RMU, bf16=True, gpus=2, ddp=[*OVERLAP, "--use-distributed-optimizer"],
-                                        distopt=True),
+    "nccl-dp2-2gpus-bf16-leto-ddp": Case(
+        2, TINY, RMU, bf16=True, gpus=2, ddp=["--ddp-impl", "leto"]
+    ),
+    "nccl-1rank-bf16-distopt": Case(
+        1, TINY, RMU, bf16=True, ddp=["--use-distributed-optimizer"], distopt=True
+    ),
+    "nccl-dp2-2gpus-bf16-distopt": Case(
+        2, TINY, RMU, bf16=True, gpus=2, ddp=[*OVERLAP, "--use-distributed-optimizer"], distopt=True
+    ),
 }
 
 
@@ -136,13 +185,35 @@ def _faults(case: Case) -> list[FaultSpec]:
     lost, host = case.lost_device_pages, int(case.lost_device_pages > 0)
     faults = [
         FaultSpec(rank=0, step=3, phase="forward"),
-        FaultSpec(rank=case.nproc - 1, step=7, phase="backward", erase_device_pages=lost, erase_host_pages=host),
-        FaultSpec(rank=0, step=11, phase="update", point="optimizer", chunk=1, erase_device_pages=lost,
-                  erase_host_pages=host),
+        FaultSpec(
+            rank=case.nproc - 1,
+            step=7,
+            phase="backward",
+            erase_device_pages=lost,
+            erase_host_pages=host,
+        ),
+        FaultSpec(
+            rank=0,
+            step=11,
+            phase="update",
+            point="optimizer",
+            chunk=1,
+            erase_device_pages=lost,
+            erase_host_pages=host,
+        ),
     ]
     if case.lost_grad_pages:
-        faults.append(FaultSpec(rank=0, step=14, phase="update", point="optimizer", chunk=0,
-                                erase_device_pages=case.lost_grad_pages, erase_device_region=GRAD_REGION))
+        faults.append(
+            FaultSpec(
+                rank=0,
+                step=14,
+                phase="update",
+                point="optimizer",
+                chunk=0,
+                erase_device_pages=case.lost_grad_pages,
+                erase_device_region=GRAD_REGION,
+            )
+        )
     if case.distopt:  # inside the all-gather of the updated shards (after its first bucket group)
         faults.append(FaultSpec(rank=case.nproc - 1, step=14, phase="update", point="gather"))
     return faults
@@ -159,25 +230,55 @@ MICROBATCHES = 4
 def _pipeline_args(case: Case) -> list[str]:
     if case.pp == 1:
         return []
-    return ["--pipeline-model-parallel-size", str(case.pp), "--global-batch-size", str(MICROBATCHES * 4),
-            "--share-embeddings-and-output-weights"]
+    return [
+        "--pipeline-model-parallel-size",
+        str(case.pp),
+        "--global-batch-size",
+        str(MICROBATCHES * 4),
+        "--share-embeddings-and-output-weights",
+    ]
 
 
 def _moe_args(case: Case) -> list[str]:
     if not case.ep:
         return []
-    return ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
-            "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear",
-            "--expert-model-parallel-size", str(case.ep)]
+    return [
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--moe-router-load-balancing-type",
+        "aux_loss",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "--disable-bias-linear",
+        "--expert-model-parallel-size",
+        str(case.ep),
+    ]
 
 
 def _run(tmp_path, case: Case, faults: list[FaultSpec]):
-    proc, events = run_leto(tmp_path, steps=STEPS, nproc=case.nproc, faults=faults, leto=case.leto, script=SCRIPT,
-                            steps_flag="--train-iters", model_args=case.model,
-                            script_args=["--bf16"] * case.bf16 + ["--tensor-model-parallel-size", str(case.tp),
-                                                                  *_pipeline_args(case), *_moe_args(case),
-                                                                  *case.ddp],
-                            timeout_s=400)
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        nproc=case.nproc,
+        faults=faults,
+        leto=case.leto,
+        script=SCRIPT,
+        steps_flag="--train-iters",
+        model_args=case.model,
+        script_args=["--bf16"] * case.bf16
+        + [
+            "--tensor-model-parallel-size",
+            str(case.tp),
+            *_pipeline_args(case),
+            *_moe_args(case),
+            *case.ddp,
+        ],
+        timeout_s=400,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, events
 
@@ -187,28 +288,47 @@ def _run(tmp_path, case: Case, faults: list[FaultSpec]):
 def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     case = CASES[name]
     if torch.cuda.device_count() < case.gpus:
-        pytest.skip(f"needs {case.gpus} GPUs (one rank each), found {torch.cuda.device_count()}: "
-                    "run on nvidia-h200-x2")
+        pytest.skip(
+            f"needs {case.gpus} GPUs (one rank each), found {torch.cuda.device_count()}: "
+            "run on nvidia-h200-x2"
+        )
     ref_proc, ref_events = _run(tmp_path, case, [])
     output = ref_proc.stdout + ref_proc.stderr
     assert f"backend {case.backend()}" in output, "the run did not use the expected backend"
     stages = f", PP {case.pp}" if case.pp > 1 else ""
     experts = f", EP {case.ep}" if case.ep else ""
-    assert f"(TP {case.tp}{stages}{experts}, DP {case.nproc // (case.tp * case.pp)})" in output, \
+    assert f"(TP {case.tp}{stages}{experts}, DP {case.nproc // (case.tp * case.pp)})" in output, (
         "the run did not use the expected TP/PP/EP sizes"
+    )
     if case.ep:
-        held = re.findall(r"megatron_gpt: rank (\d+) experts \[([\d, ]+)\], gradient regions (\[.*\])", output)
-        assert sorted(held) == [("0", "0, 1", "['ddp.grads.float32', 'ddp.grads.expert.float32']"),
-                                ("1", "2, 3", "['ddp.grads.float32', 'ddp.grads.expert.float32']")], held
+        held = re.findall(
+            r"megatron_gpt: rank (\d+) experts \[([\d, ]+)\], gradient regions (\[.*\])", output
+        )
+        assert sorted(held) == [
+            ("0", "0, 1", "['ddp.grads.float32', 'ddp.grads.expert.float32']"),
+            ("1", "2, 3", "['ddp.grads.float32', 'ddp.grads.expert.float32']"),
+        ], held
     if case.pp > 1:
         tied = re.findall(r"megatron_gpt: rank (\d+) tied embedding ([0-9a-f]+)", ref_proc.stdout)
-        assert len(tied) == 2 and tied[0][1] == tied[1][1], f"the stages' tied embedding copies diverged: {tied}"
-    impl = "leto" if "leto" in case.ddp else "megatron (overlap)" if OVERLAP == case.ddp else "megatron"
+        assert len(tied) == 2 and tied[0][1] == tied[1][1], (
+            f"the stages' tied embedding copies diverged: {tied}"
+        )
+    impl = (
+        "leto"
+        if "leto" in case.ddp
+        else "megatron (overlap)"
+        if OVERLAP == case.ddp
+        else "megatron"
+    )
     assert f"DDP {impl}" in output, "the run did not use the expected data-parallel implementation"
     if case.distopt:
-        assert "distributed optimizer" in output, "the run did not use Megatron's distributed optimizer"
+        assert "distributed optimizer" in output, (
+            "the run did not use Megatron's distributed optimizer"
+        )
         held = [int(n) for n, _ in re.findall(r"rank \d+ optimizer state (\d+) of (\d+)", output)]
-        (total,) = {int(m) for _, m in re.findall(r"rank \d+ optimizer state (\d+) of (\d+)", output)}
+        (total,) = {
+            int(m) for _, m in re.findall(r"rank \d+ optimizer state (\d+) of (\d+)", output)
+        }
         assert len(held) == case.nproc and sum(held) == total, (held, total)
     reference = digests(ref_events)
     assert set(reference) == {(r, s) for r in range(case.nproc) for s in range(1, STEPS + 1)}
@@ -218,16 +338,29 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     _, events = _run(tmp_path, case, faults)
     assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
     # forward/backward kills re-run their step; a kill inside the update finishes it
-    assert_recovered(reference, events, faults, nproc=case.nproc,
-                     resumed_at=[3, 7, 12] + [15] * bool(case.lost_grad_pages or case.distopt))
-    if case.lost_grad_pages:  # recovery 4 found the erased gradient pages and rebuilt them (needed mid-update)
+    assert_recovered(
+        reference,
+        events,
+        faults,
+        nproc=case.nproc,
+        resumed_at=[3, 7, 12] + [15] * bool(case.lost_grad_pages or case.distopt),
+    )
+    if (
+        case.lost_grad_pages
+    ):  # recovery 4 found the erased gradient pages and rebuilt them (needed mid-update)
         erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == GRAD_REGION]
-        rebuilt = [e["lost"][GRAD_REGION] for e in events if e["kind"] == "pages_rebuilt" and e["gen"] == 4]
+        rebuilt = [
+            e["lost"][GRAD_REGION] for e in events if e["kind"] == "pages_rebuilt" and e["gen"] == 4
+        ]
         assert len(erased) == 1 and erased[0]["pages"], erased
         assert [x["data"] for x in rebuilt] == [len(erased[0]["pages"])], rebuilt
     if case.lost_device_pages:  # recoveries 2 and 3 found every erased device page and rebuilt it
         erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
-        rebuilt = {(e["rank"], e["gen"]): e["lost"]["state"] for e in events if e["kind"] == "pages_rebuilt"}
+        rebuilt = {
+            (e["rank"], e["gen"]): e["lost"]["state"]
+            for e in events
+            if e["kind"] == "pages_rebuilt"
+        }
         assert [len(e["pages"]) for e in erased] == [case.lost_device_pages] * 2, erased
         lost = [rebuilt[(faults[1].rank, 2)], rebuilt[(faults[2].rank, 3)]]
         assert [x["data"] for x in lost] == [case.lost_device_pages] * 2, rebuilt

@@ -33,15 +33,30 @@ def test_activation_peak_reclaims_the_shadow_and_recovery_stays_exact(tmp_path) 
 
     faults = [FaultSpec(rank=0, step=KILL, phase="backward")]
     proc, events = run_leto(
-        tmp_path, steps=STEPS, nproc=1, model_args=MODEL, faults=faults, timeout_s=400,
+        tmp_path,
+        steps=STEPS,
+        nproc=1,
+        model_args=MODEL,
+        faults=faults,
+        timeout_s=400,
         script_args=["--oom-ballast-step", str(BALLAST)],
     )
     out = Path(os.environ.get("OUT") or REPO / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    kinds = ("shadow_level", "shadow_reclaimed", "oom_retry", "shadow_ready", "promoted", "recovery_done")
-    (out / "memory_pressure_gpu.json").write_text(json.dumps(
-        {"returncode": proc.returncode, "events": [e for e in events if e["kind"] in kinds]}, indent=1,
-    ))
+    kinds = (
+        "shadow_level",
+        "shadow_reclaimed",
+        "oom_retry",
+        "shadow_ready",
+        "promoted",
+        "recovery_done",
+    )
+    (out / "memory_pressure_gpu.json").write_text(
+        json.dumps(
+            {"returncode": proc.returncode, "events": [e for e in events if e["kind"] in kinds]},
+            indent=1,
+        )
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
 
     assert_exact(reference, events)
@@ -51,7 +66,9 @@ def test_activation_peak_reclaims_the_shadow_and_recovery_stays_exact(tmp_path) 
     assert (retry["rank"], retry["step"], retry["reclaimed_level"]) == (0, BALLAST, 3)
     assert retry["freed_bytes"] > 128 << 20, "the shadow's memory came back to the device"
     levels = [(e["reason"], e["level"]) for e in events if e["kind"] == "shadow_level"]
-    assert levels[0] == ("configured", 3) and levels[2] == ("recovery", 3) and len(levels) == 3, levels
+    assert levels[0] == ("configured", 3) and levels[2] == ("recovery", 3) and len(levels) == 3, (
+        levels
+    )
     assert levels[1][0] == "oom" and levels[1][1] < 3, levels
     assert [e["level"] for e in events if e["kind"] == "promoted"] == [levels[1][1]]
     assert not [e for e in events if e["kind"] == "group_restart"]

@@ -21,7 +21,9 @@ CHUNK = 256 << 10
 
 
 def _rig() -> Rig:
-    return Rig.build(model(dim=256), erasure=ERASURE, chunk_bytes=CHUNK, backend="auto", device="cuda")
+    return Rig.build(
+        model(dim=256), erasure=ERASURE, chunk_bytes=CHUNK, backend="auto", device="cuda"
+    )
 
 
 def test_gpu_flush_parity_equals_a_full_reencode() -> None:
@@ -56,7 +58,9 @@ def test_gpu_kill_in_the_flush_with_torn_tiers_and_lost_pages_finishes_exactly()
     lost = rig.erase_pages(ERASURE.tier1_parity, seed=2)
     for i, g in enumerate(rig.protected.groups):
         g.tier1_page(1).zero_()
-        assert not g.rebuild([p - i * d for p in lost if i * d <= p < (i + 1) * d], [1]).tier2_reencoded
+        assert not g.rebuild(
+            [p - i * d for p in lost if i * d <= p < (i + 1) * d], [1]
+        ).tier2_reencoded
     _step(rig, 2, KillAt())
     assert torch.equal(rig.state, ref.state)
     for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):

@@ -37,14 +37,23 @@ _READER = textwrap.dedent("""
 
 def _run(code: str, socket_path: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-c", code, socket_path], check=False, capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, socket_path],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_device_region_survives_sigkill_of_its_writer() -> None:
     sm = StateManagerProcess.start()
     try:
         writer = _run(_WRITER, sm.socket_path)
-        assert writer.returncode == -signal.SIGKILL and "written" in writer.stdout, writer.stderr[-2000:]
+        assert writer.returncode == -signal.SIGKILL and "written" in writer.stdout, writer.stderr[
+            -2000:
+        ]
         reader = _run(_READER, sm.socket_path)
         assert "existing True equal True" in reader.stdout, reader.stdout + reader.stderr[-2000:]
         # The state manager retained it without ever loading the CUDA driver (no context, no HBM).
@@ -70,7 +79,9 @@ def test_reattach_with_another_size_is_refused() -> None:
                 print("refused:", e)
         """)
         out = _run(code, sm.socket_path)
-        assert "refused: reattach of rank 0 region 'state' does not match" in out.stdout, out.stderr[-2000:]
+        assert "refused: reattach of rank 0 region 'state' does not match" in out.stdout, (
+            out.stderr[-2000:]
+        )
     finally:
         sm.stop()
 
@@ -126,11 +137,21 @@ def test_device_chunks_lost_after_mapping_are_found_replaced_and_zeroed() -> Non
     sm = StateManagerProcess.start()
     try:
         writer = _run(_CHUNKED_WRITER, sm.socket_path)
-        assert writer.returncode == -signal.SIGKILL and "written" in writer.stdout, writer.stderr[-2000:]
+        assert writer.returncode == -signal.SIGKILL and "written" in writer.stdout, writer.stderr[
+            -2000:
+        ]
         out = _run(_CHUNKED_SHADOW, sm.socket_path)
         assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-        for line in ("existing True equal True", "healthy []", "erased [3, 11]", "lost [3, 11]",
-                     "zeroed [3, 11] kept True", "unmapped found [5]", "replaced [5] pagemap []", "writable True"):
+        for line in (
+            "existing True equal True",
+            "healthy []",
+            "erased [3, 11]",
+            "lost [3, 11]",
+            "zeroed [3, 11] kept True",
+            "unmapped found [5]",
+            "replaced [5] pagemap []",
+            "writable True",
+        ):
             assert line in out.stdout, out.stdout
         client = sm.client()
         assert client.stats()["fds"] == 16  # one per chunk, the two replaced ones included

@@ -40,7 +40,9 @@ def test_a_kill_on_a_healthy_device_is_a_hof() -> None:
 def test_a_kill_on_an_unhealthy_gpu_is_an_ff_and_says_why() -> None:
     agent = _agent(["GPU 0: 2 new uncorrected ECC errors"])
     assert FailurePolicy._classify(agent, _killed()) is FailureClass.FF
-    assert agent.emitted == [(Kind.DEVICE_UNHEALTHY, {"problems": ["GPU 0: 2 new uncorrected ECC errors"]})]
+    assert agent.emitted == [
+        (Kind.DEVICE_UNHEALTHY, {"problems": ["GPU 0: 2 new uncorrected ECC errors"]})
+    ]
 
 
 def test_a_reported_fatal_failure_is_an_ff_before_any_probe() -> None:

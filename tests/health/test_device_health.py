@@ -50,7 +50,9 @@ class FakeNvml(SimpleNamespace):
         raise RuntimeError("Not Supported")  # Ampere and later retire by row remapping
 
 
-def test_new_fatal_conditions_are_reported_old_ones_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_new_fatal_conditions_are_reported_old_ones_are_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nvml = FakeNvml(3)
     nvml.ecc[2] = 4  # an old error, handled before this job: not a verdict
@@ -60,7 +62,10 @@ def test_new_fatal_conditions_are_reported_old_ones_are_not(monkeypatch: pytest.
     nvml.ecc[1] = 2
     nvml.remap[0] = (0, 0, 1, 0)
     problems = health.check()
-    assert problems == ["GPU 0: row remap pending (reset needed)", "GPU 1: 2 new uncorrected ECC errors"]
+    assert problems == [
+        "GPU 0: row remap pending (reset needed)",
+        "GPU 1: 2 new uncorrected ECC errors",
+    ]
     nvml.lost.add(2)
     assert health.check()[-1].startswith("GPU 2 does not answer NVML")
 

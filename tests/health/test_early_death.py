@@ -44,23 +44,33 @@ def _agent(procs: list[subprocess.Popen]) -> SimpleNamespace:
     """The agent's state that ``_detect_killed_active`` reads and writes."""
     pids = {rank: p.pid for rank, p in enumerate(procs)}
     agent = SimpleNamespace(
-        _uses_leto=True, _pcontext=SimpleNamespace(pids=lambda: dict(pids)), _detected_t=None, _root_pid=None,
+        _uses_leto=True,
+        _pcontext=SimpleNamespace(pids=lambda: dict(pids)),
+        _detected_t=None,
+        _root_pid=None,
         _pidfds={},
     )
     agent._exit_of = types.MethodType(LetoAgent._exit_of, agent)  # the agent's own pidfd check
     return agent
 
 
-def test_a_dying_trainer_is_the_root_and_its_peers_are_killed_on_the_same_pass(trainers, monkeypatch) -> None:
+def test_a_dying_trainer_is_the_root_and_its_peers_are_killed_on_the_same_pass(
+    trainers, monkeypatch
+) -> None:
     victim, peer = trainers
     real = leto_run.agent.dying_signal
-    monkeypatch.setattr(leto_run.agent, "dying_signal",
-                        lambda pid: signal.SIGKILL if pid == victim.pid else real(pid))
+    monkeypatch.setattr(
+        leto_run.agent,
+        "dying_signal",
+        lambda pid: signal.SIGKILL if pid == victim.pid else real(pid),
+    )
     agent = _agent(trainers)
     try:
         LetoAgent._detect_killed_active(agent)  # type: ignore[arg-type]
         assert agent._root_pid == victim.pid and agent._detected_t is not None
-        assert peer.wait(timeout=30) == -signal.SIGKILL  # stopped at once, not left to its collective
+        assert (
+            peer.wait(timeout=30) == -signal.SIGKILL
+        )  # stopped at once, not left to its collective
         assert victim.poll() is None  # the kernel finishes the victim; the agent does not touch it
     finally:
         LetoAgent._close_pidfds(agent)  # type: ignore[arg-type]

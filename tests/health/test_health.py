@@ -11,7 +11,9 @@ def test_stall_limits_before_and_after_the_first_step() -> None:
     board = HeartbeatBoard(2)
     now = [100.0]
     try:
-        watch = HangWatch(board, hang_timeout_s=5.0, first_step_timeout_s=30.0, clock=lambda: now[0])
+        watch = HangWatch(
+            board, hang_timeout_s=5.0, first_step_timeout_s=30.0, clock=lambda: now[0]
+        )
         hb0, hb1 = Heartbeat(board.path, 0), Heartbeat(board.path, 1)
         now[0] += 20.0  # slow first step: no verdict yet
         assert watch.check() == []
@@ -53,7 +55,9 @@ def test_dying_signal_reads_a_kill_before_the_reap() -> None:
     try:
         assert dying_signal(child.pid) is None  # alive
         os.kill(child.pid, signal.SIGKILL)
-        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # a zombie: PF_EXITING and code stay
+        os.waitid(
+            os.P_PID, child.pid, os.WEXITED | os.WNOWAIT
+        )  # a zombie: PF_EXITING and code stay
         assert dying_signal(child.pid) == signal.SIGKILL
     finally:
         child.kill()
@@ -103,11 +107,15 @@ def test_culprit_waits_for_a_slow_peer_and_blames_a_stopped_rank() -> None:
         board.close()
 
 
-def test_a_stopped_rank_is_blamed_before_its_stalled_peer_and_a_warm_first_step_uses_the_hang_timeout() -> None:
+def test_a_stopped_rank_is_blamed_before_its_stalled_peer_and_a_warm_first_step_uses_the_hang_timeout() -> (
+    None
+):
     board = HeartbeatBoard(2)
     now = [100.0]
     try:
-        watch = HangWatch(board, hang_timeout_s=5.0, first_step_timeout_s=600.0, clock=lambda: now[0])
+        watch = HangWatch(
+            board, hang_timeout_s=5.0, first_step_timeout_s=600.0, clock=lambda: now[0]
+        )
         watch.arm(warm=True)  # promoted shadows: their first step is held to the hang timeout
         stopped = Heartbeat(board.path, 1)
         now[0] += 3.0

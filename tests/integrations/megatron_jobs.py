@@ -19,12 +19,33 @@ class MegatronJobs:
     model: list[str] = field(default_factory=list)
 
     def job(self, *, script_args=(), leto=None, timeout_s: float = 200) -> dict:
-        return {"leto": leto or self.leto, "script": SCRIPT, "steps_flag": "--train-iters", "model_args": self.model,
-                "script_args": list(script_args), "timeout_s": timeout_s}
+        return {
+            "leto": leto or self.leto,
+            "script": SCRIPT,
+            "steps_flag": "--train-iters",
+            "model_args": self.model,
+            "script_args": list(script_args),
+            "timeout_s": timeout_s,
+        }
 
-    def run(self, tmp_path, *, nproc: int, steps: int, faults=(), script_args=(), leto=None, timeout_s: float = 200):
-        proc, events = run_leto(tmp_path, steps=steps, nproc=nproc, faults=list(faults),
-                                **self.job(script_args=script_args, leto=leto, timeout_s=timeout_s))
+    def run(
+        self,
+        tmp_path,
+        *,
+        nproc: int,
+        steps: int,
+        faults=(),
+        script_args=(),
+        leto=None,
+        timeout_s: float = 200,
+    ):
+        proc, events = run_leto(
+            tmp_path,
+            steps=steps,
+            nproc=nproc,
+            faults=list(faults),
+            **self.job(script_args=script_args, leto=leto, timeout_s=timeout_s),
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         return proc, events
 

@@ -28,8 +28,24 @@ from leto.trainer.layout import GradPlacement, Layout
 from tests.launcher.harness import REPO, digests, run_leto
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "7",
+]
 BUCKET = 2000  # elements: the test model (~35 k parameters) spreads over many buckets
 
 
@@ -42,8 +58,14 @@ def lm(parallel):
 def _gpt(lm, device: str = "cpu"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     ctx = SimpleNamespace(device=torch.device("cpu"), init_device=lambda d: torch.device(device))
     return lm.build_gpt(ctx, config, vocab_size=64, max_sequence_length=16)
@@ -67,8 +89,12 @@ def _retained(lm, model, opt, placement: GradPlacement, fill: float):
     state = object.__new__(RetainedState)
     state.params = _params(opt)
     state.layout = Layout.plan(state.params, [], opt, grads=placement)
-    state.grad_regions = {name: torch.full((n // 4,), fill).view(torch.uint8) for name, n in placement.regions}
-    state._grad_view_list = None  # as RetainedState._map_regions leaves it (the views are built once)
+    state.grad_regions = {
+        name: torch.full((n // 4,), fill).view(torch.uint8) for name, n in placement.regions
+    }
+    state._grad_view_list = (
+        None  # as RetainedState._map_regions leaves it (the views are built once)
+    )
     return state
 
 
@@ -105,12 +131,24 @@ def test_placement_puts_expert_grads_in_their_own_region_after_the_dense_ones(lm
 
     from leto.integrations import megatron_ddp
 
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               num_moe_experts=4, moe_router_topk=2, add_bias_linear=False)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        add_bias_linear=False,
+    )
     ctx = SimpleNamespace(device=torch.device("cpu"), init_device=lambda d: torch.device(d))
     torch.manual_seed(0)
     model = lm.build_gpt(ctx, config, vocab_size=64, max_sequence_length=16)
-    for name, p in model.named_parameters():  # what Megatron's linear layers tag at expert_model_parallel_size > 1
+    for (
+        name,
+        p,
+    ) in (
+        model.named_parameters()
+    ):  # what Megatron's linear layers tag at expert_model_parallel_size > 1
         if ".local_experts." in name:
             p.allreduce = False
     opt = lm.adamw(model, _opt())
@@ -119,10 +157,16 @@ def test_placement_puts_expert_grads_in_their_own_region_after_the_dense_ones(lm
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     assert len(ddp.buffers) == 1 and len(ddp.expert_parallel_buffers) == 1
     dense, expert = ddp.buffers[0], ddp.expert_parallel_buffers[0]
-    assert placement.regions == (("ddp.grads.float32", dense.numel * 4), ("ddp.grads.expert.float32", expert.numel * 4))
+    assert placement.regions == (
+        ("ddp.grads.float32", dense.numel * 4),
+        ("ddp.grads.expert.float32", expert.numel * 4),
+    )
     for p, (region, offset) in zip(_params(opt), placement.slots, strict=True):
         buffer = expert if not getattr(p, "allreduce", True) else dense
-        assert region == (buffer is expert) and p.main_grad.data_ptr() - buffer.grad_data.data_ptr() == offset
+        assert (
+            region == (buffer is expert)
+            and p.main_grad.data_ptr() - buffer.grad_data.data_ptr() == offset
+        )
 
 
 def _opt():
@@ -137,7 +181,9 @@ def test_ddp_builds_on_the_retained_regions_and_fills_them(lm):
     model = _gpt(lm)
     opt = lm.adamw(model, _opt())
     config = _ddp_config(overlap_grad_reduce=True, bucket_size=BUCKET)
-    state = _retained(lm, model, opt, megatron_ddp.grad_placement(model, _params(opt), config), fill=7.0)
+    state = _retained(
+        lm, model, opt, megatron_ddp.grad_placement(model, _params(opt), config), fill=7.0
+    )
     ctx = SimpleNamespace(rank=0, grad_sync=GradSync())
     ddp = megatron_ddp.build_ddp(ctx, state, model, config)
     (region,) = state.grad_regions.values()
@@ -151,11 +197,17 @@ def test_ddp_builds_on_the_retained_regions_and_fills_them(lm):
 
     def count(grad: torch.Tensor) -> None:  # the backward kill point of RetainedState
         groups = ddp.bucket_groups
-        launched_at_kill_point.append((sum(g.grad_reduce_handle is not None for g in groups), len(groups)))
+        launched_at_kill_point.append(
+            (sum(g.grad_reduce_handle is not None for g in groups), len(groups))
+        )
 
-    def arm(module: torch.nn.Module, args: object, out: object) -> None:  # as RetainedState._arm_backward_point
+    def arm(
+        module: torch.nn.Module, args: object, out: object
+    ) -> None:  # as RetainedState._arm_backward_point
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        next(t for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None).register_hook(count)
+        next(
+            t for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ).register_hook(count)
 
     leaves[len(leaves) // 2].register_forward_hook(arm)
     for _ in range(2):  # the first batch records the buckets' readiness; the second overlaps
@@ -169,7 +221,9 @@ def test_ddp_builds_on_the_retained_regions_and_fills_them(lm):
     first, second = launched_at_kill_point
     print(f"kill point: {first} then {second} (bucket all-reduces launched, bucket groups)")
     assert first[0] == 0, "the first batch launches nothing from hooks"
-    assert 0 < second[0] < second[1], f"kill point after {second[0]} of {second[1]} bucket all-reduces"
+    assert 0 < second[0] < second[1], (
+        f"kill point after {second[0]} of {second[1]} bucket all-reduces"
+    )
 
 
 def test_a_different_buffer_layout_fails_loudly(lm):
@@ -180,11 +234,16 @@ def test_a_different_buffer_layout_fails_loudly(lm):
     opt = lm.adamw(model, _opt())
     config = _ddp_config()
     placement = megatron_ddp.grad_placement(model, _params(opt), config)
-    (name, nbytes), = placement.regions
-    shifted = dataclasses.replace(placement, regions=((name, nbytes + 64),),
-                                  slots=tuple((r, off + 64) for r, off in placement.slots))
+    ((name, nbytes),) = placement.regions
+    shifted = dataclasses.replace(
+        placement,
+        regions=((name, nbytes + 64),),
+        slots=tuple((r, off + 64) for r, off in placement.slots),
+    )
     state = _retained(lm, model, opt, shifted, fill=0.0)
-    with pytest.raises(ProtocolError, match="planned gradient buffers|not the retained gradient views"):
+    with pytest.raises(
+        ProtocolError, match="planned gradient buffers|not the retained gradient views"
+    ):
         megatron_ddp.build_ddp(SimpleNamespace(rank=0, grad_sync=GradSync()), state, model, config)
 
 
@@ -198,24 +257,40 @@ def test_unsupported_configs_are_refused(lm):
     with pytest.raises(ConfigError, match="unique names"):
         GradPlacement(regions=(("grads", 64),), slots=())
     with pytest.raises(ConfigError, match="does not fit"):
-        Layout.plan(params[:1], [], torch.optim.AdamW(params[:1]), grads=GradPlacement(
-            regions=(("ddp.grads.float32", 4),), slots=((0, 0),)))
+        Layout.plan(
+            params[:1],
+            [],
+            torch.optim.AdamW(params[:1]),
+            grads=GradPlacement(regions=(("ddp.grads.float32", 4),), slots=((0, 0),)),
+        )
 
 
 @pytest.mark.timeout(300)
 def test_ddp_equals_leto_allreduce_at_dp2(tmp_path):
     """Fault-free, 2 ranks: Megatron's DDP (overlapped buckets) == Leto's flat all-reduce, bit for bit."""
     runs = {}
-    for impl, extra in (("megatron", ["--overlap-grad-reduce", "--ddp-bucket-size", str(BUCKET)]), ("leto", [])):
-        proc, events = run_leto(tmp_path, steps=8, leto={"consistency": "rmu"}, script=SCRIPT,
-                                steps_flag="--train-iters", model_args=MODEL,
-                                script_args=["--ddp-impl", impl, *extra], timeout_s=200)
+    for impl, extra in (
+        ("megatron", ["--overlap-grad-reduce", "--ddp-bucket-size", str(BUCKET)]),
+        ("leto", []),
+    ):
+        proc, events = run_leto(
+            tmp_path,
+            steps=8,
+            leto={"consistency": "rmu"},
+            script=SCRIPT,
+            steps_flag="--train-iters",
+            model_args=MODEL,
+            script_args=["--ddp-impl", impl, *extra],
+            timeout_s=200,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert f"DDP {impl}" in proc.stdout
         runs[impl] = events
     ddp, flat = digests(runs["megatron"]), digests(runs["leto"])
     assert set(ddp) == {(r, s) for r in range(2) for s in range(1, 9)}
     assert ddp == flat, "Megatron's DDP and Leto's all-reduce disagree"
-    losses = {impl: sorted((e["rank"], e["step"], e["loss"]) for e in ev if e["kind"] == "step_done")
-              for impl, ev in runs.items()}
+    losses = {
+        impl: sorted((e["rank"], e["step"], e["loss"]) for e in ev if e["kind"] == "step_done")
+        for impl, ev in runs.items()
+    }
     assert losses["megatron"] == losses["leto"]

@@ -33,30 +33,74 @@ import pytest
 from leto.config import FaultSpec
 from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
+)
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7",
-         "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
-         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear",
-         "--clip-grad", "0.05"]  # clipping bites every step: the expert norm counts
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "7",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--moe-router-load-balancing-type",
+    "aux_loss",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--disable-bias-linear",
+    "--clip-grad",
+    "0.05",
+]  # clipping bites every step: the expert norm counts
 ERASURE = {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 8, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 32768}
 
 
 def _job(ep: int, timeout_s: float) -> dict:
-    return {"leto": LETO, "script": SCRIPT, "steps_flag": "--train-iters", "model_args": MODEL,
-            "script_args": ["--expert-model-parallel-size", str(ep)], "timeout_s": timeout_s}
+    return {
+        "leto": LETO,
+        "script": SCRIPT,
+        "steps_flag": "--train-iters",
+        "model_args": MODEL,
+        "script_args": ["--expert-model-parallel-size", str(ep)],
+        "timeout_s": timeout_s,
+    }
 
 
 def _dense(stdout: str) -> dict[int, str]:
     """rank -> the digest of its dense (non-expert) parameters at the end (the example's report)."""
-    return {int(r): d for r, d in re.findall(r"megatron_gpt: rank (\d+) dense parameters ([0-9a-f]+)", stdout)}
+    return {
+        int(r): d
+        for r, d in re.findall(r"megatron_gpt: rank (\d+) dense parameters ([0-9a-f]+)", stdout)
+    }
 
 
-def _assert_exact_recovery(tmp_path, *, ep: int, steps: int, faults: list[FaultSpec], resumed_at: list[int],
-                           timeout_s: float = 200) -> None:
+def _assert_exact_recovery(
+    tmp_path,
+    *,
+    ep: int,
+    steps: int,
+    faults: list[FaultSpec],
+    resumed_at: list[int],
+    timeout_s: float = 200,
+) -> None:
     proc, events = run_leto(tmp_path, steps=steps, nproc=2, **_job(ep, timeout_s))
     assert proc.returncode == 0, proc.stderr[-4000:]
     clean = digests(events)
@@ -64,26 +108,41 @@ def _assert_exact_recovery(tmp_path, *, ep: int, steps: int, faults: list[FaultS
     assert all(len(v) == 1 for v in clean.values()), "the fault-free run must be deterministic"
     # every rank clipped by the same global norm (expert squares summed over the EP group)
     dense = _dense(proc.stdout)
-    assert set(dense) == {0, 1} and dense[0] == dense[1], "the data-parallel ranks' dense parameters diverged"
+    assert set(dense) == {0, 1} and dense[0] == dense[1], (
+        "the data-parallel ranks' dense parameters diverged"
+    )
     losses = [e["loss"] for e in events if e["kind"] == "step_done"]
-    assert len(losses) == 2 * steps and all(isinstance(x, float) and math.isfinite(x) for x in losses)
+    assert len(losses) == 2 * steps and all(
+        isinstance(x, float) and math.isfinite(x) for x in losses
+    )
     proc, events = run_leto(tmp_path, steps=steps, nproc=2, faults=faults, **_job(ep, timeout_s))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"(TP 1, EP {ep}, DP 2), MoE 4 experts top-2 (alltoall)" in proc.stdout
-    regions = "['ddp.grads.float32', 'ddp.grads.expert.float32']" if ep > 1 else "['ddp.grads.float32']"
+    regions = (
+        "['ddp.grads.float32', 'ddp.grads.expert.float32']" if ep > 1 else "['ddp.grads.float32']"
+    )
     held = {0: [0, 1], 1: [2, 3]} if ep > 1 else {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
     for rank, experts in held.items():
-        assert f"megatron_gpt: rank {rank} experts {experts}, gradient regions {regions}" in proc.stdout
+        assert (
+            f"megatron_gpt: rank {rank} experts {experts}, gradient regions {regions}"
+            in proc.stdout
+        )
     assert_recovered(clean, events, faults, nproc=2, resumed_at=resumed_at)
-    assert _dense(proc.stdout) == dense, "the recovered run's dense parameters differ from the fault-free run's"
+    assert _dense(proc.stdout) == dense, (
+        "the recovered run's dense parameters differ from the fault-free run's"
+    )
 
 
 @pytest.mark.timeout(400)
 def test_ep2_recovery_is_bit_exact(tmp_path):
     faults = [
-        FaultSpec(rank=1, step=2, phase="forward"),  # rank 0 goes on into the dispatcher's all-to-all
+        FaultSpec(
+            rank=1, step=2, phase="forward"
+        ),  # rank 0 goes on into the dispatcher's all-to-all
         FaultSpec(rank=0, step=4, phase="backward", erase_device_pages=8, erase_host_pages=1),
-        FaultSpec(rank=1, step=6, phase="sync"),  # before Megatron's dense and expert bucket all-reduces
+        FaultSpec(
+            rank=1, step=6, phase="sync"
+        ),  # before Megatron's dense and expert bucket all-reduces
         FaultSpec(rank=0, step=8, phase="update", point="optimizer", chunk=1, erase_device_pages=8),
     ]
     _assert_exact_recovery(tmp_path, ep=2, steps=10, faults=faults, resumed_at=[2, 4, 6, 9])

@@ -19,23 +19,51 @@ import pytest
 from leto.config import FaultSpec
 from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
+)
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 16
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "7",
+]
 LETO = {"consistency": "rmu", "rmu_chunk_bytes": 65536}
 KILLS = [
     FaultSpec(rank=1, step=4, phase="forward", shadow_ready_steps_before=1),
     FaultSpec(rank=0, step=8, phase="backward", shadow_ready_steps_before=1),
-    FaultSpec(rank=1, step=12, phase="update", point="optimizer", chunk=1, shadow_ready_steps_before=1),
+    FaultSpec(
+        rank=1, step=12, phase="update", point="optimizer", chunk=1, shadow_ready_steps_before=1
+    ),
 ]
 
 
 def _run(tmp_path, faults, **leto):
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto={**LETO, **leto}, script=SCRIPT,
-                            steps_flag="--train-iters", model_args=MODEL, timeout_s=240)
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        leto={**LETO, **leto},
+        script=SCRIPT,
+        steps_flag="--train-iters",
+        model_args=MODEL,
+        timeout_s=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not [e for e in events if e["kind"] == "group_restart"]
     return events
@@ -43,12 +71,21 @@ def _run(tmp_path, faults, **leto):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return fault_free_run(tmp_path_factory.mktemp("ref"), steps=STEPS, leto=LETO, script=SCRIPT,
-                          steps_flag="--train-iters", model_args=MODEL, timeout_s=240)[0]
+    return fault_free_run(
+        tmp_path_factory.mktemp("ref"),
+        steps=STEPS,
+        leto=LETO,
+        script=SCRIPT,
+        steps_flag="--train-iters",
+        model_args=MODEL,
+        timeout_s=240,
+    )[0]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.slow)])  # CI: L1, and L2 via the reclaim
+@pytest.mark.parametrize(
+    "level", [1, pytest.param(2, marks=pytest.mark.slow)]
+)  # CI: L1, and L2 via the reclaim
 def test_low_level_shadows_recover_exactly(tmp_path, reference, level):
     events = _run(tmp_path, KILLS, shadow_level=level)
     injected = [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"]
@@ -67,7 +104,9 @@ def test_reclaimed_l3_shadows_relaunch_lower_and_promote(tmp_path, reference):
         FaultSpec(rank=1, step=9, phase="backward", shadow_ready_steps_before=1),
     ]
     events = _run(tmp_path, faults)
-    injected = [(e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == "fault_injected"]
+    injected = [
+        (e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == "fault_injected"
+    ]
     assert injected == [(f.rank, f.step, f.kind) for f in faults]
     reclaimed = [(e["ranks"], e["level"]) for e in events if e["kind"] == "shadow_reclaimed"]
     assert reclaimed == [([0], 3)]
@@ -75,5 +114,8 @@ def test_reclaimed_l3_shadows_relaunch_lower_and_promote(tmp_path, reference):
     levels = [(e["reason"], e["level"]) for e in events if e["kind"] == "shadow_level"]
     assert levels == [("configured", 3), ("oom", 2), ("recovery", 3)]
     # the kill was recovered in place by the relaunched L2 shadows
-    assert [(e["rank"], e["level"]) for e in events if e["kind"] == "promoted"] in ([(0, 2), (1, 2)], [(1, 2), (0, 2)])
+    assert [(e["rank"], e["level"]) for e in events if e["kind"] == "promoted"] in (
+        [(0, 2), (1, 2)],
+        [(1, 2), (0, 2)],
+    )
     assert_exact(reference, events)

@@ -36,18 +36,43 @@ from leto.config import FaultSpec
 from tests.integrations.megatron_jobs import MegatronJobs
 from tests.launcher.harness import assert_recovered, digests
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
+)
 
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7",
-         "--share-embeddings-and-output-weights", "--clip-grad", "0.05"]  # clipping bites every step
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "7",
+    "--share-embeddings-and-output-weights",
+    "--clip-grad",
+    "0.05",
+]  # clipping bites every step
 ERASURE = {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 8, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 32768}
 MICROBATCHES = 4
 
 
 def _pp(size: int, dp: int = 1) -> list[str]:
-    return ["--pipeline-model-parallel-size", str(size), "--global-batch-size", str(2 * MICROBATCHES * dp)]
+    return [
+        "--pipeline-model-parallel-size",
+        str(size),
+        "--global-batch-size",
+        str(2 * MICROBATCHES * dp),
+    ]
 
 
 JOBS = MegatronJobs(LETO, MODEL)
@@ -62,30 +87,53 @@ def _tied(stdout: str) -> dict[int, str]:
 
 def _clean(tmp_path, *, nproc: int, steps: int, script_args: list[str], timeout_s: float):
     """The fault-free reference: every (rank, step) digest, once; the tied copies equal."""
-    proc, events = _run(tmp_path, nproc=nproc, steps=steps, script_args=script_args, timeout_s=timeout_s)
+    proc, events = _run(
+        tmp_path, nproc=nproc, steps=steps, script_args=script_args, timeout_s=timeout_s
+    )
     ref = digests(events)
     assert set(ref) == {(r, s) for r in range(nproc) for s in range(1, steps + 1)}
     assert all(len(v) == 1 for v in ref.values()), "the fault-free run must be deterministic"
     return proc, events, ref
 
 
-def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[FaultSpec], resumed_at: list[int],
-                           script_args: list[str], stages: dict[int, tuple[int, int]], timeout_s: float) -> None:
+def _assert_exact_recovery(
+    tmp_path,
+    *,
+    nproc: int,
+    steps: int,
+    faults: list[FaultSpec],
+    resumed_at: list[int],
+    script_args: list[str],
+    stages: dict[int, tuple[int, int]],
+    timeout_s: float,
+) -> None:
     """``stages``: replica -> (first-stage rank, last-stage rank)."""
-    proc, events, clean = _clean(tmp_path, nproc=nproc, steps=steps, script_args=script_args, timeout_s=timeout_s)
+    proc, events, clean = _clean(
+        tmp_path, nproc=nproc, steps=steps, script_args=script_args, timeout_s=timeout_s
+    )
     assert f"PP 2, DP {len(stages)}), {MICROBATCHES} micro-batches per iteration" in proc.stdout
     tied = _tied(proc.stdout)
     assert set(tied) == {r for pair in stages.values() for r in pair}
     for first, last in stages.values():
-        assert tied[first] == tied[last], "the first and last stage's copies of the tied embedding diverged"
+        assert tied[first] == tied[last], (
+            "the first and last stage's copies of the tied embedding diverged"
+        )
     losses = {r: _losses(events, r) for r in range(nproc)}
     for first, last in stages.values():
         assert losses[first] == [None] * steps, "a first stage has no loss"
         assert all(isinstance(x, float) and math.isfinite(x) for x in losses[last])
-    proc, events = _run(tmp_path, nproc=nproc, steps=steps, faults=faults, script_args=script_args,
-                        timeout_s=timeout_s)
+    proc, events = _run(
+        tmp_path,
+        nproc=nproc,
+        steps=steps,
+        faults=faults,
+        script_args=script_args,
+        timeout_s=timeout_s,
+    )
     assert_recovered(clean, events, faults, nproc=nproc, resumed_at=resumed_at)
-    assert _tied(proc.stdout) == tied, "the recovered run's tied embedding differs from the fault-free run's"
+    assert _tied(proc.stdout) == tied, (
+        "the recovered run's tied embedding differs from the fault-free run's"
+    )
 
 
 @pytest.mark.slow  # CI runs the TP, EP and DP Megatron recoveries
@@ -93,12 +141,22 @@ def _assert_exact_recovery(tmp_path, *, nproc: int, steps: int, faults: list[Fau
 def test_pp2_recovery_is_bit_exact(tmp_path):
     faults = [
         FaultSpec(rank=1, step=3, phase="forward"),  # last stage, its first micro-batch's forward
-        FaultSpec(rank=0, step=5, phase="backward", erase_device_pages=8, erase_host_pages=1),  # mid 1F1B
+        FaultSpec(
+            rank=0, step=5, phase="backward", erase_device_pages=8, erase_host_pages=1
+        ),  # mid 1F1B
         FaultSpec(rank=1, step=7, phase="sync"),  # before finalize_model_grads
         FaultSpec(rank=0, step=9, phase="update", point="optimizer", chunk=1, erase_device_pages=8),
     ]
-    _assert_exact_recovery(tmp_path, nproc=2, steps=12, faults=faults, resumed_at=[3, 5, 7, 10],
-                           script_args=_pp(2), stages={0: (0, 1)}, timeout_s=200)
+    _assert_exact_recovery(
+        tmp_path,
+        nproc=2,
+        steps=12,
+        faults=faults,
+        resumed_at=[3, 5, 7, 10],
+        script_args=_pp(2),
+        stages={0: (0, 1)},
+        timeout_s=200,
+    )
 
 
 @pytest.mark.slow
@@ -110,5 +168,13 @@ def test_pp2_dp2_recovery_is_bit_exact(tmp_path):
         FaultSpec(rank=1, step=4, phase="backward", erase_device_pages=8),
         FaultSpec(rank=3, step=6, phase="update", point="optimizer", chunk=1, erase_device_pages=8),
     ]
-    _assert_exact_recovery(tmp_path, nproc=4, steps=8, faults=faults, resumed_at=[2, 4, 7],
-                           script_args=_pp(2, dp=2), stages={0: (0, 2), 1: (1, 3)}, timeout_s=400)
+    _assert_exact_recovery(
+        tmp_path,
+        nproc=4,
+        steps=8,
+        faults=faults,
+        resumed_at=[2, 4, 7],
+        script_args=_pp(2, dp=2),
+        stages={0: (0, 2), 1: (1, 3)},
+        timeout_s=400,
+    )

@@ -21,12 +21,30 @@ import pytest
 from leto.config import FaultSpec
 from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
+)
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 24
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "7",
+]
 ERASURE = {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 65536}
 # Megatron's DDP (the example's default) with its bucket all-reduces launched from backward
@@ -38,14 +56,30 @@ FAULTS = [
     FaultSpec(rank=1, step=6, phase="forward"),
     FaultSpec(rank=0, step=12, phase="backward", erase_device_pages=16, erase_host_pages=1),
     FaultSpec(rank=1, step=18, phase="update", point="optimizer", chunk=1, erase_device_pages=16),
-    FaultSpec(rank=0, step=21, phase="update", point="optimizer", chunk=0, erase_device_pages=12,
-              erase_device_region="ddp.grads.float32"),
+    FaultSpec(
+        rank=0,
+        step=21,
+        phase="update",
+        point="optimizer",
+        chunk=0,
+        erase_device_pages=12,
+        erase_device_region="ddp.grads.float32",
+    ),
 ]
 
 
 def _run(tmp_path, faults):
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO, script=SCRIPT,
-                            steps_flag="--train-iters", model_args=MODEL, script_args=DDP, timeout_s=200)
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        leto=LETO,
+        script=SCRIPT,
+        steps_flag="--train-iters",
+        model_args=MODEL,
+        script_args=DDP,
+        timeout_s=200,
+    )
     assert "DDP megatron (overlap)" in proc.stdout
     assert proc.returncode == 0, proc.stderr[-4000:]
     return events
@@ -58,9 +92,20 @@ def test_megatron_recovery_is_bit_exact(tmp_path):
     assert all(len(d) == 1 for d in clean.values())
     events = _run(tmp_path, FAULTS)
     # forward/backward kills re-run their step; a kill inside the update finishes it
-    assert_recovered(clean, events, FAULTS, nproc=2, resumed_at=[6, 12, 19, 22], fields=("rank", "step"))
-    erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "ddp.grads.float32"]
+    assert_recovered(
+        clean, events, FAULTS, nproc=2, resumed_at=[6, 12, 19, 22], fields=("rank", "step")
+    )
+    erased = [
+        e for e in events if e["kind"] == "pages_erased" and e["region"] == "ddp.grads.float32"
+    ]
     assert len(erased) == 1 and len(erased[0]["pages"]) >= 12  # 12 per protection group
-    rebuilt = [e for e in events if e["kind"] == "pages_rebuilt" and e["rank"] == 0 and e["lost"].get(
-        "ddp.grads.float32", {}).get("data")]
-    assert rebuilt and rebuilt[-1]["phase"] == "CHUNK_SAVED", "the lost gradient pages were not rebuilt"
+    rebuilt = [
+        e
+        for e in events
+        if e["kind"] == "pages_rebuilt"
+        and e["rank"] == 0
+        and e["lost"].get("ddp.grads.float32", {}).get("data")
+    ]
+    assert rebuilt and rebuilt[-1]["phase"] == "CHUNK_SAVED", (
+        "the lost gradient pages were not rebuilt"
+    )

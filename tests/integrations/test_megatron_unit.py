@@ -34,16 +34,22 @@ class FakeCtx:
     def init_device(self, device):
         return torch.device("meta" if self.resuming else device)
 
-    def retain(self, model, optimizer, grads=None):  # as RetainedState._bind: swap every param for a fresh one
+    def retain(
+        self, model, optimizer, grads=None
+    ):  # as RetainedState._bind: swap every param for a fresh one
         for p in model.parameters():
-            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros_like(p), requires_grad=p.requires_grad))
+            torch.utils.swap_tensors(
+                p, torch.nn.Parameter(torch.zeros_like(p), requires_grad=p.requires_grad)
+            )
         return SimpleNamespace(steps=lambda n: iter(range(n)), step=lambda **kw: None)
 
 
 def _config(**kw):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True, **kw)
+    return TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True, **kw
+    )
 
 
 def _opt_config(**kw):
@@ -70,10 +76,17 @@ def test_parallel_config_takes_tensor_and_pipeline_parallelism():
     assert ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(4) == 2
     with pytest.raises(ConfigError, match="not a multiple"):
         ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(3)
-    assert ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2).data_parallel_size(8) == 2
+    assert (
+        ParallelConfig(
+            pipeline_model_parallel_size=2, tensor_model_parallel_size=2
+        ).data_parallel_size(8)
+        == 2
+    )
     with pytest.raises(ConfigError, match="tensor, pipeline, expert and data parallelism only"):
         ParallelConfig(context_parallel_size=2)
-    assert ParallelConfig(expert_model_parallel_size=2).data_parallel_size(2) == 2  # EP is carved out of DP
+    assert (
+        ParallelConfig(expert_model_parallel_size=2).data_parallel_size(2) == 2
+    )  # EP is carved out of DP
     with pytest.raises(ConfigError, match="not a multiple of expert_model_parallel_size"):
         ParallelConfig(expert_model_parallel_size=2).data_parallel_size(3)
     for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -171,16 +184,27 @@ def test_adamw_uses_megatrons_decay_groups(parallel):
 def test_sequence_parallelism_is_refused(parallel):
     lm = parallel
     with pytest.raises(ConfigError, match="sequence_parallel"):
-        lm.build_gpt(FakeCtx(False), _config(sequence_parallel=True, tensor_model_parallel_size=2), vocab_size=64, max_sequence_length=16)
+        lm.build_gpt(
+            FakeCtx(False),
+            _config(sequence_parallel=True, tensor_model_parallel_size=2),
+            vocab_size=64,
+            max_sequence_length=16,
+        )
 
 
 def test_interleaved_pipeline_is_refused(parallel):
     lm = parallel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                               pipeline_dtype=torch.float32)
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
     with pytest.raises(ConfigError, match="interleaved schedule"):
         lm.build_gpt(FakeCtx(False), config, vocab_size=64, max_sequence_length=16)
 
@@ -201,7 +225,9 @@ def test_cpu_shim_maps_cuda_allocations_to_the_cpu(megatron):
     import megatron_cpu_shims
 
     with megatron_cpu_shims.CudaToCpu():
-        counter = torch.zeros([], dtype=torch.int, device="cuda")  # as Megatron's schedules allocate it
+        counter = torch.zeros(
+            [], dtype=torch.int, device="cuda"
+        )  # as Megatron's schedules allocate it
         weight = torch.ones(3)
         moved = weight.cuda()  # as setup_embeddings_and_output_layer moves the shared embedding
     assert counter.device.type == "cpu" and moved is weight
@@ -270,19 +296,37 @@ def test_throwaway_run_restores_the_tracker_and_drops_its_buffer(parallel):
 
     def loss_fn(m):
         tokens = torch.randint(0, 64, (2, 16))
-        loss = m(tokens, torch.arange(16).expand(2, -1), lm.causal_mask(16, torch.device("cpu")), labels=tokens)
-        seen.extend([sum(p.numel() for p in m.parameters()), len(parallel_state.get_global_memory_buffer().buffer)])
+        loss = m(
+            tokens,
+            torch.arange(16).expand(2, -1),
+            lm.causal_mask(16, torch.device("cpu")),
+            labels=tokens,
+        )
+        seen.extend(
+            [
+                sum(p.numel() for p in m.parameters()),
+                len(parallel_state.get_global_memory_buffer().buffer),
+            ]
+        )
         return loss.mean()
 
     config = _config(attention_dropout=0.1)
-    lm.run_throwaway(torch.device("cpu"), config, vocab_size=64, max_sequence_length=16, loss_fn=loss_fn)
+    lm.run_throwaway(
+        torch.device("cpu"), config, vocab_size=64, max_sequence_length=16, loss_fn=loss_fn
+    )
     after = tracker.get_states()
     assert set(after) == set(states) and all(torch.equal(after[k], states[k]) for k in states)
-    assert seen[1] > 0 and parallel_state.get_global_memory_buffer().buffer == {}, "its attention scratch is dropped"
+    assert seen[1] > 0 and parallel_state.get_global_memory_buffer().buffer == {}, (
+        "its attention scratch is dropped"
+    )
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     # the estimate counts at least the throwaway's parameters and gradients
-    assert lm.warmup_bytes(config, vocab_size=64, max_sequence_length=16, micro_batch_size=2,
-                           seq_length=16) >= 2 * 4 * seen[0]
+    assert (
+        lm.warmup_bytes(
+            config, vocab_size=64, max_sequence_length=16, micro_batch_size=2, seq_length=16
+        )
+        >= 2 * 4 * seen[0]
+    )
 
 
 def _moe_config(**kw):
@@ -303,14 +347,23 @@ def test_throwaway_run_leaves_the_moe_aux_loss_tracker_as_it_was(parallel):
 
     def loss_fn(m):
         tokens = torch.randint(0, 64, (2, 16))
-        return m(tokens, torch.arange(16).expand(2, -1), lm.causal_mask(16, torch.device("cpu")), labels=tokens).mean()
+        return m(
+            tokens,
+            torch.arange(16).expand(2, -1),
+            lm.causal_mask(16, torch.device("cpu")),
+            labels=tokens,
+        ).mean()
 
     cut = dataclasses.replace(config, num_layers=1)
-    lm.run_throwaway(torch.device("cpu"), cut, vocab_size=64, max_sequence_length=16, loss_fn=loss_fn)
+    lm.run_throwaway(
+        torch.device("cpu"), cut, vocab_size=64, max_sequence_length=16, loss_fn=loss_fn
+    )
     assert tracker == {}, "the throwaway's aux losses stayed in Megatron's tracker"
     model = lm.build_gpt(FakeCtx(False), config, vocab_size=64, max_sequence_length=16)
     loss_fn(model).backward()  # IndexError in save_to_aux_losses_tracker if the cut sized it
-    assert all(entry["values"].numel() == config.num_layers for entry in tracker.values()) and tracker
+    assert (
+        all(entry["values"].numel() == config.num_layers for entry in tracker.values()) and tracker
+    )
     tracker.clear()
 
 
@@ -341,9 +394,11 @@ def test_moe_clipping_counts_expert_grads_with_the_dense_norm(parallel):
 
 def test_moe_settings_leto_does_not_run_are_refused(parallel):
     lm = parallel
-    cases = {"moe_grouped_gemm": (_moe_config(moe_grouped_gemm=True), "grouped-GEMM"),
-             "capacity": (_moe_config(moe_expert_capacity_factor=1.0), "token dropping"),
-             "bias": (_config(num_moe_experts=4, moe_router_topk=2), "disable-bias-linear")}
+    cases = {
+        "moe_grouped_gemm": (_moe_config(moe_grouped_gemm=True), "grouped-GEMM"),
+        "capacity": (_moe_config(moe_expert_capacity_factor=1.0), "token dropping"),
+        "bias": (_config(num_moe_experts=4, moe_router_topk=2), "disable-bias-linear"),
+    }
     for config, match in cases.values():
         with pytest.raises(ConfigError, match=match):
             lm.build_gpt(FakeCtx(False), config, vocab_size=64, max_sequence_length=16)
@@ -359,10 +414,14 @@ def test_moe_router_gating_runs_outside_autocast(parallel):
 
     lm.check_moe(_moe_config())
     lm.check_moe(_moe_config())  # installed once, not wrapped twice
-    original = moe_utils.router_gating_linear  # Megatron's, unwrapped (the router's binding is wrapped)
+    original = (
+        moe_utils.router_gating_linear
+    )  # Megatron's, unwrapped (the router's binding is wrapped)
     inp = torch.randn(8, 32, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(4, 32))
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the backward outside it, as the examples run it
+    with torch.autocast(
+        "cpu", dtype=torch.bfloat16
+    ):  # the backward outside it, as the examples run it
         logits = original(inp, weight, None, torch.float32)
     with pytest.raises(RuntimeError, match="same dtype"):
         logits.sum().backward()

@@ -19,36 +19,80 @@ import pytest
 from leto.config import FaultSpec
 from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
+)
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 20
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--vocab-size", "128", "--lr", "1e-3", "--seed", "7", "--fusions",
-         "--ddp-impl", "leto"]  # the other Megatron jobs run Megatron's DDP; this one keeps Leto's all-reduce
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "7",
+    "--fusions",
+    "--ddp-impl",
+    "leto",
+]  # the other Megatron jobs run Megatron's DDP; this one keeps Leto's all-reduce
 LETO = {"consistency": "rmu", "rmu_chunk_bytes": 65536}
 FAULTS = [
     FaultSpec(rank=1, step=6, phase="backward", shadow_ready_steps_before=1),
-    FaultSpec(rank=0, step=13, phase="update", point="optimizer", chunk=1, shadow_ready_steps_before=1),
+    FaultSpec(
+        rank=0, step=13, phase="update", point="optimizer", chunk=1, shadow_ready_steps_before=1
+    ),
 ]
 
 
 def _run(tmp_path, faults, *script_args):
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO, script=SCRIPT,
-                            steps_flag="--train-iters", model_args=MODEL, script_args=list(script_args),
-                            timeout_s=240)
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        leto=LETO,
+        script=SCRIPT,
+        steps_flag="--train-iters",
+        model_args=MODEL,
+        script_args=list(script_args),
+        timeout_s=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    firsts = [(e["rank"], e["step"], e["compiled_graphs"]) for e in events if e["kind"] == "first_iteration"]
+    firsts = [
+        (e["rank"], e["step"], e["compiled_graphs"])
+        for e in events
+        if e["kind"] == "first_iteration"
+    ]
     return events, firsts
 
 
 @pytest.mark.slow  # CI runs tests/preinit/test_model_warmup.py
 @pytest.mark.timeout(700)
 def test_warmed_shadows_recover_exactly_without_compiling(tmp_path):
-    reference, _ = fault_free_run(tmp_path, steps=STEPS, leto=LETO, script=SCRIPT, steps_flag="--train-iters",
-                                  model_args=MODEL, timeout_s=240)
+    reference, _ = fault_free_run(
+        tmp_path,
+        steps=STEPS,
+        leto=LETO,
+        script=SCRIPT,
+        steps_flag="--train-iters",
+        model_args=MODEL,
+        timeout_s=240,
+    )
     events, firsts = _run(tmp_path, FAULTS)
-    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"] == [(1, 6), (0, 13)]
+    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"] == [
+        (1, 6),
+        (0, 13),
+    ]
     assert_exact(reference, events)
 
     promoted = {(e["rank"], e["gen"]) for e in events if e["kind"] == "promoted"}
@@ -62,7 +106,9 @@ def test_warmed_shadows_recover_exactly_without_compiling(tmp_path):
         assert event["t"] < ready[key], "the warm-up ran before the shadow was ready"
     # each promoted trainer's first iteration (an event: the log line of the same report was
     # once lost in torch elastic's log tailing): the same specialisations, already compiled
-    assert sorted((rank, step) for rank, step, _ in firsts) == [(0, 6), (0, 14), (1, 6), (1, 14)], firsts
+    assert sorted((rank, step) for rank, step, _ in firsts) == [(0, 6), (0, 14), (1, 6), (1, 14)], (
+        firsts
+    )
     assert all(compiled == 0 for *_, compiled in firsts), firsts
 
 

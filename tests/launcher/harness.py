@@ -22,11 +22,21 @@ GPT = str(REPO / "examples" / "train_gpt.py")
 GPT_ARGS = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
 
 
-def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list[str] = (),
-             script_args: list[str] = (), leto: dict | None = None, nproc: int = 2,
-             model_args: list[str] = GPT_ARGS, timeout_s: float = 240, script: str = GPT,
-             steps_flag: str = "--steps", deterministic: bool | None = None,
-             ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+def run_leto(
+    tmp: Path,
+    *,
+    steps: int,
+    faults: list[FaultSpec] = (),
+    extra: list[str] = (),
+    script_args: list[str] = (),
+    leto: dict | None = None,
+    nproc: int = 2,
+    model_args: list[str] = GPT_ARGS,
+    timeout_s: float = 240,
+    script: str = GPT,
+    steps_flag: str = "--steps",
+    deterministic: bool | None = None,
+) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """One leto-run job; ``leto`` is a job file's ``leto:`` section (faults go there too).
 
     ``script`` (default: the demo GPT) gets ``steps_flag`` (its step-count argument) and
@@ -38,15 +48,27 @@ def run_leto(tmp: Path, *, steps: int, faults: list[FaultSpec] = (), extra: list
         import torch
 
         deterministic = torch.cuda.is_available()
-    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", str(nproc), "--no-dashboard", "--digest",
-           "--events", str(events), *(["--deterministic"] if deterministic else []), *extra]
+    cmd = [
+        *LETO_RUN,
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--no-dashboard",
+        "--digest",
+        "--events",
+        str(events),
+        *(["--deterministic"] if deterministic else []),
+        *extra,
+    ]
     section = dict(leto or {})
     section["faults"] = [dataclasses.asdict(f) for f in faults]
     job = tmp / f"job-{events.stem}.yaml"
     job.write_text(yaml.safe_dump({"leto": section}))
     cmd += ["--config", str(job)]
     cmd += [script, steps_flag, str(steps), *model_args, *script_args]
-    proc = subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env())
+    proc = subprocess.run(
+        cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=_env()
+    )
     return proc, read_events(events)
 
 
@@ -66,7 +88,9 @@ def digests(events: list[dict]) -> dict[tuple[int, int], set[str]]:
     return dict(out)
 
 
-def fault_free_run(tmp: Path, *, steps: int, nproc: int = 2, **run_kwargs) -> tuple[dict[tuple[int, int], set[str]], list[dict]]:
+def fault_free_run(
+    tmp: Path, *, steps: int, nproc: int = 2, **run_kwargs
+) -> tuple[dict[tuple[int, int], set[str]], list[dict]]:
     """The reference: a fault-free run's digests (every rank, every step, one each) and events.
     ``run_kwargs`` go to :func:`run_leto` (job section, model, script, ...)."""
     proc, events = run_leto(tmp, steps=steps, nproc=nproc, **run_kwargs)
@@ -77,7 +101,9 @@ def fault_free_run(tmp: Path, *, steps: int, nproc: int = 2, **run_kwargs) -> tu
     return ref, events
 
 
-def fault_free_digests(tmp: Path, *, steps: int, nproc: int = 2, **run_kwargs) -> dict[tuple[int, int], set[str]]:
+def fault_free_digests(
+    tmp: Path, *, steps: int, nproc: int = 2, **run_kwargs
+) -> dict[tuple[int, int], set[str]]:
     """The digests of :func:`fault_free_run`."""
     return fault_free_run(tmp, steps=steps, nproc=nproc, **run_kwargs)[0]
 
@@ -87,23 +113,36 @@ def assert_exact(reference: dict[tuple[int, int], set[str]], events: list[dict])
     got = digests(events)
     assert set(got) >= set(reference), f"missing digests: {sorted(set(reference) - set(got))}"
     for key, values in got.items():
-        assert values == reference.get(key), f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+        assert values == reference.get(key), (
+            f"rank {key[0]} step {key[1]} diverged from the fault-free run"
+        )
 
 
-def assert_recovered(reference: dict[tuple[int, int], set[str]], events: list[dict], faults: list[FaultSpec], *,
-                     nproc: int, resumed_at: list[int], fields: tuple[str, ...] = ("rank", "step", "phase")) -> None:
+def assert_recovered(
+    reference: dict[tuple[int, int], set[str]],
+    events: list[dict],
+    faults: list[FaultSpec],
+    *,
+    nproc: int,
+    resumed_at: list[int],
+    fields: tuple[str, ...] = ("rank", "step", "phase"),
+) -> None:
     """The faults fired as scheduled (compared on ``fields``), every rank resumed once per
     fault, at the steps ``resumed_at`` (a kill before the update re-runs its step, one inside
     it finishes it), and every digest equals the fault-free run's (:func:`assert_exact`)."""
     injected = [e for e in events if e["kind"] == "fault_injected"]
-    assert [tuple(e[k] for k in fields) for e in injected] == [tuple(getattr(f, k) for k in fields) for f in faults]
+    assert [tuple(e[k] for k in fields) for e in injected] == [
+        tuple(getattr(f, k) for k in fields) for f in faults
+    ]
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert len(resumed) == nproc * len(faults)
     assert sorted({e["step"] for e in resumed}) == resumed_at
     assert_exact(reference, events)
 
 
-def random_schedule(seed: int, steps: int, count: int, min_gap: int, first: int = 4) -> list[FaultSpec]:
+def random_schedule(
+    seed: int, steps: int, count: int, min_gap: int, first: int = 4
+) -> list[FaultSpec]:
     """``count`` kills at random (step, rank, phase), at least ``min_gap`` steps apart."""
     rng = random.Random(seed)
     chosen: list[int] = []
@@ -111,4 +150,6 @@ def random_schedule(seed: int, steps: int, count: int, min_gap: int, first: int 
         s = rng.randrange(first, steps - 1)
         if all(abs(s - c) >= min_gap for c in chosen):
             chosen.append(s)
-    return [FaultSpec(rank=rng.randrange(2), step=s, phase=rng.choice(PHASES)) for s in sorted(chosen)]
+    return [
+        FaultSpec(rank=rng.randrange(2), step=s, phase=rng.choice(PHASES)) for s in sorted(chosen)
+    ]

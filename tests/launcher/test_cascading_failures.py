@@ -26,10 +26,15 @@ def _kinds(events: list[dict], kind: str) -> list[dict]:
 
 
 @pytest.mark.timeout(400)
-def test_a_kill_in_the_promoted_trainers_first_step_promotes_the_replacements(tmp_path, reference) -> None:
+def test_a_kill_in_the_promoted_trainers_first_step_promotes_the_replacements(
+    tmp_path, reference
+) -> None:
     """The issue's case: the promoted trainer is killed while it re-runs step 5 (its
     replacement shadows exist already, spawned at promotion, still starting)."""
-    faults = [FaultSpec(rank=1, step=5, phase="backward"), FaultSpec(rank=1, step=5, phase="update")]
+    faults = [
+        FaultSpec(rank=1, step=5, phase="backward"),
+        FaultSpec(rank=1, step=5, phase="update"),
+    ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_kinds(events, "fault_injected")) == 2
@@ -45,7 +50,10 @@ def test_a_kill_in_the_promoted_trainers_first_step_promotes_the_replacements(tm
 def test_a_kill_while_no_shadows_exist_attaches_a_cold_generation(tmp_path, reference) -> None:
     """An OOM reclaims the shadows; the same step is then killed before they are back: a
     cold generation attaches to the retained state (no group restart, no step 0)."""
-    faults = [FaultSpec(rank=0, step=4, phase="forward", kind="oom"), FaultSpec(rank=0, step=4, phase="backward")]
+    faults = [
+        FaultSpec(rank=0, step=4, phase="forward", kind="oom"),
+        FaultSpec(rank=0, step=4, phase="backward"),
+    ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [e["cold"] for e in _kinds(events, "shadows_promoted")] == [True]
@@ -56,7 +64,9 @@ def test_a_kill_while_no_shadows_exist_attaches_a_cold_generation(tmp_path, refe
 
 @pytest.mark.slow  # CI runs the other cascades and tests/launcher/test_erasure_recovery.py
 @pytest.mark.timeout(400)
-def test_a_kill_in_the_middle_of_a_page_rebuild_leaves_the_losses_to_the_successor(tmp_path) -> None:
+def test_a_kill_in_the_middle_of_a_page_rebuild_leaves_the_losses_to_the_successor(
+    tmp_path,
+) -> None:
     """Pages lost at the first recovery; the promoted trainer dies after their chunks were
     replaced by zeroed ones, before the rebuild: its successor must rebuild them again
     (resuming on the zeroed chunks would diverge from the fault-free run)."""
@@ -75,16 +85,30 @@ def test_a_kill_in_the_middle_of_a_page_rebuild_leaves_the_losses_to_the_success
 
 
 @pytest.mark.timeout(400)
-def test_a_hang_in_the_promoted_trainers_first_step_is_found_within_the_hang_timeout(tmp_path, reference) -> None:
+def test_a_hang_in_the_promoted_trainers_first_step_is_found_within_the_hang_timeout(
+    tmp_path, reference
+) -> None:
     """The promoted (warm) trainer stops in its first step: judged by --hang-timeout, not
     by the first-step timeout a fresh start gets, and the stopped rank is the one killed."""
-    faults = [FaultSpec(rank=1, step=5, phase="backward"), FaultSpec(rank=1, step=5, phase="update", kind="hang")]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
-                            extra=["--hang-timeout", "3", "--first-step-timeout", "120"])
+    faults = [
+        FaultSpec(rank=1, step=5, phase="backward"),
+        FaultSpec(rank=1, step=5, phase="update", kind="hang"),
+    ]
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        extra=["--hang-timeout", "3", "--first-step-timeout", "120"],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (stopped,) = [e for e in _kinds(events, "fault_injected") if e["fault_kind"] == "hang"]
     (hang,) = _kinds(events, "hang_detected")
-    assert hang["rank"] == 1 and hang["gen"] == 1 and hang["proc_state"] == "T" and hang["timeout_s"] == 3.0
+    assert (
+        hang["rank"] == 1
+        and hang["gen"] == 1
+        and hang["proc_state"] == "T"
+        and hang["timeout_s"] == 3.0
+    )
     assert hang["t"] - stopped["t"] < 10, hang["t"] - stopped["t"]
     assert len(_kinds(events, "shadows_promoted")) == 2 and not _kinds(events, "group_restart")
     assert_exact(reference, events)

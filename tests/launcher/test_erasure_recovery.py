@@ -29,11 +29,15 @@ H1_LOSSES = [
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return fault_free_digests(tmp_path_factory.mktemp("ref"), steps=STEPS, leto={"erasure": ERASURE})
+    return fault_free_digests(
+        tmp_path_factory.mktemp("ref"), steps=STEPS, leto={"erasure": ERASURE}
+    )
 
 
 def _lost(events: list[dict], rank: int, gen: int) -> dict:
-    (event,) = [e for e in events if e["kind"] == "pages_rebuilt" and e["rank"] == rank and e["gen"] == gen]
+    (event,) = [
+        e for e in events if e["kind"] == "pages_rebuilt" and e["rank"] == rank and e["gen"] == gen
+    ]
     return event["lost"]["state"]
 
 
@@ -44,9 +48,15 @@ def test_hof_plus_h1_lost_pages_per_group_recovers_bit_identically(tmp_path, ref
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
-    assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), "several groups lost 16 pages"
+    assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), (
+        "several groups lost 16 pages"
+    )
     # The first two kills hit the compute phase: their pages were rebuilt from parity.
-    assert _lost(events, 1, gen=1) == {"data": len(erased[0]["pages"]), "tier1": 1 * len(erased[0]["pages"]) // 16, "tier2": 0}
+    assert _lost(events, 1, gen=1) == {
+        "data": len(erased[0]["pages"]),
+        "tier1": 1 * len(erased[0]["pages"]) // 16,
+        "tier2": 0,
+    }
     assert _lost(events, 0, gen=2)["data"] == len(erased[1]["pages"])
     assert _lost(events, 0, gen=1) == {"data": 0, "tier1": 0, "tier2": 0}
 
@@ -58,8 +68,13 @@ def test_more_than_h1_lost_pages_fall_back_and_say_so(tmp_path, reference) -> No
     says why, the agent takes torchrun's group restart, and the restarted job (from step
     0: no checkpoint yet) matches the fault-free run at every step."""
     faults = [FaultSpec(rank=1, step=6, phase="backward", erase_device_pages=17, erase_group=0)]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto={"erasure": ERASURE},
-                            extra=["--max-restarts", "1"])
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        leto={"erasure": ERASURE},
+        extra=["--max-restarts", "1"],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     unrecoverable = [e for e in events if e["kind"] == "unrecoverable_state"]
     assert len(unrecoverable) == 1 and unrecoverable[0]["rank"] == 1

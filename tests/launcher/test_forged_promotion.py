@@ -30,10 +30,23 @@ def _environ(pid: int) -> dict[str, str]:
 def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
     reference = fault_free_digests(tmp_path, steps=STEPS)
     events_path = tmp_path / "forged.jsonl"
-    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard", "--digest", "--events",
-           str(events_path), GPT, "--steps", str(STEPS), *GPT_ARGS]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [
+        *LETO_RUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--digest",
+        "--events",
+        str(events_path),
+        GPT,
+        "--steps",
+        str(STEPS),
+        *GPT_ARGS,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline:  # until both shadows wait for promotion
@@ -43,10 +56,16 @@ def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
             time.sleep(0.1)
         else:
             pytest.fail("the shadows never became ready")
-        active = next(e["pid"] for e in events if e["kind"] == "trainer_started" and e["role"] == "active")
+        active = next(
+            e["pid"] for e in events if e["kind"] == "trainer_started" and e["role"] == "active"
+        )
         env = _environ(active)  # the forger learns the port (not the token: it is not asked for)
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=10))
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=10),
+        )
         forged = dist.PrefixStore("/leto/attempt_0/", store)  # leto's key layout, without the token
         for rank in range(2):
             forged.set(f"promote/1/{rank}", "1")
@@ -56,5 +75,7 @@ def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     events = read_events(events_path)
-    assert not [e for e in events if e["kind"] in ("promoted", "resumed")], "a forged key promoted a shadow"
+    assert not [e for e in events if e["kind"] in ("promoted", "resumed")], (
+        "a forged key promoted a shadow"
+    )
     assert_exact(reference, events)

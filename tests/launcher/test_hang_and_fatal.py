@@ -17,11 +17,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int],
 
 
 @pytest.mark.timeout(240)
-def test_sigstopped_trainer_is_killed_within_timeout_and_recovered_exactly(tmp_path, reference) -> None:
+def test_sigstopped_trainer_is_killed_within_timeout_and_recovered_exactly(
+    tmp_path, reference
+) -> None:
     timeout_s = 3.0
     faults = [FaultSpec(rank=1, step=7, phase="backward", kind="hang")]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
-                            extra=["--hang-timeout", str(timeout_s), "--first-step-timeout", "60"])
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        extra=["--hang-timeout", str(timeout_s), "--first-step-timeout", "60"],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     (stopped,) = [e for e in events if e["kind"] == "fault_injected"]
@@ -40,16 +46,28 @@ def test_sigstopped_trainer_is_killed_within_timeout_and_recovered_exactly(tmp_p
 @pytest.mark.timeout(240)
 def test_fatal_failure_restarts_from_the_checkpoint_bit_identically(tmp_path, reference) -> None:
     faults = [FaultSpec(rank=1, step=10, phase="forward", kind="fatal")]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
-                            extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                   "--checkpoint-every", "4"])
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        extra=[
+            "--max-restarts",
+            "1",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-every",
+            "4",
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     (epoch,) = [e for e in events if e["kind"] == "epoch"]
     assert (epoch["action"], epoch["failure"]) == ("restart", "ff")
     (restart,) = [e for e in events if e["kind"] == "group_restart"]
     assert restart["restart"] == 1 and "ff" in restart["reason"]
-    assert not [e for e in events if e["kind"] == "shadows_promoted"], "an FF is never recovered in place"
+    assert not [e for e in events if e["kind"] == "shadows_promoted"], (
+        "an FF is never recovered in place"
+    )
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert {e["rank"] for e in loaded} == {0, 1} and len({e["step"] for e in loaded}) == 1
     step = loaded[0]["step"]
@@ -62,23 +80,40 @@ def test_fatal_failure_restarts_from_the_checkpoint_bit_identically(tmp_path, re
 
 
 @pytest.mark.timeout(240)
-def test_broken_device_found_by_the_promoted_shadow_takes_the_checkpoint_path(tmp_path, reference) -> None:
+def test_broken_device_found_by_the_promoted_shadow_takes_the_checkpoint_path(
+    tmp_path, reference
+) -> None:
     """Emulated: a rank dies with its device (SIGKILL) and the device is left computing
     wrong — the injector flips one bit of the promoted shadow's device-check result, as a
     bad memory cell would. The shadow must refuse to resume (fatal), and the job restarts
     from the checkpoint, bit-identically."""
     faults = [FaultSpec(rank=1, step=9, phase="backward", kind="device")]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
-                            extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                   "--checkpoint-every", "4"])
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        extra=[
+            "--max-restarts",
+            "1",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-every",
+            "4",
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     assert "DeviceUnhealthyError" in proc.stderr
     failures = [e for e in events if e["kind"] == "failure_detected"]
-    assert [f["failure"] for f in failures] == ["hof", "ff"], failures  # the kill, then the bad device
+    assert [f["failure"] for f in failures] == ["hof", "ff"], (
+        failures
+    )  # the kill, then the bad device
     (restart,) = [e for e in events if e["kind"] == "group_restart"]
     assert "ff" in restart["reason"]
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
-    assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (4, 8)  # 8 may still be in flight
+    assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (
+        4,
+        8,
+    )  # 8 may still be in flight
     (done,) = [e for e in events if e["kind"] == "job_finished"]
     assert (done["restarts"], done["recoveries"]) == (1, 0)

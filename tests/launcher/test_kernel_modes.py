@@ -23,7 +23,9 @@ def test_promoted_trainers_resume_from_the_committed_state(tmp_path) -> None:
     proc, events = run_leto(tmp_path, steps=10, faults=FAULTS, deterministic=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     started = [e for e in events if e["kind"] == Kind.TRAINER_STARTED.value]
-    assert started and not any(e["deterministic"] for e in started), "default kernels are the default"
+    assert started and not any(e["deterministic"] for e in started), (
+        "default kernels are the default"
+    )
     resumed = [e for e in events if e["kind"] == Kind.RESUMED.value]
     assert len(resumed) == 2 * len(FAULTS)
     # The killed rank re-runs its step. A peer may still have been inside the previous
@@ -35,19 +37,28 @@ def test_promoted_trainers_resume_from_the_committed_state(tmp_path) -> None:
         if r["action"] == "restore+finish":
             continue
         src, step = f"trainer{r['rank']}", r["step"]
-        digests = [e for e in events if e["kind"] == Kind.DIGEST.value and e["src"] == src and e["step"] == step]
+        digests = [
+            e
+            for e in events
+            if e["kind"] == Kind.DIGEST.value and e["src"] == src and e["step"] == step
+        ]
         before = [e for e in digests if e["t"] < r["t"]]
         after = [e for e in digests if e["t"] > r["t"]]
         assert r["action"] in ("rerun", "none") and before and after, (r, digests)
-        assert after[0]["digest"] == before[-1]["digest"], f"rank {r['rank']} resumed at {step} from other state"
+        assert after[0]["digest"] == before[-1]["digest"], (
+            f"rank {r['rank']} resumed at {step} from other state"
+        )
         checked.add((r["rank"], step))
-    assert checked >= {(f.rank, f.step) for f in FAULTS}, "every killed rank resumed from its committed state"
+    assert checked >= {(f.rank, f.step) for f in FAULTS}, (
+        "every killed rank resumed from its committed state"
+    )
 
 
 @pytest.mark.timeout(300)
 def test_deterministic_flag_reaches_every_trainer(tmp_path) -> None:
-    proc, events = run_leto(tmp_path, steps=4, deterministic=True,
-                            faults=[FaultSpec(rank=1, step=2, phase="forward")])
+    proc, events = run_leto(
+        tmp_path, steps=4, deterministic=True, faults=[FaultSpec(rank=1, step=2, phase="forward")]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     started = [e for e in events if e["kind"] == Kind.TRAINER_STARTED.value]
     roles = {e["role"] for e in started}

@@ -44,7 +44,9 @@ def test_promoted_shadows_read_the_marker_that_landed(tmp_path, monkeypatch) -> 
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert sorted((e["gen"], e["rank"]) for e in resumed) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for fault in faults:  # the killed rank's shadow mapped the marker >= 4 steps before the kill
-        (e,) = [e for e in resumed if e["rank"] == fault.rank and e["gen"] == faults.index(fault) + 1]
+        (e,) = [
+            e for e in resumed if e["rank"] == fault.rank and e["gen"] == faults.index(fault) + 1
+        ]
         assert e["mapped_ahead_step"] is not None, e
         assert e["mapped_ahead_step"] <= fault.step - fault.shadow_ready_steps_before, e
 

@@ -103,7 +103,12 @@ def _labels(**labels: str) -> frozenset[tuple[str, str]]:
 
 def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
     path = tmp_path / "events.jsonl"
-    path.write_text(json.dumps({"t": 1.0, "kind": "step_done", "src": "trainer0", "rank": 0, "step": 0, "iter_s": 1.0}) + "\n")
+    path.write_text(
+        json.dumps(
+            {"t": 1.0, "kind": "step_done", "src": "trainer0", "rank": 0, "step": 0, "iter_s": 1.0}
+        )
+        + "\n"
+    )
     offset = path.stat().st_size  # an earlier job's events in a reused file are not this job's
     with open(path, "a") as f:
         f.write(JOB)
@@ -122,10 +127,25 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
         server.poll()  # the thread polls too; this makes the first scrape complete
         s = _scrape(port)
         node = {"node": "3"}
-        assert {name for name, _ in s} <= {f"leto_{n}" for n in (  # a private registry: no process metrics
-            "job_state", "job_start_time_seconds", "steps_total", "last_step", "iteration_seconds", "loss",
-            "ettr_ratio", "pages_rebuilt_total", "recoveries_total", "group_restarts_total",
-            "last_recovery_seconds", "last_recovery_phase_seconds", "shadow_level", "shadows_ready")}
+        assert {name for name, _ in s} <= {
+            f"leto_{n}"
+            for n in (  # a private registry: no process metrics
+                "job_state",
+                "job_start_time_seconds",
+                "steps_total",
+                "last_step",
+                "iteration_seconds",
+                "loss",
+                "ettr_ratio",
+                "pages_rebuilt_total",
+                "recoveries_total",
+                "group_restarts_total",
+                "last_recovery_seconds",
+                "last_recovery_phase_seconds",
+                "shadow_level",
+                "shadows_ready",
+            )
+        }
         assert _series(s, "leto_job_state") == {
             _labels(**node, state="running"): 1.0,
             _labels(**node, state="succeeded"): 0.0,
@@ -145,9 +165,18 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
         assert _series(s, "leto_recoveries_total") == {_labels(**node, cause="hof"): 1}
         assert _series(s, "leto_group_restarts_total") == {_labels(**node, cause="ff"): 1}
         assert _get(s, "leto_last_recovery_seconds", **node) == 1.5
-        phases = {dict(labels)["phase"]: v for labels, v in _series(s, "leto_last_recovery_phase_seconds").items()}
-        assert phases == {"detect": 0.125, "stop": 0.125, "promote": 0.25, "wake": 0.25, "attach+decide": 0.25,
-                          "first step": 0.5}
+        phases = {
+            dict(labels)["phase"]: v
+            for labels, v in _series(s, "leto_last_recovery_phase_seconds").items()
+        }
+        assert phases == {
+            "detect": 0.125,
+            "stop": 0.125,
+            "promote": 0.25,
+            "wake": 0.25,
+            "attach+decide": 0.25,
+            "first step": 0.5,
+        }
         assert phases == summary.recoveries()[0].phases
         assert _series(s, "leto_pages_rebuilt_total") == {_labels(**node, rank="1"): 4}
         assert _get(s, "leto_shadow_level", **node) == 1  # the restarted job's generation
@@ -155,8 +184,19 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
 
         # The thread takes in what is appended later.
         with open(path, "a") as f:
-            f.write(json.dumps({"t": 110.0, "kind": "job_finished", "src": "agent", "ok": True, "recoveries": 1,
-                                "restarts": 1}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "t": 110.0,
+                        "kind": "job_finished",
+                        "src": "agent",
+                        "ok": True,
+                        "recoveries": 1,
+                        "restarts": 1,
+                    }
+                )
+                + "\n"
+            )
         deadline = time.monotonic() + 10
         while _get(_scrape(port), "leto_job_state", **node, state="succeeded") != 1.0:
             assert time.monotonic() < deadline, "the poll thread never took in job_finished"
@@ -190,7 +230,9 @@ def test_a_port_in_use_is_one_line_naming_the_flag(tmp_path) -> None:
         port = taken.getsockname()[1]
         log = EventLog(tmp_path / "events.jsonl", source="agent")
         server = MetricsServer(log, port, node_rank=0)
-        with pytest.raises(ConfigError, match=rf"--metrics-port / leto.metrics_port {port}: .*or 0 for any"):
+        with pytest.raises(
+            ConfigError, match=rf"--metrics-port / leto.metrics_port {port}: .*or 0 for any"
+        ):
             server.start()
         server.stop()
         log.close()
@@ -199,10 +241,26 @@ def test_a_port_in_use_is_one_line_naming_the_flag(tmp_path) -> None:
 @pytest.mark.timeout(180)
 def test_a_running_job_is_scraped_over_http(tmp_path) -> None:
     events_path, err_path = tmp_path / "events.jsonl", tmp_path / "stderr.txt"
-    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard", "--events", str(events_path),
-           "--metrics-port", "0", "--inject-fault", "rank=1,step=5,phase=update", GPT, "--steps", "40"]
+    cmd = [
+        *LETO_RUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--events",
+        str(events_path),
+        "--metrics-port",
+        "0",
+        "--inject-fault",
+        "rank=1,step=5,phase=update",
+        GPT,
+        "--steps",
+        "40",
+    ]
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=err
+        )
     try:
         deadline = time.monotonic() + 150
         port = None
@@ -213,7 +271,8 @@ def test_a_running_job_is_scraped_over_http(tmp_path) -> None:
             time.sleep(0.1)
         while True:  # the recovery at step 5 leaves ~35 steps (seconds) to see it in
             assert proc.poll() is None and time.monotonic() < deadline, (
-                "the job ended before a scrape saw its recovery\n" + err_path.read_text()[-3000:])
+                "the job ended before a scrape saw its recovery\n" + err_path.read_text()[-3000:]
+            )
             s = _scrape(port)
             steps = [_get(s, "leto_steps_total", node="0", rank=r) or 0 for r in ("0", "1")]
             if min(steps) > 0 and _get(s, "leto_recoveries_total", node="0", cause="hof") == 1:

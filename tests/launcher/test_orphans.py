@@ -137,8 +137,11 @@ _TINY = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("moment", "sig"),
-    [("shadows_spawned", "SIGKILL"), ("shadow_ready", "SIGKILL"),
-     pytest.param("shadow_ready", "SIGTERM", marks=pytest.mark.slow)],  # CI time: SIGKILL is the harder case
+    [
+        ("shadows_spawned", "SIGKILL"),
+        ("shadow_ready", "SIGKILL"),
+        pytest.param("shadow_ready", "SIGTERM", marks=pytest.mark.slow),
+    ],  # CI time: SIGKILL is the harder case
 )
 def test_an_agent_killed_under_a_subreaper_leaves_nothing(
     tmp_path, monkeypatch, moment, sig

@@ -15,7 +15,9 @@ def test_phase_times_are_reported_and_change_no_result(tmp_path, monkeypatch) ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     done = [e for e in events if e["kind"] == "step_done"]
-    assert sorted((e["rank"], e["step"]) for e in done) == [(r, s) for r in range(2) for s in range(4)]
+    assert sorted((e["rank"], e["step"]) for e in done) == [
+        (r, s) for r in range(2) for s in range(4)
+    ]
     for e in done:
         assert list(e["phases_s"]) == PHASES
         assert all(v >= 0 for v in e["phases_s"].values())

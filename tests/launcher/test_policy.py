@@ -10,8 +10,13 @@ from leto.health import FailureClass
 from leto_run.policy import Action, FailureFacts, decide
 
 HOF = FailureFacts(
-    failure=FailureClass.HOF, in_place_enabled=True, state_manager_alive=True, shadows_everywhere=True,
-    multi_node=False, failures_without_progress=1, failure_loop_limit=16,
+    failure=FailureClass.HOF,
+    in_place_enabled=True,
+    state_manager_alive=True,
+    shadows_everywhere=True,
+    multi_node=False,
+    failures_without_progress=1,
+    failure_loop_limit=16,
 )
 
 
@@ -22,7 +27,9 @@ def test_a_killed_trainer_with_shadows_everywhere_promotes_them() -> None:
 
 @pytest.mark.parametrize("multi_node", [False, True])
 def test_without_shadows_a_cold_generation_attaches_instead_of_a_restart(multi_node: bool) -> None:
-    facts = dataclasses.replace(HOF, shadows_everywhere=False, multi_node=multi_node, no_shadows_reason="given up")
+    facts = dataclasses.replace(
+        HOF, shadows_everywhere=False, multi_node=multi_node, no_shadows_reason="given up"
+    )
     decision = decide(facts)
     assert decision.action is Action.PROMOTE_COLD and decision.action.in_place
     assert "given up" in decision.reason
@@ -35,9 +42,14 @@ def test_repeated_failures_before_any_step_stop_at_the_loop_limit() -> None:
 
 
 def test_unusable_state_and_script_errors_restart_the_group() -> None:
-    dead = dataclasses.replace(HOF, failure=FailureClass.FF, state_manager_alive=False, state_manager_exit="signal 9")
+    dead = dataclasses.replace(
+        HOF, failure=FailureClass.FF, state_manager_alive=False, state_manager_exit="signal 9"
+    )
     assert decide(dead) == decide(dead)  # pure
-    assert decide(dead).action is Action.RESTART and "state manager died (signal 9)" in decide(dead).reason
+    assert (
+        decide(dead).action is Action.RESTART
+        and "state manager died (signal 9)" in decide(dead).reason
+    )
     fatal = decide(dataclasses.replace(HOF, failure=FailureClass.FF))
     assert fatal.action is Action.RESTART and "fatal failure" in fatal.reason
     error = decide(dataclasses.replace(HOF, failure=FailureClass.ERROR, multi_node=True))

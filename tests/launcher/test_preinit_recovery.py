@@ -27,12 +27,28 @@ LETO = {"preinit": {"emulated_device_bytes": 10 * GIB, "emulated_trainer_bytes":
 # the shadows hold memory, and a kill is meant for the level-lowered shadows, however slowly
 # a loaded machine starts them.
 FAULTS = [
-    FaultSpec(rank=1, step=4, phase="backward", kind="oom", oom_bytes=GIB * 9 // 2,  # 1.5 GiB left: L2
-              shadow_ready_steps_before=1),
-    FaultSpec(rank=0, step=9, phase="forward", shadow_ready_steps_before=1),  # recovered from the L2 shadows
-    FaultSpec(rank=0, step=14, phase="forward", kind="oom", oom_bytes=GIB * 11 // 2,  # 0.5 GiB left: L1
-              shadow_ready_steps_before=1),
-    FaultSpec(rank=1, step=19, phase="backward", shadow_ready_steps_before=1),  # recovered from the L1 shadows
+    FaultSpec(
+        rank=1,
+        step=4,
+        phase="backward",
+        kind="oom",
+        oom_bytes=GIB * 9 // 2,  # 1.5 GiB left: L2
+        shadow_ready_steps_before=1,
+    ),
+    FaultSpec(
+        rank=0, step=9, phase="forward", shadow_ready_steps_before=1
+    ),  # recovered from the L2 shadows
+    FaultSpec(
+        rank=0,
+        step=14,
+        phase="forward",
+        kind="oom",
+        oom_bytes=GIB * 11 // 2,  # 0.5 GiB left: L1
+        shadow_ready_steps_before=1,
+    ),
+    FaultSpec(
+        rank=1, step=19, phase="backward", shadow_ready_steps_before=1
+    ),  # recovered from the L1 shadows
 ]
 
 
@@ -48,20 +64,31 @@ def test_oom_reclaims_shadows_and_kills_recover_from_lower_levels(tmp_path, refe
     proc, events = run_leto(tmp_path, steps=STEPS, faults=FAULTS, leto=LETO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    injected = [(e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == "fault_injected"]
+    injected = [
+        (e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == "fault_injected"
+    ]
     assert injected == [(f.rank, f.step, f.kind) for f in FAULTS]
     # Both OOMs were absorbed: shadows reclaimed, the step retried, nothing restarted.
     reclaimed = [e for e in events if e["kind"] == "shadow_reclaimed"]
     assert [(e["ranks"], e["level"]) for e in reclaimed] == [([1], 3), ([0], 3)]
-    retries = [(e["rank"], e["step"], e["reclaimed_level"]) for e in events if e["kind"] == "oom_retry"]
+    retries = [
+        (e["rank"], e["step"], e["reclaimed_level"]) for e in events if e["kind"] == "oom_retry"
+    ]
     assert retries == [(1, 4, 3), (0, 14, 3)]
     assert not [e for e in events if e["kind"] == "group_restart"]
     # Levels: configured, lowered by each OOM from the retried step's peak; after each
     # recovery the replacements start at the level the old actives' peak allowed, then are
     # raised once the fresh actives report their (lower) peak.
     levels = [(e["reason"], e["level"]) for e in events if e["kind"] == "shadow_level"]
-    assert levels == [("configured", 3), ("oom", 2), ("recovery", 2), ("recovery", 3), ("oom", 1),
-                      ("recovery", 1), ("recovery", 3)]
+    assert levels == [
+        ("configured", 3),
+        ("oom", 2),
+        ("recovery", 2),
+        ("recovery", 3),
+        ("oom", 1),
+        ("recovery", 1),
+        ("recovery", 3),
+    ]
     oom_choices = [e for e in events if e["kind"] == "shadow_level" and e["reason"] == "oom"]
     assert [e["peak_bytes"] for e in oom_choices] == [GIB * 17 // 2, GIB * 19 // 2]
     # The kills were recovered in place, by shadows of the lowered levels.
@@ -73,11 +100,17 @@ def test_oom_reclaims_shadows_and_kills_recover_from_lower_levels(tmp_path, refe
 @pytest.mark.timeout(600)
 def test_oom_without_memory_reports_steps_the_level_down(tmp_path, reference) -> None:
     """No emulated device (plain CPU): a reclaim lowers the level by one, L3 -> L2."""
-    faults = [FaultSpec(rank=0, step=5, phase="forward", kind="oom", shadow_ready_steps_before=1),
-              FaultSpec(rank=1, step=11, phase="update", shadow_ready_steps_before=1)]
+    faults = [
+        FaultSpec(rank=0, step=5, phase="forward", kind="oom", shadow_ready_steps_before=1),
+        FaultSpec(rank=1, step=11, phase="update", shadow_ready_steps_before=1),
+    ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    levels = [(e["reason"], e["level"], e["headroom_bytes"]) for e in events if e["kind"] == "shadow_level"]
+    levels = [
+        (e["reason"], e["level"], e["headroom_bytes"])
+        for e in events
+        if e["kind"] == "shadow_level"
+    ]
     assert levels == [("configured", 3, None), ("oom", 2, None), ("recovery", 3, None)]
     assert [e["level"] for e in events if e["kind"] == "promoted"] == [2, 2]

@@ -69,7 +69,10 @@ def test_level1_shadows_build_their_group_after_promotion(tmp_path, reference) -
     """L1 shadows (imports and model only, no process group) recover exactly too."""
     from leto.config import FaultSpec
 
-    faults = [FaultSpec(rank=1, step=5, phase="update"), FaultSpec(rank=0, step=14, phase="backward")]
+    faults = [
+        FaultSpec(rank=1, step=5, phase="update"),
+        FaultSpec(rank=0, step=14, phase="backward"),
+    ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, extra=["--shadow-level", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_exact(reference, events, faults)

@@ -58,8 +58,11 @@ def _events(tmp_path) -> EventLog:
 
 
 def _unrecoverable(tmp_path) -> list[tuple[int, str]]:
-    return [(e["rank"], e["region"]) for e in read_events(tmp_path / "events.jsonl")
-            if e["kind"] == "unrecoverable_state"]
+    return [
+        (e["rank"], e["region"])
+        for e in read_events(tmp_path / "events.jsonl")
+        if e["kind"] == "unrecoverable_state"
+    ]
 
 
 def test_a_successor_over_the_same_regions_passes(sm, tmp_path) -> None:
@@ -77,8 +80,12 @@ def test_a_region_freed_and_made_anew_is_refused(sm, tmp_path) -> None:
     Trainer(sm, _events(tmp_path)).initialise()
     sm.client().free(0, "state")
     successor = Trainer(sm, _events(tmp_path))
-    assert successor.marker.is_valid() and int(successor.state[0]) == 0  # what used to be resumed on
-    with pytest.raises(RegionIdentityError, match="'state' was made after the rank's state was initialised") as e:
+    assert (
+        successor.marker.is_valid() and int(successor.state[0]) == 0
+    )  # what used to be resumed on
+    with pytest.raises(
+        RegionIdentityError, match="'state' was made after the rank's state was initialised"
+    ) as e:
         successor.check()
     assert e.value.region == "state"
     assert _unrecoverable(tmp_path) == [(0, "state")]
@@ -100,7 +107,9 @@ def test_a_region_replaced_after_a_shadow_mapped_it_is_refused(sm, tmp_path) -> 
     other = sm.client()
     other.free(0, "marker")
     other.alloc(0, "marker", MARKER_BYTES, "uint8", "host")
-    with pytest.raises(RegionIdentityError, match="'marker' was replaced after this process mapped it"):
+    with pytest.raises(
+        RegionIdentityError, match="'marker' was replaced after this process mapped it"
+    ):
         shadow.check()
 
 
@@ -110,7 +119,9 @@ def test_a_lost_marker_is_refused_not_started_over(sm, tmp_path) -> None:
     sm.client().free(0, "marker")
     successor = Trainer(sm, _events(tmp_path))
     assert not successor.marker.is_valid()
-    with pytest.raises(RegionIdentityError, match="'marker' was lost, though the rank's state was initialised"):
+    with pytest.raises(
+        RegionIdentityError, match="'marker' was lost, though the rank's state was initialised"
+    ):
         successor.check()
     assert _unrecoverable(tmp_path) == [(0, "marker")]
 
@@ -137,11 +148,17 @@ def test_regions_of_another_state_manager_instance_are_refused() -> None:
     """A marker read from one state manager's memory, regions held by another (restarted)."""
     record = IdentityRecord(digest=1, instance=0xAAAA, last_serial=2)
     now = RankIdentities("bbbb", {"marker": "bbbb:1", "state": "bbbb:2"}, None)
-    assert identity_problem(record, now, seen={}) == ("marker", "was made by another state manager (it was restarted)")
+    assert identity_problem(record, now, seen={}) == (
+        "marker",
+        "was made by another state manager (it was restarted)",
+    )
     same = RankIdentities("aaaa", {"marker": "aaaa:1", "state": "aaaa:2"}, None)
     record = IdentityRecord(int(same.digest(), 16), 0xAAAA, 2)
     assert identity_problem(record, same, seen=same.regions) is None
-    assert identity_problem(record, same, seen={"state": "aaaa:3"}) == ("state", "was replaced after this process mapped it")
+    assert identity_problem(record, same, seen={"state": "aaaa:3"}) == (
+        "state",
+        "was replaced after this process mapped it",
+    )
 
 
 @pytest.mark.timeout(300)
@@ -149,7 +166,9 @@ def test_a_job_whose_region_is_dropped_at_a_kill_does_not_resume(tmp_path) -> No
     """rank 1 is killed at step 5 and its "state" region dropped from the state manager at
     the kill; its shadow (ready 2 steps earlier, so it mapped the region ahead) must not
     resume: an unrecoverable_state event names the region, and no trainer resumes."""
-    fault = FaultSpec(rank=1, step=5, phase="backward", drop_region="state", shadow_ready_steps_before=2)
+    fault = FaultSpec(
+        rank=1, step=5, phase="backward", drop_region="state", shadow_ready_steps_before=2
+    )
     proc, events = run_leto(tmp_path, steps=8, faults=[fault])
     kinds = [e["kind"] for e in events]
     assert "fault_injected" in kinds, proc.stderr[-3000:]

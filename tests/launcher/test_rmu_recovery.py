@@ -31,11 +31,17 @@ def _every_ten() -> list[FaultSpec]:
     faults = []
     for k, step in enumerate(range(5, STEPS, 10)):
         point = points[k % 3]
-        faults.append(FaultSpec(
-            rank=k % 2, step=step, phase="update", point=point,  # type: ignore[arg-type]
-            chunk=None if point == "flush" else k % CHUNKS,
-            erase_device_pages=H1, erase_host_pages=1,
-        ))
+        faults.append(
+            FaultSpec(
+                rank=k % 2,
+                step=step,
+                phase="update",
+                point=point,  # type: ignore[arg-type]
+                chunk=None if point == "flush" else k % CHUNKS,
+                erase_device_pages=H1,
+                erase_host_pages=1,
+            )
+        )
     return faults
 
 
@@ -60,7 +66,9 @@ def test_kills_inside_the_update_with_lost_pages_recover_exactly(tmp_path, refer
     _assert_exact(reference, events, faults)
     rebuilt = [e for e in events if e["kind"] == "pages_rebuilt" and e["lost"]["state"]["data"]]
     assert len(rebuilt) == len(faults), "every recovery rebuilt lost model-state pages"
-    assert all(e["lost"]["state"]["data"] >= 2 * H1 and e["lost"]["state"]["tier1"] >= 1 for e in rebuilt)
+    assert all(
+        e["lost"]["state"]["data"] >= 2 * H1 and e["lost"]["state"]["tier1"] >= 1 for e in rebuilt
+    )
     assert {e["phase"] for e in rebuilt} == {"CHUNK_SAVED", "FLUSHING"}
     actions = {e["action"] for e in events if e["kind"] == "resumed"}
     assert {"restore+finish", "flush"} <= actions, actions
@@ -68,7 +76,9 @@ def test_kills_inside_the_update_with_lost_pages_recover_exactly(tmp_path, refer
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_kill_point_sweep_every_chunk_boundary_and_mid_chunk_both_ranks(tmp_path, reference) -> None:
+def test_kill_point_sweep_every_chunk_boundary_and_mid_chunk_both_ranks(
+    tmp_path, reference
+) -> None:
     """Every chunk boundary and mid-chunk point, on each rank (one kill per step: a new
     shadow generation must be spawned between kills), each with lost pages. A soak (~90 s on
     2 cores): CI runs its in-process twin, tests/updater/test_rmu.py::
@@ -78,8 +88,17 @@ def test_kill_point_sweep_every_chunk_boundary_and_mid_chunk_both_ranks(tmp_path
     for rank in (0, 1):
         for chunk in range(CHUNKS):
             for point in ("boundary", "optimizer"):
-                faults.append(FaultSpec(rank=rank, step=step, phase="update", point=point, chunk=chunk,  # type: ignore[arg-type]
-                                        erase_device_pages=H1, erase_host_pages=1))
+                faults.append(
+                    FaultSpec(
+                        rank=rank,
+                        step=step,
+                        phase="update",
+                        point=point,
+                        chunk=chunk,  # type: ignore[arg-type]
+                        erase_device_pages=H1,
+                        erase_host_pages=1,
+                    )
+                )
                 step += 3
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,8 +112,17 @@ def test_rmp_alone_without_incremental_parity_diverges(tmp_path, reference, monk
     """The negative test (the paper's NaN curve): the same kind of kill with the RMU's
     parity update off rebuilds lost pages from stale parity, and the run never matches."""
     monkeypatch.setenv("LETO_RMU_PARITY", "0")
-    faults = [FaultSpec(rank=1, step=5, phase="update", point="optimizer", chunk=2, erase_device_pages=H1,
-                        erase_host_pages=1)]
+    faults = [
+        FaultSpec(
+            rank=1,
+            step=5,
+            phase="update",
+            point="optimizer",
+            chunk=2,
+            erase_device_pages=H1,
+            erase_host_pages=1,
+        )
+    ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO)
     got = digests(events)
     before = [(r, s) for (r, s) in got if s <= 5]
@@ -105,25 +133,43 @@ def test_rmp_alone_without_incremental_parity_diverges(tmp_path, reference, monk
     # Here the rebuilt pages hold a garbage Adam step counter: the resume refuses.
     assert proc.returncode != 0 and len(refused) == 1 and refused[0]["rank"] == 1
     assert "step counters contradict" in refused[0]["error"]
-    assert not [k for k in got if k[1] > 5 and k[0] == 1], "rank 1 never committed a step on the wrong state"
+    assert not [k for k in got if k[1] > 5 and k[0] == 1], (
+        "rank 1 never committed a step on the wrong state"
+    )
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("region", "point", "in_place"), [
-    ("rmu.undo", "optimizer", False),  # chunk saved, half updated: the undo copy is the record
-    # mid-update: the working parity is authoritative; between chunks the undo copy is not
-    # needed (CI runs the first case)
-    pytest.param("rmu.parity", "boundary", False, marks=pytest.mark.slow),
-    pytest.param("rmu.undo", "boundary", True, marks=pytest.mark.slow),
-])
-def test_lost_update_buffers_mid_update_take_the_checkpoint_path(tmp_path, reference, region, point, in_place) -> None:
+@pytest.mark.parametrize(
+    ("region", "point", "in_place"),
+    [
+        ("rmu.undo", "optimizer", False),  # chunk saved, half updated: the undo copy is the record
+        # mid-update: the working parity is authoritative; between chunks the undo copy is not
+        # needed (CI runs the first case)
+        pytest.param("rmu.parity", "boundary", False, marks=pytest.mark.slow),
+        pytest.param("rmu.undo", "boundary", True, marks=pytest.mark.slow),
+    ],
+)
+def test_lost_update_buffers_mid_update_take_the_checkpoint_path(
+    tmp_path, reference, region, point, in_place
+) -> None:
     """The undo copy and the working parity are unprotected device regions. Losing one
     while the resume point needs it must never be resumed on: unrecoverable_state, a group
     restart (no checkpoint: from step 0), and still every digest equals the fault-free run.
     Emulated as for model-state pages: the state manager drops the region's chunk."""
-    faults = [FaultSpec(rank=1, step=5, phase="update", point=point, chunk=1, erase_device_pages=1,
-                        erase_device_region=region)]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO, extra=["--max-restarts", "1"])
+    faults = [
+        FaultSpec(
+            rank=1,
+            step=5,
+            phase="update",
+            point=point,
+            chunk=1,
+            erase_device_pages=1,
+            erase_device_region=region,
+        )
+    ]
+    proc, events = run_leto(
+        tmp_path, steps=STEPS, faults=faults, leto=LETO, extra=["--max-restarts", "1"]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     assert [e["region"] for e in events if e["kind"] == "pages_erased"] == [region]

@@ -27,17 +27,23 @@ def _kinds(events: list[dict], kind: str) -> list[dict]:
 def test_killed_shadow_is_replaced_and_the_next_kill_recovers_in_place(tmp_path, reference) -> None:
     faults = [
         FaultSpec(rank=1, step=4, kind="kill_shadow"),  # returns once the agent retracted it
-        FaultSpec(rank=1, step=9, phase="backward", shadow_ready_steps_before=2),  # waits for the replacement
+        FaultSpec(
+            rank=1, step=9, phase="backward", shadow_ready_steps_before=2
+        ),  # waits for the replacement
     ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     assert [e["fault_kind"] for e in _kinds(events, "fault_injected")] == ["kill_shadow", "kill"]
     (died,) = _kinds(events, "shadow_died")
-    assert (died["rank"], died["gen"], died["signal"], died["exitcode"]) == (1, 1, SIGKILL, None), died
+    assert (died["rank"], died["gen"], died["signal"], died["exitcode"]) == (1, 1, SIGKILL, None), (
+        died
+    )
     assert died["level"] == 3 and died["deaths"] == 1
     launches = [(e["gen"], e["launch"]) for e in _kinds(events, "shadows_spawned")]
-    assert launches[:2] == [(1, 0), (1, 1)], launches  # the replacement, same generation, same level
+    assert launches[:2] == [(1, 0), (1, 1)], (
+        launches
+    )  # the replacement, same generation, same level
     assert _kinds(events, "shadows_spawned")[1]["level"] == 3
     assert not _kinds(events, "shadows_given_up")
     (epoch,) = _kinds(events, "epoch")
@@ -59,7 +65,9 @@ LOOP = 3  # leto.failure_loop_limit
 
 
 @pytest.mark.timeout(300)
-def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_group(tmp_path, reference) -> None:
+def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_group(
+    tmp_path, reference
+) -> None:
     """Shadows given up, then a kill: a cold generation tries to attach, but it starts the
     same way and dies too (every launch of rank 1 crashes); after ``failure_loop_limit``
     failures without a committed step the group restarts from the checkpoint."""
@@ -68,10 +76,20 @@ def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_gr
         # waits until the agent gave up relaunching (no shadow will be ready), then dies
         FaultSpec(rank=1, step=9, phase="backward", shadow_ready_steps_before=2),
     ]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults,
-                            leto={"preinit": {"shadow_deaths_limit": LIMIT}, "failure_loop_limit": LOOP},
-                            extra=["--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                   "--checkpoint-every", "4"])
+    proc, events = run_leto(
+        tmp_path,
+        steps=STEPS,
+        faults=faults,
+        leto={"preinit": {"shadow_deaths_limit": LIMIT}, "failure_loop_limit": LOOP},
+        extra=[
+            "--max-restarts",
+            "1",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-every",
+            "4",
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     (restart,) = _kinds(events, "group_restart")
@@ -83,11 +101,15 @@ def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_gr
     # gen 1 launched LIMIT times, then a cold gen 1; then at each promotion replacements
     # (which die as well: the next generation is theirs if still alive, else cold)
     assert launches[: LIMIT + 1] == [(1, n) for n in range(LIMIT)] + [(1, COLD_LAUNCH)], launches
-    assert all(launch in (0, COLD_LAUNCH) and gen > 1 for gen, launch in launches[LIMIT + 1 :]), launches
+    assert all(launch in (0, COLD_LAUNCH) and gen > 1 for gen, launch in launches[LIMIT + 1 :]), (
+        launches
+    )
     (given_up,) = _kinds(before, "shadows_given_up")
     assert given_up["deaths"] == LIMIT and given_up["rank"] == 1
     epochs = _kinds(before, "epoch")
-    assert [(e["action"], e["failure"]) for e in epochs] == [("in_place", "hof")] * (LOOP - 1) + [("restart", "hof")]
+    assert [(e["action"], e["failure"]) for e in epochs] == [("in_place", "hof")] * (LOOP - 1) + [
+        ("restart", "hof")
+    ]
     assert epochs[0]["cold"] and f"died {LIMIT} times in a row" in epochs[0]["reason"], epochs[0]
     assert f"killed {LOOP} times in a row without committing a step" in restart["reason"], restart
     assert "killed 3 times in a row" in proc.stderr  # one log line names it

@@ -27,10 +27,22 @@ def _state_manager(agent: int) -> int | None:
 @pytest.mark.timeout(300)
 def test_a_dead_state_manager_is_an_event_within_a_second(tmp_path) -> None:
     events_path = tmp_path / "events.jsonl"
-    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard", "--events", str(events_path),
-           GPT, "--steps", "400", *GPT_ARGS]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [
+        *LETO_RUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--events",
+        str(events_path),
+        GPT,
+        "--steps",
+        "400",
+        *GPT_ARGS,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline:

@@ -17,16 +17,36 @@ DDP = str(REPO / "examples" / "plain_ddp.py")
 
 
 def _leto_run(tmp, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard",
-           "--events", str(tmp / "events.jsonl"), *args]
-    return subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=240, env=_env())
+    cmd = [
+        *LETO_RUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--events",
+        str(tmp / "events.jsonl"),
+        *args,
+    ]
+    return subprocess.run(
+        cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=240, env=_env()
+    )
 
 
 @pytest.mark.timeout(300)
 def test_plain_ddp_group_restart_like_torchrun(tmp_path) -> None:
     """SIGKILL of a worker restarts the whole group (attempt 1) and the job completes."""
-    proc = _leto_run(tmp_path, "--max-restarts", "1", DDP, "--steps", "6", "--kill-at-step", "2",
-                     "--out", str(tmp_path / "out.json"))
+    proc = _leto_run(
+        tmp_path,
+        "--max-restarts",
+        "1",
+        DDP,
+        "--steps",
+        "6",
+        "--kill-at-step",
+        "2",
+        "--out",
+        str(tmp_path / "out.json"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["attempt"] == 1
@@ -75,10 +95,33 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path) -> None:
     """SIGINT to leto-run mid-run: every trainer, shadow and the state manager are gone,
     and no socket directory outlives the job (memfd regions die with their last fd)."""
     events = tmp_path / "events.jsonl"
-    cmd = [*LETO_RUN, "--standalone", "--nproc-per-node", "2", "--no-dashboard",
-           "--events", str(events), str(REPO / "examples" / "train_gpt.py"), "--steps", "100000",
-           "--vocab", "64", "--dim", "16", "--layers", "1", "--seq", "8", "--batch", "2", "--heads", "2"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        *LETO_RUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--events",
+        str(events),
+        str(REPO / "examples" / "train_gpt.py"),
+        "--steps",
+        "100000",
+        "--vocab",
+        "64",
+        "--dim",
+        "16",
+        "--layers",
+        "1",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "--heads",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # steady state: actives training, shadows ready
         kinds = [e["kind"] for e in read_events(events)]
@@ -102,4 +145,6 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path) -> None:
     assert proc.returncode != 0
     time.sleep(0.5)
     assert [p for p in family if _alive(p)] == [], "processes outlived leto-run"
-    assert not any(os.path.exists(d) for d in sm_dirs), "the state manager's socket directory leaked"
+    assert not any(os.path.exists(d) for d in sm_dirs), (
+        "the state manager's socket directory leaked"
+    )

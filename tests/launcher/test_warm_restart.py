@@ -20,11 +20,24 @@ def test_warm_restart_equals_cold_restart(tmp_path) -> None:
     for mode, flags in (("warm", []), ("cold", ["--no-warm-restarts"])):
         run_dir = tmp_path / mode
         run_dir.mkdir()
-        proc = _leto_run(run_dir, *flags, "--max-restarts", "1", DDP, "--steps", "6", "--kill-at-step", "2",
-                         "--out", str(run_dir / "out.json"))
+        proc = _leto_run(
+            run_dir,
+            *flags,
+            "--max-restarts",
+            "1",
+            DDP,
+            "--steps",
+            "6",
+            "--kill-at-step",
+            "2",
+            "--out",
+            str(run_dir / "out.json"),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[mode] = json.loads((run_dir / "out.json").read_text())
-        started = [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "workers_started"]
+        started = [
+            e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "workers_started"
+        ]
         assert [(e["restart"], e["warm"]) for e in started] == [(0, False), (1, mode == "warm")]
     assert results["warm"] == results["cold"]
     assert results["warm"]["attempt"] == 1

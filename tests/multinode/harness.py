@@ -27,24 +27,61 @@ class Node:
     events: Path
 
 
-def start_nodes(tmp: Path, *, backend: str, steps: int, faults: list[FaultSpec] = (),
-                extra: list[str] = (), script: str = GPT, script_args: list[str] = ()) -> list[Node]:
+def start_nodes(
+    tmp: Path,
+    *,
+    backend: str,
+    steps: int,
+    faults: list[FaultSpec] = (),
+    extra: list[str] = (),
+    script: str = GPT,
+    script_args: list[str] = (),
+) -> list[Node]:
     """Start the two agents of a 2 x 2 job; ``backend`` is c10d or static."""
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     if backend == "c10d":
-        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
+        rdzv = [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            run_id,
+        ]
     else:
-        rdzv = ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        rdzv = [
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ]
     nodes = []
     for node_rank in (0, 1):
         events = tmp / f"events-node{node_rank}.jsonl"
-        cmd = [*LETO_RUN, "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "2",
-               *rdzv, "--no-dashboard", "--digest", "--events", str(events), *extra]
+        cmd = [
+            *LETO_RUN,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node_rank),
+            "--nproc-per-node",
+            "2",
+            *rdzv,
+            "--no-dashboard",
+            "--digest",
+            "--events",
+            str(events),
+            *extra,
+        ]
         for f in faults:
             cmd += ["--inject-fault", f"rank={f.rank},step={f.step},phase={f.phase},kind={f.kind}"]
         cmd += [script, "--steps", str(steps), *GPT_ARGS, *script_args]
         log = open(tmp / f"node{node_rank}.log", "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True
+        )
         nodes.append(Node(node_rank, proc, events))
         if node_rank == 0 and backend == "c10d":
             _wait_listening(port, proc)  # node 0 first: it hosts the c10d store
@@ -81,5 +118,3 @@ def all_events(nodes: list[Node]) -> list[dict]:
 
 def log_tail(tmp: Path, chars: int = 3000) -> str:
     return "\n".join(f"--- node{i}\n" + (tmp / f"node{i}.log").read_text()[-chars:] for i in (0, 1))
-
-

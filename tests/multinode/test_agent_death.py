@@ -55,7 +55,9 @@ def test_killed_store_host_fails_the_other_node_in_one_line(tmp_path) -> None:
     # whichever noticed first (the epoch board or torch's rendezvous) says it, as the last line
     last = log1.rstrip().splitlines()[-1]
     assert last.startswith("leto-run: error: lost the job's store at "), log_tail(tmp_path)
-    agent_lines = [line for line in log1.splitlines() if not line.startswith("[rank")]  # trainers' own
+    agent_lines = [
+        line for line in log1.splitlines() if not line.startswith("[rank")
+    ]  # trainers' own
     assert not [line for line in agent_lines if "Traceback" in line], log_tail(tmp_path)
     time.sleep(0.5)
     assert [p for p in family if _alive(p)] == [], "node 1's trainers outlived its agent"

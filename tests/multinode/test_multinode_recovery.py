@@ -21,7 +21,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int],
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["c10d", "static"])
 def test_kill_on_node1_promotes_shadows_on_every_node(tmp_path, reference, backend: str) -> None:
-    faults = [FaultSpec(rank=3, step=6, phase="backward"), FaultSpec(rank=2, step=11, phase="update")]
+    faults = [
+        FaultSpec(rank=3, step=6, phase="backward"),
+        FaultSpec(rank=2, step=11, phase="update"),
+    ]
     nodes = start_nodes(tmp_path, backend=backend, steps=STEPS, faults=faults)
     codes = wait_nodes(nodes, timeout_s=240)
     assert codes == [0, 0], log_tail(tmp_path)
@@ -31,7 +34,14 @@ def test_kill_on_node1_promotes_shadows_on_every_node(tmp_path, reference, backe
     promoted = [e for e in events if e["kind"] == "shadows_promoted"]
     assert sorted((e["epoch"], e["node"]) for e in promoted) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     epochs = [e for e in events if e["kind"] == "epoch"]
-    assert {(e["epoch"], e["remote"]) for e in epochs} == {(1, False), (1, True), (2, False), (2, True)}
+    assert {(e["epoch"], e["remote"]) for e in epochs} == {
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+    }
     assert all(e["action"] == "in_place" for e in epochs)
-    assert not [e for e in events if e["kind"] == "group_restart"], "no node may restart its workers"
+    assert not [e for e in events if e["kind"] == "group_restart"], (
+        "no node may restart its workers"
+    )
     assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 0]

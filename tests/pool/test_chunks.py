@@ -84,12 +84,25 @@ def test_chunks_lost_after_mapping_are_found_and_replaced_zeroed(sm) -> None:
         print("written", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    out = subprocess.run([sys.executable, "-c", writer, sm.socket_path], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": REPO}, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", writer, sm.socket_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+        check=False,
+    )
     assert out.returncode == -signal.SIGKILL and "written" in out.stdout, out.stderr
-    shadow = ChunkedRegion.attach(MemfdChunks(), pool, 0, "state", 64 * PAGE, PAGE)  # takes the retained 8 KiB
+    shadow = ChunkedRegion.attach(
+        MemfdChunks(), pool, 0, "state", 64 * PAGE, PAGE
+    )  # takes the retained 8 KiB
     assert shadow.table.chunk_bytes == 2 * PAGE and shadow.existing
-    assert pool.erase(0, "state", PAGE, [5, 40, 41]) == [4, 5, 40, 41]  # a chunk loses both its pages
+    assert pool.erase(0, "state", PAGE, [5, 40, 41]) == [
+        4,
+        5,
+        40,
+        41,
+    ]  # a chunk loses both its pages
     assert pool.pagemap(0, "state") == [2, 20]
     assert shadow.localize() == [2, 20]
     for p in range(64):
@@ -114,7 +127,10 @@ def test_chunks_lost_before_attach_are_replaced_and_reported_once(sm) -> None:
     pool.erase(0, "grads", PAGE, [0, 31])
     del first  # (its mapping stays until exit: a dead writer's would not)
     successor = ChunkedRegion.attach(MemfdChunks(), pool, 0, "grads", 32 * PAGE, PAGE)
-    assert pool.pagemap(0, "grads") == [0, 31]  # replaced at attach, not deposited before the rebuild
+    assert pool.pagemap(0, "grads") == [
+        0,
+        31,
+    ]  # replaced at attach, not deposited before the rebuild
     assert successor.lost_pages(PAGE) == [0, 31]
     assert successor.lost_pages(PAGE) == []
     assert _page_byte(successor, 0) == (0, 0) and _page_byte(successor, 1) == (2, 2)
@@ -138,8 +154,14 @@ def test_a_successor_that_dies_before_committing_its_rebuild_leaves_the_losses(s
         assert region.localize() == [3]
         os.kill(os.getpid(), signal.SIGKILL)  # mid-rebuild
     """)
-    out = subprocess.run([sys.executable, "-c", dying, sm.socket_path], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": REPO}, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", dying, sm.socket_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+        check=False,
+    )
     assert out.returncode == -signal.SIGKILL, out.stderr
     assert pool.pagemap(0, "state") == [3]
     successor = ChunkedRegion.attach(MemfdChunks(), pool, 0, "state", 32 * PAGE, PAGE)
@@ -166,8 +188,18 @@ def test_reattach_with_another_size_is_refused(sm) -> None:
 
 
 def _deposit(manager: StateManager, fds: list[int], **fields) -> dict:
-    request = {"op": "deposit", "rank": 0, "name": "state", "nbytes": 4 * PAGE, "dtype": "uint8",
-               "tier": "device", "chunk_bytes": PAGE, "backing": "memfd-chunks", "start": 0, **fields}
+    request = {
+        "op": "deposit",
+        "rank": 0,
+        "name": "state",
+        "nbytes": 4 * PAGE,
+        "dtype": "uint8",
+        "tier": "device",
+        "chunk_bytes": PAGE,
+        "backing": "memfd-chunks",
+        "start": 0,
+        **fields,
+    }
     return manager.handle(request, fds)[0]
 
 
@@ -187,12 +219,23 @@ def test_state_manager_validates_deposits_and_closes_refused_fds() -> None:
         assert _deposit(manager, [memfds.create(PAGE)], start=1, replace=True)["ok"]
         with pytest.raises(PoolError, match="does not match"):
             _deposit(manager, [memfds.create(PAGE)], chunk_bytes=2 * PAGE, replace=True)
-        assert manager.handle({"op": "pagemap", "rank": 0, "name": "state"})[0]["lost"] == [(2, 2)]  # (first, count) runs
+        assert manager.handle({"op": "pagemap", "rank": 0, "name": "state"})[0]["lost"] == [
+            (2, 2)
+        ]  # (first, count) runs
         with pytest.raises(PoolError, match="per chunk"):
             manager.handle({"op": "lookup", "rank": 0, "name": "state"})
         with pytest.raises(PoolError, match="the trainer localises it"):
             manager.handle({"op": "localize", "rank": 0, "name": "state", "page_bytes": PAGE})
-        manager.handle({"op": "alloc", "rank": 0, "name": "p1", "nbytes": PAGE, "dtype": "uint8", "tier": "host"})
+        manager.handle(
+            {
+                "op": "alloc",
+                "rank": 0,
+                "name": "p1",
+                "nbytes": PAGE,
+                "dtype": "uint8",
+                "tier": "host",
+            }
+        )
         with pytest.raises(PoolError, match="use lookup, not fetch"):
             manager.handle({"op": "fetch", "rank": 0, "name": "p1"})
         fds_held = manager.handle({"op": "stats"})[0]["fds"]

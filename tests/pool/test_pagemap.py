@@ -41,18 +41,25 @@ def test_one_billion_parameters_fit_at_two_mib_chunks_under_usual_limits() -> No
     per_rank = -(-total // (2 * MiB))
     assert 9_500 <= per_rank <= 9_600  # ~7.6k state + ~1.9k gradient chunks
     # systemd's default hard limit, 8 ranks per node: one erasure page per chunk.
-    assert pagemap.plan_chunk_bytes(total, 2 * MiB, 2 * MiB, pagemap.fd_budget(524_288, 8)) == 2 * MiB
+    assert (
+        pagemap.plan_chunk_bytes(total, 2 * MiB, 2 * MiB, pagemap.fd_budget(524_288, 8)) == 2 * MiB
+    )
     # This development box's hard limit (20,000), 8 ranks: 2,436 chunks each -> 8 MiB chunks.
     budget = pagemap.fd_budget(20_000, 8)
     assert budget == 2_436
     chunk = pagemap.plan_chunk_bytes(total, 2 * MiB, 2 * MiB, budget)
     assert chunk == 8 * MiB and -(-total // chunk) <= budget
     # A full H200 (141 GB of state per rank) under systemd's limit: 4 MiB.
-    assert pagemap.plan_chunk_bytes(141 * 10**9, 2 * MiB, 2 * MiB, pagemap.fd_budget(524_288, 8)) == 4 * MiB
+    assert (
+        pagemap.plan_chunk_bytes(141 * 10**9, 2 * MiB, 2 * MiB, pagemap.fd_budget(524_288, 8))
+        == 4 * MiB
+    )
 
 
 def test_chunk_is_a_multiple_of_page_and_granularity() -> None:
-    assert pagemap.plan_chunk_bytes(10 * MiB, 4096, 2 * MiB, 1000) == 2 * MiB  # GPU, small test pages
+    assert (
+        pagemap.plan_chunk_bytes(10 * MiB, 4096, 2 * MiB, 1000) == 2 * MiB
+    )  # GPU, small test pages
     assert pagemap.plan_chunk_bytes(10 * 4096, 4096, 4096, 1000) == 4096  # CPU
     assert pagemap.plan_chunk_bytes(100 * 4096, 4096, 4096, 30) == 4 * 4096
     with pytest.raises(ValueError, match="positive"):
@@ -81,8 +88,14 @@ def test_nofile_soft_limit_is_raised_to_the_hard_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
         print(pagemap.raise_nofile_limit() == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": REPO}, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+        check=False,
+    )
     assert out.stdout.strip() == "True", out.stderr
 
 
@@ -122,6 +135,14 @@ def test_fds_dropped_at_the_receivers_limit_are_an_error_not_a_short_list() -> N
         except ProtocolError as e:
             print("refused:", e)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": REPO}, check=False)
-    assert "refused: file descriptors of a message were dropped (MSG_CTRUNC" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+        check=False,
+    )
+    assert "refused: file descriptors of a message were dropped (MSG_CTRUNC" in out.stdout, (
+        out.stdout + out.stderr
+    )

@@ -201,7 +201,9 @@ def test_only_memfds_and_device_handles_are_accepted_as_deposits(sm, tmp_path) -
             for what, fd in foreign.items():
                 with pytest.raises(PoolError, match="refused"):
                     pool.deposit(0, f"state-{backing}", 2 * PAGE, PAGE, backing, [good[0], fd])
-                assert pool.describe(0, f"state-{backing}") is None, what  # nothing kept of the batch
+                assert pool.describe(0, f"state-{backing}") is None, (
+                    what
+                )  # nothing kept of the batch
         assert _settled_fds(sm, baseline) == baseline
         pool.deposit(0, "state", 2 * PAGE, PAGE, "memfd-chunks", good)
         assert pool.pagemap(0, "state") == []
@@ -220,7 +222,9 @@ def test_only_memfds_and_device_handles_are_accepted_as_deposits(sm, tmp_path) -
 def test_deposits_never_take_the_last_fds_of_the_state_manager(sm) -> None:
     """With a low fd limit the state manager refuses a deposit that would leave it fewer
     than FD_RESERVE free fds, and keeps serving."""
-    resource.prlimit(sm.proc.pid, resource.RLIMIT_NOFILE, (pagemap.FD_RESERVE + 40, pagemap.FD_RESERVE + 40))
+    resource.prlimit(
+        sm.proc.pid, resource.RLIMIT_NOFILE, (pagemap.FD_RESERVE + 40, pagemap.FD_RESERVE + 40)
+    )
     pool = sm.client()
     fds = [_memfd() for _ in range(60)]
     try:
@@ -259,8 +263,14 @@ _AT_ITS_LIMIT = textwrap.dedent("""
 @pytest.mark.timeout(60)
 def test_a_client_at_its_own_fd_limit_costs_the_state_manager_nothing(sm) -> None:
     baseline = _quiet_fds(sm)
-    out = subprocess.run([sys.executable, "-c", _AT_ITS_LIMIT, sm.socket_path], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": REPO}, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _AT_ITS_LIMIT, sm.socket_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+        check=False,
+    )
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
     assert "refused: file descriptors of a message were dropped" in out.stdout, out.stdout
     assert _settled_fds(sm, baseline) == baseline
@@ -292,8 +302,13 @@ def test_a_client_that_fills_the_state_managers_fd_table_does_not_end_it(sm) -> 
     """The state manager's fd limit lowered to 256: 400 held connections make its
     accept() fail with EMFILE; it backs off and serves again once they close."""
     resource.prlimit(sm.proc.pid, resource.RLIMIT_NOFILE, (256, 256))
-    hog = subprocess.Popen([sys.executable, "-c", _HOG, sm.socket_path, "400"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    hog = subprocess.Popen(
+        [sys.executable, "-c", _HOG, sm.socket_path, "400"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     try:
         deadline = time.monotonic() + 60
         while _server_fds(sm) < 250 and time.monotonic() < deadline and hog.poll() is None:
@@ -407,8 +422,13 @@ def test_one_process_cannot_take_every_connection() -> None:
     """Beyond its connection limit a process's connections are answered with an error and
     closed; another process is served meanwhile."""
     sm = StateManagerProcess.start(max_connections_per_peer=16)
-    hog = subprocess.Popen([sys.executable, "-c", _MANY, sm.socket_path, "40"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    hog = subprocess.Popen(
+        [sys.executable, "-c", _MANY, sm.socket_path, "40"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     try:
         pool = sm.client()
         pool.alloc(0, "keep", PAGE, "uint8", "host").buffer[: len(KEEP)] = KEEP

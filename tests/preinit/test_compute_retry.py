@@ -40,11 +40,17 @@ def board():
 
 
 def _state(board: HeartbeatBoard, grad_sync: GradSync) -> SimpleNamespace:
-    guard = OomGuard(Heartbeat(board.path, 0), None, PreinitConfig(reclaim_timeout_s=2), EventLog(None, "t0"), 0)
+    guard = OomGuard(
+        Heartbeat(board.path, 0), None, PreinitConfig(reclaim_timeout_s=2), EventLog(None, "t0"), 0
+    )
     state = SimpleNamespace(
-        marker=SimpleNamespace(step=STEP), device=torch.device("cpu"), restarts=0,
+        marker=SimpleNamespace(step=STEP),
+        device=torch.device("cpu"),
+        restarts=0,
         ctx=SimpleNamespace(rank=0, preinit=guard, grad_sync=grad_sync),
-        _lend=False, _lender=None, _lent={},  # nothing lent on CPU (leto.pool.lend)
+        _lend=False,
+        _lender=None,
+        _lent={},  # nothing lent on CPU (leto.pool.lend)
     )
     state._restart_compute = lambda: setattr(state, "restarts", state.restarts + 1)
     return state
@@ -93,7 +99,9 @@ def test_model_parallel_oom_propagates_and_leaves_the_shadows(board) -> None:
     ctrl.spawned(ShadowLevel.L3)
     tensor_parallel = GradSync(group=object())  # type: ignore[arg-type]  # a narrowed data-parallel group
     state, fn = _state(board, tensor_parallel), _OomOnce()
-    assert state.ctx.preinit.can_reclaim()  # shadows hold memory: only model parallelism stops the retry
+    assert (
+        state.ctx.preinit.can_reclaim()
+    )  # shadows hold memory: only model parallelism stops the retry
     with pytest.raises(torch.OutOfMemoryError, match="beside this node's shadows") as raised:
         RetainedState.compute(state, fn)  # type: ignore[arg-type]
     assert not ctrl.requests() and ctrl.reclaims == 0  # nothing was asked of the agent
@@ -104,7 +112,9 @@ def test_model_parallel_oom_propagates_and_leaves_the_shadows(board) -> None:
 
 
 @pytest.mark.parametrize("asked", [None, True])
-def test_a_lender_that_cannot_be_built_is_skipped_unless_asked_for(board, monkeypatch, asked) -> None:
+def test_a_lender_that_cannot_be_built_is_skipped_unless_asked_for(
+    board, monkeypatch, asked
+) -> None:
     """``leto.lend_activation_memory``: left to its default (None), a lender that cannot be
     built (no C compiler, no ``torch.cuda.MemPool``) is skipped with a warning and the step
     runs; asked for (True), the step fails. The CUDA lending itself: tests/gpu/test_lend_gpu.py."""

@@ -32,7 +32,8 @@ CHUNK = 16384
 DIM = 48
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="records launches of the interpreter's kernels; the GPU run is tests/gpu"
+    torch.cuda.is_available(),
+    reason="records launches of the interpreter's kernels; the GPU run is tests/gpu",
 )
 
 
@@ -48,13 +49,22 @@ class Recorder:
 
     def key(self, args: tuple, kwargs: dict) -> tuple[object, ...]:
         launch = {k: v for k, v in kwargs.items() if k not in self._sig.parameters}
-        bound = self._sig.bind(*args, **{k: v for k, v in kwargs.items() if k in self._sig.parameters})
+        bound = self._sig.bind(
+            *args, **{k: v for k, v in kwargs.items() if k in self._sig.parameters}
+        )
         parts: list[object] = []
         for name, value in bound.arguments.items():
             if "constexpr" in str(self._sig.parameters[name].annotation):
                 parts.append((name, value))
             else:
-                parts.append((name, native_specialize_impl(BaseBackend, value, False, name not in self._dns, True)))
+                parts.append(
+                    (
+                        name,
+                        native_specialize_impl(
+                            BaseBackend, value, False, name not in self._dns, True
+                        ),
+                    )
+                )
         return (*parts, tuple(sorted(launch.items())))
 
     def __getitem__(self, grid: object):
@@ -67,23 +77,39 @@ class Recorder:
 
 @pytest.fixture
 def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
-    rec = {"gf16_mac": Recorder(gf16_mac._gf16_mac_kernel), "adamw_rmu": Recorder(adamw_rmu._adamw_undo_kernel),
-           "gf16_syndrome": Recorder(gf16_syndrome._syndrome_kernel)}
+    rec = {
+        "gf16_mac": Recorder(gf16_mac._gf16_mac_kernel),
+        "adamw_rmu": Recorder(adamw_rmu._adamw_undo_kernel),
+        "gf16_syndrome": Recorder(gf16_syndrome._syndrome_kernel),
+    }
     monkeypatch.setattr(gf16_mac, "_gf16_mac_kernel", rec["gf16_mac"])
     monkeypatch.setattr(gf16_syndrome, "_syndrome_kernel", rec["gf16_syndrome"])
-    monkeypatch.setattr(erasure_group, "SYNDROME_KERNEL", True)  # the GPU default, whatever the environment;
-    monkeypatch.setattr(erasure_group, "SYNDROME_MIN_PAGES", 2)  # runs of 1 page (generic) and more (Horner)
+    monkeypatch.setattr(
+        erasure_group, "SYNDROME_KERNEL", True
+    )  # the GPU default, whatever the environment;
+    monkeypatch.setattr(
+        erasure_group, "SYNDROME_MIN_PAGES", 2
+    )  # runs of 1 page (generic) and more (Horner)
     monkeypatch.setattr(adamw_rmu, "_adamw_undo_kernel", rec["adamw_rmu"])
     return rec
 
 
 def _rig() -> Rig:
-    return Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=CHUNK, fused=True, backend="triton")
+    return Rig.build(
+        model(dim=DIM), erasure=ERASURE, chunk_bytes=CHUNK, fused=True, backend="triton"
+    )
 
 
 def _target(rig: Rig) -> warmup.WarmupTarget:
-    return warmup.WarmupTarget.plan(device=torch.device("cpu"), layout=rig.layout, optimizer=rig.opt, erasure=ERASURE,
-                                    rmu=True, chunk_bytes=CHUNK, fused=True)
+    return warmup.WarmupTarget.plan(
+        device=torch.device("cpu"),
+        layout=rig.layout,
+        optimizer=rig.opt,
+        erasure=ERASURE,
+        rmu=True,
+        chunk_bytes=CHUNK,
+        fused=True,
+    )
 
 
 def _real_launches(rig: Rig) -> None:
@@ -107,11 +133,17 @@ def _real_launches(rig: Rig) -> None:
                 for n2 in range(h2 + 1):
                     if nd + n1 + n2 == 0 or nd + (n1 if n1 + n2 > h2 else 0) > h1:
                         continue
-                    g.rebuild(rnd.sample(range(g.num_pages), nd), rnd.sample(range(h1), n1), rnd.sample(range(h2), n2))
+                    g.rebuild(
+                        rnd.sample(range(g.num_pages), nd),
+                        rnd.sample(range(h1), n1),
+                        rnd.sample(range(h2), n2),
+                    )
 
 
 @pytest.mark.slow  # CI runs test_warm_up_touches_no_retained_memory and tests/launcher/test_kernel_warmup.py
-def test_warm_up_launches_every_specialisation_a_recovery_launches(recorders: dict[str, Recorder]) -> None:
+def test_warm_up_launches_every_specialisation_a_recovery_launches(
+    recorders: dict[str, Recorder],
+) -> None:
     rig = _rig()
     target = _target(rig)
     _real_launches(rig)
@@ -123,7 +155,9 @@ def test_warm_up_launches_every_specialisation_a_recovery_launches(recorders: di
     assert report.calls["gf16_mac"] > 0 and report.calls["adamw_rmu"] > 0
     for name, r in recorders.items():
         missing = real[name] - r.keys
-        assert not missing, f"{name}: {len(missing)} specialisation(s) not warmed, e.g. {min(map(str, missing))}"
+        assert not missing, (
+            f"{name}: {len(missing)} specialisation(s) not warmed, e.g. {min(map(str, missing))}"
+        )
     # the fused kernel is warmed for tokens of steps >= 256 too (an i64 argument)
     assert any(("token", ("i64", None)) in k for k in recorders["adamw_rmu"].keys)
     assert not any(("token", ("i64", None)) in k for k in real["adamw_rmu"])
@@ -141,19 +175,45 @@ def test_warm_up_touches_no_retained_memory() -> None:
     assert torch.equal(rng, torch.get_rng_state()), "the warm-up must not draw from the global RNG"
 
 
-def test_fused_warm_up_covers_wide_arguments_without_touching_memory(recorders: dict[str, Recorder]) -> None:
+def test_fused_warm_up_covers_wide_arguments_without_touching_memory(
+    recorders: dict[str, Recorder],
+) -> None:
     """Offsets past 2**31 elements (a state region over 8 GiB) are launched with no element
     access; arguments too wide to warm that way are a one-line error."""
-    hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "decoupled": True, "step": 1.0}
-    wide = {"offsets": (3 << 31, 1 << 32, 5 << 31, 7, 0, 1024, 2048), "n": 4096, "flag_base": 3, "token": 1 << 33}
-    assert adamw_rmu.warm_up(torch.device("cpu"), [wide | hyper, wide | hyper, {**wide, "token": 5} | hyper]) == 2
+    hyper = {
+        "lr": 1e-3,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "decoupled": True,
+        "step": 1.0,
+    }
+    wide = {
+        "offsets": (3 << 31, 1 << 32, 5 << 31, 7, 0, 1024, 2048),
+        "n": 4096,
+        "flag_base": 3,
+        "token": 1 << 33,
+    }
+    assert (
+        adamw_rmu.warm_up(
+            torch.device("cpu"), [wide | hyper, wide | hyper, {**wide, "token": 5} | hyper]
+        )
+        == 2
+    )
     (key,) = [k for k in recorders["adamw_rmu"].keys if ("token", ("i64", None)) in k]
-    assert ("p_off", ("i64", None)) in key and ("g_off", ("i32", None)) in key and ("WD_MODE", 1) in key
+    assert (
+        ("p_off", ("i64", None)) in key
+        and ("g_off", ("i32", None)) in key
+        and ("WD_MODE", 1) in key
+    )
     with pytest.raises(ValueError, match="too wide"):
         adamw_rmu.warm_up(torch.device("cpu"), [{**wide, "n": 1 << 31} | hyper])
 
 
-def test_runs_only_at_level_3_on_cuda_or_the_interpreter_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runs_only_at_level_3_on_cuda_or_the_interpreter_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert warmup.skip_reason(cuda, 3, True) is None
     assert "level 2" in warmup.skip_reason(cuda, 2, True)

@@ -28,17 +28,27 @@ FOOT = footprints(768 * MIB, 1536 * MIB)
 MARGIN = 256 * MIB
 
 
-def _device(free_gib: float, *, ranks: int = 1, peak_over_gib: float = 0.0, device: int = 0) -> DeviceMemory:
+def _device(
+    free_gib: float, *, ranks: int = 1, peak_over_gib: float = 0.0, device: int = 0
+) -> DeviceMemory:
     reserved = 10 * GIB
     return DeviceMemory(
-        device=device, total_bytes=80 * GIB, free_bytes=int(free_gib * GIB), reserved_bytes=reserved,
-        peak_bytes=reserved + int(peak_over_gib * GIB), ranks=ranks,
+        device=device,
+        total_bytes=80 * GIB,
+        free_bytes=int(free_gib * GIB),
+        reserved_bytes=reserved,
+        peak_bytes=reserved + int(peak_over_gib * GIB),
+        ranks=ranks,
     )
 
 
 def _choose(devices: list[DeviceMemory], max_level: int = 3, fallback: int = 3) -> ShadowLevel:
     return choose_level(
-        devices, FOOT, max_level=ShadowLevel(max_level), margin_bytes=MARGIN, reason="t",
+        devices,
+        FOOT,
+        max_level=ShadowLevel(max_level),
+        margin_bytes=MARGIN,
+        reason="t",
         fallback=ShadowLevel(fallback),
     ).level
 
@@ -66,8 +76,12 @@ def test_ranks_sharing_a_device_each_need_a_shadow() -> None:
 
 def test_the_tightest_device_decides_and_is_reported() -> None:
     choice = choose_level(
-        [_device(40.0, device=0), _device(1.2, device=1)], FOOT, max_level=ShadowLevel.L3,
-        margin_bytes=MARGIN, reason="oom", fallback=ShadowLevel.L3,
+        [_device(40.0, device=0), _device(1.2, device=1)],
+        FOOT,
+        max_level=ShadowLevel.L3,
+        margin_bytes=MARGIN,
+        reason="oom",
+        fallback=ShadowLevel.L3,
     )
     assert choice.level == ShadowLevel.L2
     assert choice.headroom_bytes == int(1.2 * GIB) and choice.needed_bytes == 768 * MIB + MARGIN
@@ -82,7 +96,8 @@ def test_configured_maximum_and_fallback_without_reports() -> None:
 def test_aggregate_per_device() -> None:
     devices = aggregate([(0, 80, 10, 5, 7), (0, 80, 12, 6, 6), (1, 80, 30, 1, 1)])
     assert [(d.device, d.free_bytes, d.reserved_bytes, d.peak_bytes, d.ranks) for d in devices] == [
-        (0, 10, 11, 13, 2), (1, 30, 1, 1, 1),
+        (0, 10, 11, 13, 2),
+        (1, 30, 1, 1, 1),
     ]
     assert devices[0].headroom_bytes == 8
 
@@ -107,10 +122,19 @@ def board():
 
 
 def _emulated_guard(board: HeartbeatBoard, slot: int, trainer_gib: float, tmp_path) -> OomGuard:
-    config = PreinitConfig(emulated_device_bytes=10 * GIB, emulated_trainer_bytes=int(trainer_gib * GIB),
-                           reclaim_timeout_s=5)
+    config = PreinitConfig(
+        emulated_device_bytes=10 * GIB,
+        emulated_trainer_bytes=int(trainer_gib * GIB),
+        reclaim_timeout_s=5,
+    )
     probe = EmulatedProbe(slot, config.emulated_device_bytes, config.emulated_trainer_bytes)
-    return OomGuard(Heartbeat(board.path, slot), probe, config, EventLog(tmp_path / "ev.jsonl", f"t{slot}"), slot)
+    return OomGuard(
+        Heartbeat(board.path, slot),
+        probe,
+        config,
+        EventLog(tmp_path / "ev.jsonl", f"t{slot}"),
+        slot,
+    )
 
 
 def test_state_machine_rejects_undocumented_transitions(board) -> None:
@@ -223,7 +247,9 @@ def test_oom_fault_fires_only_while_shadows_exist(tmp_path) -> None:
         return new
 
     events = EventLog(tmp_path / "ev.jsonl", "t")
-    inj = FaultInjector(0, [FaultSpec(rank=0, step=3, phase="backward", kind="oom", oom_bytes=7)], events, claim)
+    inj = FaultInjector(
+        0, [FaultSpec(rank=0, step=3, phase="backward", kind="oom", oom_bytes=7)], events, claim
+    )
     demanded: list[int] = []
     inj.on_oom = demanded.append
     inj.step = 3
@@ -253,13 +279,30 @@ def test_dashboard_line_shows_level_reason_and_reclaims() -> None:
     from leto import summary
 
     events = [
-        {"t": 1.0, "kind": "shadow_level", "level": 3, "reason": "configured", "headroom_bytes": None},
+        {
+            "t": 1.0,
+            "kind": "shadow_level",
+            "level": 3,
+            "reason": "configured",
+            "headroom_bytes": None,
+        },
         {"t": 2.0, "kind": "shadow_reclaimed", "level": 3},
     ]
     assert summary.shadow_line(events) == (
         "shadows L3 (configured) · reclaims 1 · none now: relaunched once the retried step reports its memory"
     )
-    events.append({"t": 3.0, "kind": "shadow_level", "level": 1, "reason": "oom", "headroom_bytes": GIB // 2,
-                   "peak_bytes": 9 * GIB + GIB // 2})
-    assert summary.shadow_line(events) == "shadows L1 (oom: headroom 0.50 GiB, peak 9.50 GiB) · reclaims 1"
+    events.append(
+        {
+            "t": 3.0,
+            "kind": "shadow_level",
+            "level": 1,
+            "reason": "oom",
+            "headroom_bytes": GIB // 2,
+            "peak_bytes": 9 * GIB + GIB // 2,
+        }
+    )
+    assert (
+        summary.shadow_line(events)
+        == "shadows L1 (oom: headroom 0.50 GiB, peak 9.50 GiB) · reclaims 1"
+    )
     assert summary.shadow_line([]) is None

@@ -28,7 +28,9 @@ MIB = 1 << 20
 class _Env:
     shadow_level: int
     generation: int = 1
-    preinit: PreinitConfig = dataclasses.field(default_factory=lambda: PreinitConfig(margin_bytes=4 * MIB))
+    preinit: PreinitConfig = dataclasses.field(
+        default_factory=lambda: PreinitConfig(margin_bytes=4 * MIB)
+    )
 
 
 @dataclasses.dataclass
@@ -46,8 +48,13 @@ class _Shadow:
 
 def _shadow(tmp_path, level: int, *, active: bool = False) -> tuple[_Shadow, HeartbeatBoard]:
     hb_board = HeartbeatBoard(1)
-    ctx = _Shadow(env=_Env(shadow_level=level), heartbeat=Heartbeat(hb_board.path, 0), store=dist.HashStore(),
-                  events=EventLog(tmp_path / "events.jsonl", "trainer0"), is_shadow=not active)
+    ctx = _Shadow(
+        env=_Env(shadow_level=level),
+        heartbeat=Heartbeat(hb_board.path, 0),
+        store=dist.HashStore(),
+        events=EventLog(tmp_path / "events.jsonl", "trainer0"),
+        is_shadow=not active,
+    )
     return ctx, hb_board
 
 
@@ -80,7 +87,12 @@ def test_an_l3_shadow_warms_up_once_the_active_reported(tmp_path):
     assert work.calls == 1 and result.ran and result.reason == "ok"
     assert torch.equal(torch.get_rng_state(), before), "the warm-up must not move the RNG"
     [event] = _warmed(tmp_path)
-    assert event["ran"] and event["level"] == 3 and event["name"] == "test" and event["transient_bytes"] == MIB
+    assert (
+        event["ran"]
+        and event["level"] == 3
+        and event["name"] == "test"
+        and event["transient_bytes"] == MIB
+    )
 
 
 def test_lower_levels_and_actives_skip_it(tmp_path):
@@ -126,15 +138,18 @@ def test_it_runs_only_within_the_headroom_the_actives_left(tmp_path):
 
 def test_it_waits_for_the_first_report_and_yields_to_a_promotion(tmp_path):
     ctx, hb_board = _shadow(tmp_path, 3)
-    threading.Timer(0.2, _report, args=(hb_board,), kwargs={"total": 0, "free": 0, "reserved": 0, "peak": 0}).start()
+    threading.Timer(
+        0.2, _report, args=(hb_board,), kwargs={"total": 0, "free": 0, "reserved": 0, "peak": 0}
+    ).start()
     work = _Work()
     t0 = time.monotonic()
     assert warm_model(ctx, work, name="test").ran and time.monotonic() - t0 >= 0.2
     ctx, hb_board = _shadow(tmp_path, 3)  # no report ever: promoted meanwhile
-    threading.Timer(0.2, ctx.store.set, args=(contract.promote(ctx.env.generation, ctx.rank), "1")).start()
+    threading.Timer(
+        0.2, ctx.store.set, args=(contract.promote(ctx.env.generation, ctx.rank), "1")
+    ).start()
     result = warm_model(ctx, work, name="test")
     assert work.calls == 1 and not result.ran and result.reason.startswith("promoted before")
     ctx, hb_board = _shadow(tmp_path, 3)  # no report, no promotion: gives up
     result = warm_model(ctx, work, name="test", config=ModelWarmupConfig(report_wait_s=0.1))
     assert work.calls == 1 and not result.ran and result.reason.startswith("no memory report")
-

@@ -111,7 +111,9 @@ def test_json_and_plots(tmp_path: Path) -> None:
 
 def test_plots_against_scale_need_two_scales(tmp_path: Path) -> None:
     scenarios = [str(CONFIGS / "deepseek-v2-1k.yaml"), str(CONFIGS / "deepseek-v3-16k.yaml")]
-    result = CliRunner().invoke(sim, [*scenarios, "--plots", str(tmp_path / "plots"), "--monte-carlo-runs", "2"])
+    result = CliRunner().invoke(
+        sim, [*scenarios, "--plots", str(tmp_path / "plots"), "--monte-carlo-runs", "2"]
+    )
     assert result.exit_code == 0, result.output
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == ["ettr_vs_hof_ratio.png", "ettr_vs_mttf.png", "ettr_vs_scale.png"]

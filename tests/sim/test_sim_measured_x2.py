@@ -34,24 +34,36 @@ def test_committed_profile_is_the_builders_output() -> None:
     profile = _bench().sim_profile(result)
     assert profile == json.loads(PROFILE.read_text())
     leto = profile["systems"]["Leto"]
-    assert leto["detection_s"] + leto["init_s"] == pytest.approx(statistics.median(result["leto_recovery_s"]))
+    assert leto["detection_s"] + leto["init_s"] == pytest.approx(
+        statistics.median(result["leto_recovery_s"])
+    )
     assert profile["iteration_time_s"] == result["torchrun_mem"]["iteration_s"]
 
 
 def test_profile_from_writes_beside_the_result(tmp_path: Path) -> None:
     copy = tmp_path / "run.json"
     copy.write_text(RESULT.read_text())
-    proc = subprocess.run([sys.executable, str(REPO / "bench/recovery_gpu.py"), "--profile-from", str(copy)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench/recovery_gpu.py"), "--profile-from", str(copy)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((tmp_path / "run_profile.json").read_text()) == json.loads(PROFILE.read_text())
+    assert json.loads((tmp_path / "run_profile.json").read_text()) == json.loads(
+        PROFILE.read_text()
+    )
 
 
 def test_profile_from_bad_input_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"date": "x"}))
-    proc = subprocess.run([sys.executable, str(REPO / "bench/recovery_gpu.py"), "--profile-from", str(bad)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench/recovery_gpu.py"), "--profile-from", str(bad)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode != 0
     assert len(proc.stderr.strip().splitlines()) == 1 and "leto_phases_s" in proc.stderr
     assert not (tmp_path / "bad_profile.json").exists()
@@ -72,6 +84,8 @@ def test_prediction_next_to_measurement() -> None:
     assert not run["torchrun+mem"].valid and run["torchrun+mem"].ettr == 0.0
     # The paper's regime (one HOF every 10 min, the file's own failures).
     paper = closed_form(scenario)
-    assert paper["torchrun+mem"].hof_recovery_s == pytest.approx(result["torchrun_mem"]["recovery_s"], rel=0.1)
+    assert paper["torchrun+mem"].hof_recovery_s == pytest.approx(
+        result["torchrun_mem"]["recovery_s"], rel=0.1
+    )
     assert paper["Leto"].ettr == pytest.approx(0.421, abs=0.001)
     assert paper["torchrun+mem"].ettr == pytest.approx(0.776, abs=0.001)

@@ -28,15 +28,22 @@ class Killed(Exception):
 class KillAt:
     """Duck-typed FaultInjector: raises at one (point, chunk) of one step, once."""
 
-    def __init__(self, point: str | None = None, chunk: int | None = None, *, legacy: bool = False) -> None:
+    def __init__(
+        self, point: str | None = None, chunk: int | None = None, *, legacy: bool = False
+    ) -> None:
         self.target, self.chunk, self.legacy = point, chunk, legacy
         self.fired = 0
         self.seen: list[tuple[str | None, int | None]] = []
 
-    def point(self, phase: str, *, at: str | None = None, chunk: int | None = None, on_fire=None) -> None:
+    def point(
+        self, phase: str, *, at: str | None = None, chunk: int | None = None, on_fire=None
+    ) -> None:
         self.seen.append((at, chunk))
         hit = (self.legacy and at is None) or (
-            not self.legacy and at is not None and at == self.target and (self.chunk is None or chunk == self.chunk)
+            not self.legacy
+            and at is not None
+            and at == self.target
+            and (self.chunk is None or chunk == self.chunk)
         )
         if hit and not self.fired:
             self.fired += 1
@@ -47,7 +54,9 @@ class KillAt:
 
 def model(seed: int = 0, dim: int = 24) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(dim, 3 * dim), nn.GELU(), nn.LayerNorm(3 * dim), nn.Linear(3 * dim, dim))
+    return nn.Sequential(
+        nn.Linear(dim, 3 * dim), nn.GELU(), nn.LayerNorm(3 * dim), nn.Linear(3 * dim, dim)
+    )
 
 
 @dataclasses.dataclass
@@ -68,17 +77,29 @@ class Rig:
     fused: bool = False
 
     @classmethod
-    def build(cls, net: nn.Module, *, erasure: ErasureConfig | None, chunk_bytes: int, lr: float = 1e-2,
-              incremental: bool = True, fused: bool = False, backend: str = "torch",
-              device: str = "cpu",
-              optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> Rig:
+    def build(
+        cls,
+        net: nn.Module,
+        *,
+        erasure: ErasureConfig | None,
+        chunk_bytes: int,
+        lr: float = 1e-2,
+        incremental: bool = True,
+        fused: bool = False,
+        backend: str = "torch",
+        device: str = "cpu",
+        optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    ) -> Rig:
         """``device="cuda"`` puts the state, gradients and RMU buffers on the GPU and the
         parity tiers in pinned host memory, as a trainer does.
         ``backend="triton"`` runs the groups' page arithmetic (the working parity's fold
         and the flush's tier-2 encode) in Triton's interpreter (``TRITON_INTERPRET=1``).
         ``optimizer`` builds the optimizer over ``net`` (default: AdamW, weight decay 0.1)."""
-        opt = (optimizer(net) if optimizer is not None
-               else torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True))
+        opt = (
+            optimizer(net)
+            if optimizer is not None
+            else torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1, foreach=True)
+        )
         params = [p for g in opt.param_groups for p in g["params"]]
         layout = Layout.plan(params, [], opt)
         nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
@@ -93,19 +114,40 @@ class Rig:
         if erasure is not None:
             pb = erasure.page_bytes
             spans = plan_groups(nbytes, erasure)
-            p1 = torch.zeros(len(spans) * erasure.tier1_parity * pb, dtype=torch.uint8, pin_memory=pin)
-            p2 = torch.zeros(len(spans) * erasure.tier2_parity * pb, dtype=torch.uint8, pin_memory=pin)
+            p1 = torch.zeros(
+                len(spans) * erasure.tier1_parity * pb, dtype=torch.uint8, pin_memory=pin
+            )
+            p2 = torch.zeros(
+                len(spans) * erasure.tier2_parity * pb, dtype=torch.uint8, pin_memory=pin
+            )
             h1, h2 = erasure.tier1_parity * pb, erasure.tier2_parity * pb
-            groups = [ProtectionGroup(erasure, state[s.byte_offset : s.byte_offset + s.nbytes],
-                                      p1[i * h1 : (i + 1) * h1], p2[i * h2 : (i + 1) * h2], backend=backend)  # type: ignore[arg-type]
-                      for i, s in enumerate(spans)]
+            groups = [
+                ProtectionGroup(
+                    erasure,
+                    state[s.byte_offset : s.byte_offset + s.nbytes],
+                    p1[i * h1 : (i + 1) * h1],
+                    p2[i * h2 : (i + 1) * h2],
+                    backend=backend,
+                )  # type: ignore[arg-type]
+                for i, s in enumerate(spans)
+            ]
             for g in groups:
                 g.encode_all()
             protected = SimpleNamespace(cfg=erasure, groups=groups)
-        rig = cls(layout, opt, state, grads, torch.get_rng_state().clone(), torch.zeros(MARKER_BYTES, dtype=torch.uint8),
-                  torch.zeros(undo_n, dtype=torch.uint8, device=device),
-                  torch.zeros(par_n, dtype=torch.uint8, device=device) if par_n else None,
-                  protected, chunk_bytes, incremental, fused)
+        rig = cls(
+            layout,
+            opt,
+            state,
+            grads,
+            torch.get_rng_state().clone(),
+            torch.zeros(MARKER_BYTES, dtype=torch.uint8),
+            torch.zeros(undo_n, dtype=torch.uint8, device=device),
+            torch.zeros(par_n, dtype=torch.uint8, device=device) if par_n else None,
+            protected,
+            chunk_bytes,
+            incremental,
+            fused,
+        )
         Marker(rig.marker_mem).initialise(layout.digest)
         return rig
 
@@ -115,9 +157,18 @@ class Rig:
 
     def updater(self, injector: object) -> ResumableUpdater:
         return ResumableUpdater(
-            layout=self.layout, state=self.state, grads=self.grads, rng_next=self.rng_next, optimizer=self.opt,
-            marker=self.marker, undo=self.undo, parity=self.parity, protected=self.protected,  # type: ignore[arg-type]
-            injector=injector, chunk_bytes=self.chunk_bytes, incremental_parity=self.incremental,  # type: ignore[arg-type]
+            layout=self.layout,
+            state=self.state,
+            grads=self.grads,
+            rng_next=self.rng_next,
+            optimizer=self.opt,
+            marker=self.marker,
+            undo=self.undo,
+            parity=self.parity,
+            protected=self.protected,  # type: ignore[arg-type]
+            injector=injector,
+            chunk_bytes=self.chunk_bytes,
+            incremental_parity=self.incremental,  # type: ignore[arg-type]
             fused=self.fused,
         )
 
@@ -125,7 +176,9 @@ class Rig:
         g = torch.Generator().manual_seed(seed)
         for slot in self.layout.grads:
             slot.view(self.grads).copy_(torch.randn(slot.shape, generator=g))
-        self.rng_next.copy_(torch.randint(0, 256, self.rng_next.shape, dtype=torch.uint8, generator=g))
+        self.rng_next.copy_(
+            torch.randint(0, 256, self.rng_next.shape, dtype=torch.uint8, generator=g)
+        )
 
     def grads_ready(self, lr: float) -> None:
         m = self.marker

@@ -14,7 +14,9 @@ from tests.updater.rig import KillAt, Killed, Rig, model
 from tests.updater.test_rmu import CHUNK, ERASURE, _reference, _step
 
 TWO_T2 = ErasureConfig(page_bytes=4096, data_pages=8, tier1_parity=4, tier2_parity=2)
-T2_WIDER = ErasureConfig(page_bytes=4096, data_pages=8, tier1_parity=1, tier2_parity=2)  # staged outside Q
+T2_WIDER = ErasureConfig(
+    page_bytes=4096, data_pages=8, tier1_parity=1, tier2_parity=2
+)  # staged outside Q
 
 
 def fresh_parity(rig: Rig) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -22,7 +24,10 @@ def fresh_parity(rig: Rig) -> list[tuple[torch.Tensor, torch.Tensor]]:
     PyTorch engine, whatever device the data is on)."""
     out = []
     for g in rig.protected.groups:
-        t1, t2 = torch.empty(g.tier1.shape, dtype=torch.uint8), torch.empty(g.tier2.shape, dtype=torch.uint8)
+        t1, t2 = (
+            torch.empty(g.tier1.shape, dtype=torch.uint8),
+            torch.empty(g.tier2.shape, dtype=torch.uint8),
+        )
         fresh = ProtectionGroup(g.config, g.data.cpu(), t1, t2, backend="torch")
         fresh.encode_all()
         out.append((t1, t2))
@@ -36,7 +41,9 @@ def assert_parity_is_fresh(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize("erasure", [ERASURE, TWO_T2, T2_WIDER], ids=["h2=1", "h2=2", "h2>h1"])
-def test_host_parity_after_updates_equals_a_full_reencode(erasure: ErasureConfig, monkeypatch) -> None:
+def test_host_parity_after_updates_equals_a_full_reencode(
+    erasure: ErasureConfig, monkeypatch
+) -> None:
     rig = Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK)
 
     def host_encode(self: ProtectionGroup) -> None:
@@ -54,7 +61,9 @@ def test_triton_flush_equals_the_torch_flush() -> None:
     """The kernel path (Triton's interpreter on CPU) leaves the same bytes everywhere."""
     ref = _reference(TWO_T2, steps=2)
     rig = Rig.build(model(), erasure=TWO_T2, chunk_bytes=CHUNK, backend="triton")
-    assert rig.protected.groups[0]._on_device(), "TRITON_INTERPRET=1 is set by tests/updater/conftest.py"
+    assert rig.protected.groups[0]._on_device(), (
+        "TRITON_INTERPRET=1 is set by tests/updater/conftest.py"
+    )
     for s in range(2):
         _step(rig, s, KillAt())
     assert torch.equal(rig.state, ref.state)
@@ -79,7 +88,9 @@ def test_kill_in_the_flush_torn_host_tiers_lost_pages_then_tier2_rebuild(torn: s
     gen = torch.Generator().manual_seed(3)
     for g in rig.protected.groups:
         if "tier1" in torn:
-            g.tier1[: g.tier1.numel() // 3].copy_(torch.randint(0, 256, (g.tier1.numel() // 3,), dtype=torch.uint8, generator=gen))
+            g.tier1[: g.tier1.numel() // 3].copy_(
+                torch.randint(0, 256, (g.tier1.numel() // 3,), dtype=torch.uint8, generator=gen)
+            )
         if "tier2" in torn:
             g.tier2.copy_(torch.randint(0, 256, g.tier2.shape, dtype=torch.uint8, generator=gen))
     # the promoted trainer: prepare, lose pages, rebuild data from the working parity, resume

@@ -21,8 +21,13 @@ DIM = 48
 """...and a model big enough for several such chunks (14 k parameters)."""
 
 
-def _run(fused: bool, erasure: ErasureConfig | None = ERASURE, steps: int = 3, chunk: int = CHUNK,
-         dim: int = 24) -> Rig:
+def _run(
+    fused: bool,
+    erasure: ErasureConfig | None = ERASURE,
+    steps: int = 3,
+    chunk: int = CHUNK,
+    dim: int = 24,
+) -> Rig:
     rig = Rig.build(model(dim=dim), erasure=erasure, chunk_bytes=chunk, fused=fused)
     for s in range(steps):
         _step(rig, s, KillAt())
@@ -35,7 +40,9 @@ def _compare(ref: Rig, fused: Rig, **tol: float) -> None:
     for i, slot in enumerate(lay.params):
         for s in (slot, lay.optim[i]["exp_avg"], lay.optim[i]["exp_avg_sq"]):
             torch.testing.assert_close(s.view(fused.state), s.view(ref.state), **tol)
-        assert torch.equal(lay.optim[i]["step"].view(ref.state), lay.optim[i]["step"].view(fused.state))
+        assert torch.equal(
+            lay.optim[i]["step"].view(ref.state), lay.optim[i]["step"].view(fused.state)
+        )
     assert torch.equal(lay.rng.view(ref.state), lay.rng.view(fused.state))
 
 
@@ -93,8 +100,12 @@ def test_every_kill_point_of_a_fused_update_finishes_exactly(erasure: ErasureCon
     ref = _run(True, erasure, chunk=WIDE, dim=DIM)
     n_chunks = len(ref.updater(KillAt()).chunks)
     assert n_chunks >= 3 and WIDE // 4 > BLOCK
-    sweep_kill_points(ref, n_chunks, erasure,
-                      lambda: Rig.build(model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True))
+    sweep_kill_points(
+        ref,
+        n_chunks,
+        erasure,
+        lambda: Rig.build(model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True),
+    )
 
 
 def test_rmu_fused_setting_resolves_per_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,11 +28,23 @@ def test_writer_reads_its_own_writes_successor_reads_what_landed() -> None:
     writer.advance(Phase.PARITY_LOADED, sel=0)
     writer.advance(Phase.CHUNK_SAVED, chunk=0)
     landed = Marker(memory)
-    assert landed.is_valid() and (landed.step, landed.phase, landed.recorded_lrs()) == (3, Phase.IDLE, [])
-    assert (writer.phase, writer.chunk, writer.recorded_lrs()) == (Phase.CHUNK_SAVED, 0, [0.5, 0.25])
+    assert landed.is_valid() and (landed.step, landed.phase, landed.recorded_lrs()) == (
+        3,
+        Phase.IDLE,
+        [],
+    )
+    assert (writer.phase, writer.chunk, writer.recorded_lrs()) == (
+        Phase.CHUNK_SAVED,
+        0,
+        [0.5, 0.25],
+    )
     memory.view(torch.int64).copy_(queue)
     landed = Marker(memory)
-    assert (landed.phase, landed.chunk, landed.recorded_lrs()) == (Phase.CHUNK_SAVED, 0, [0.5, 0.25])
+    assert (landed.phase, landed.chunk, landed.recorded_lrs()) == (
+        Phase.CHUNK_SAVED,
+        0,
+        [0.5, 0.25],
+    )
 
 
 def test_a_successor_starts_from_the_memory() -> None:

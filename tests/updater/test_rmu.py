@@ -130,10 +130,14 @@ def test_every_kill_point_with_lost_pages_finishes_exactly(erasure: ErasureConfi
     ref = _reference(erasure)
     n_chunks = len(ref.updater(KillAt()).chunks)
     assert n_chunks >= 3
-    sweep_kill_points(ref, n_chunks, erasure, lambda: Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK))
+    sweep_kill_points(
+        ref, n_chunks, erasure, lambda: Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK)
+    )
 
 
-def sweep_kill_points(ref: Rig, n_chunks: int, erasure: ErasureConfig | None, build: Callable[[], Rig]) -> None:
+def sweep_kill_points(
+    ref: Rig, n_chunks: int, erasure: ErasureConfig | None, build: Callable[[], Rig]
+) -> None:
     """Kill step 1 of a fresh ``build()`` rig at every point, lose H1 pages per group,
     recover and run step 2: the state (and parity) equal ``ref``'s, bit for bit."""
     actions = set()
@@ -191,7 +195,9 @@ class _CheckEveryCommit:
     def __init__(self, rig: Rig) -> None:
         self.rig, self.updater, self.checked, self.stale_seen = rig, None, 0, 0
 
-    def point(self, phase: str, *, at: str | None = None, chunk: int | None = None, on_fire=None) -> None:
+    def point(
+        self, phase: str, *, at: str | None = None, chunk: int | None = None, on_fire=None
+    ) -> None:
         if at != "boundary" or self.updater is None:
             return
         up, cfg = self.updater, self.rig.protected.cfg
@@ -201,14 +207,18 @@ class _CheckEveryCommit:
             # Q[sel] is the syndrome form of the data as it is now
             fresh = torch.empty_like(auth.tier1)
             auth.encode_tier1(fresh)
-            assert torch.equal(auth.tier1, fresh), f"chunk {chunk}: Q[sel] of group {i} lags the data"
+            assert torch.equal(auth.tier1, fresh), (
+                f"chunk {chunk}: Q[sel] of group {i} lags the data"
+            )
             # Q[1-sel] equals Q[sel] outside the stale ranges
             a, s = auth.tier1.view(h1, pb).clone(), spare.tier1.view(h1, pb).clone()
             for lo, hi in up._stale.get(i, []):
                 a[:, lo:hi] = 0
                 s[:, lo:hi] = 0
                 self.stale_seen += 1
-            assert torch.equal(a, s), f"chunk {chunk}: Q[1-sel] of group {i} differs outside its stale ranges"
+            assert torch.equal(a, s), (
+                f"chunk {chunk}: Q[1-sel] of group {i} differs outside its stale ranges"
+            )
         self.checked += 1
 
 
@@ -218,8 +228,11 @@ def test_working_parity_invariants_hold_at_every_chunk_boundary(shape: str) -> N
     the spare lags it only on the ranges recorded as stale (which the next chunk rewrites
     or copies). "many-groups": 4-page groups, so consecutive chunks often move to other
     groups and the stale ranges they leave behind must be copied."""
-    erasure = ERASURE if shape == "rig" else ErasureConfig(page_bytes=4096, data_pages=4, tier1_parity=3,
-                                                           tier2_parity=1)
+    erasure = (
+        ERASURE
+        if shape == "rig"
+        else ErasureConfig(page_bytes=4096, data_pages=4, tier1_parity=3, tier2_parity=1)
+    )
     rig = Rig.build(model(dim=24 if shape == "rig" else 48), erasure=erasure, chunk_bytes=CHUNK)
     for step in range(2):
         check = _CheckEveryCommit(rig)
