@@ -1,9 +1,14 @@
 """The baseline: the demo GPT as a plain torchrun script with torch.distributed.checkpoint.
 
 Saves a DCP checkpoint every ``--ckpt-every`` steps; after a group restart it loads the
-newest one and recomputes the steps since. Each attempt builds its process group on a
+newest complete one and recomputes the steps since. ``--ckpt-async``: ``dcp.async_save``
+instead (the state staged by DCP's ``DefaultStager`` into reused pinned host buffers on a
+GPU, plain host buffers on CPU, then written by a background thread over a gloo group of
+its own), so the step blocks only for the staging copy (and for the previous save, if it
+is still running); aim ``--ckpt-dir`` at ``/dev/shm`` for an in-memory checkpoint. Each attempt builds its process group on a
 ``PrefixStore`` of its own (plain ``init_process_group`` fails after a torchrun restart).
-Used by bench/recovery_cpu.py; writes the same step events as leto trainers.
+Used by bench/recovery_cpu.py, bench/recovery_gpu.py and bench/goodput.py; writes the same
+step events as leto trainers.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,12 +36,87 @@ from leto.events import EventLog, Kind
 from leto.trainer.timing import PhaseTimes
 
 
+def complete_checkpoints(root: Path, world: int) -> list[Path]:
+    """Complete checkpoints, oldest first: ``.done`` (dcp.save, after a barrier) or every
+    rank's ``.done.<rank>`` (async: each rank's save future finished; rank 0's finishes
+    after DCP wrote the metadata)."""
+
+    def complete(d: Path) -> bool:
+        return (d / ".done").exists() or all((d / f".done.{r}").exists() for r in range(world))
+
+    return sorted((d for d in root.glob("step_*") if complete(d)), key=lambda d: int(d.name[5:]))
+
+
+def prune(root: Path, world: int, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (``keep`` 0: none deleted)."""
+    if keep > 0:
+        for old in complete_checkpoints(root, world)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class AsyncSaver:
+    """``dcp.async_save`` with one save in flight: the state is staged by DCP's
+    ``DefaultStager`` (its buffers reused from save to save; pinned on a GPU), written by
+    DCP's background thread over a gloo group of its own (the training loop's collectives
+    stay on the default group), and marked complete per rank when written."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, args: argparse.Namespace):
+        cuda = device.type == "cuda"
+        self.rank, self.world, self.args = rank, world, args
+        self.group = dist.new_group(backend="gloo")
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,  # the copy completes before the next update
+                use_non_blocking_copy=cuda,
+            )
+        )
+        self.pending = None
+
+    def save(self, state: dict, target: Path) -> None:
+        self.wait()
+        response = dcp.async_save(
+            state,
+            checkpoint_id=str(target),
+            process_group=self.group,
+            async_stager=self.stager,
+        )
+        future = getattr(response, "upload_completion", response)
+        marker = target / f".done.{self.rank}"
+
+        def done(f, marker: Path = marker) -> None:
+            if f.exception() is None:
+                marker.touch()
+                if self.rank == 0:
+                    prune(Path(self.args.ckpt_dir), self.world, self.args.ckpt_keep)
+
+        future.add_done_callback(done)
+        self.pending = future
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--kill-at-step", type=int, default=-1)
+    p.add_argument(
+        "--ckpt-async",
+        action="store_true",
+        help="dcp.async_save (staged, written in the background) instead of dcp.save",
+    )
+    p.add_argument(
+        "--ckpt-keep",
+        type=int,
+        default=0,
+        help="keep only the newest N complete checkpoints (0: all)",
+    )
     for name, default in (
         ("vocab", 256),
         ("dim", 64),
@@ -101,15 +182,15 @@ def main() -> None:
         **({"fused": True} if args.adamw == "fused" else {"foreach": True}),
     )
     start = 0
-    ckpts = sorted(Path(args.ckpt_dir).glob("step_*/.done"), key=lambda d: int(d.parent.name[5:]))
+    ckpts = complete_checkpoints(Path(args.ckpt_dir), world)
     if ckpts:
         t0 = time.perf_counter()
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
-        dcp.load(state, checkpoint_id=str(ckpts[-1].parent))
+        dcp.load(state, checkpoint_id=str(ckpts[-1]))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         torch.set_rng_state(state["rng"])
-        start = int(ckpts[-1].parent.name[5:])
+        start = int(ckpts[-1].name[5:])
         events.emit(
             Kind.RESUMED,
             rank=rank,
@@ -117,6 +198,7 @@ def main() -> None:
             action="checkpoint",
             load_s=time.perf_counter() - t0,
         )
+    saver = AsyncSaver(rank, world, device, args) if args.ckpt_async else None
     for step in range(start, args.steps):
         began = time.perf_counter()
         phases = PhaseTimes(device, began)
@@ -154,13 +236,15 @@ def main() -> None:
             t0 = time.perf_counter()
             msd, osd = get_state_dict(model, opt)
             target = Path(args.ckpt_dir) / f"step_{step + 1}"
-            dcp.save(
-                {"model": msd, "optim": osd, "rng": torch.get_rng_state()},
-                checkpoint_id=str(target),
-            )
-            dist.barrier()
-            if rank == 0:
-                (target / ".done").touch()
+            state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
+            if saver is not None:
+                saver.save(state, target)  # blocks for the staging copy (and the previous save)
+            else:
+                dcp.save(state, checkpoint_id=str(target))
+                dist.barrier()
+                if rank == 0:
+                    (target / ".done").touch()
+                    prune(Path(args.ckpt_dir), world, args.ckpt_keep)
             events.emit(
                 Kind.DIGEST,
                 rank=rank,
@@ -168,6 +252,8 @@ def main() -> None:
                 digest="ckpt",
                 save_s=time.perf_counter() - t0,
             )
+    if saver is not None:
+        saver.wait()
     dist.barrier()
     if rank == 0 and os.environ.get("KEEP_CKPT") != "1":
         shutil.rmtree(args.ckpt_dir, ignore_errors=True)
