@@ -280,6 +280,7 @@ SCHEMA: dict[Kind, EventSpec] = {
             "gen": _GEN,
             "level": _LEVEL,
             "device_check_s": Field(float, "s"),
+            "group_built": Field(bool),
         },
     ),
     Kind.RESUMED: EventSpec(

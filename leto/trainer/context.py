@@ -372,7 +372,8 @@ class Context:
             pattern_bytes=(64 << 20) if self.device.type == "cuda" else (1 << 20),
             flip_bit=self._raw_store.check([self._device_fault_key]),
         )
-        if not dist.is_initialized():
+        group_built = not dist.is_initialized()
+        if group_built:
             self._build_group()
         self.events.emit(
             Kind.PROMOTED,
@@ -380,6 +381,7 @@ class Context:
             gen=env.generation,
             level=env.shadow_level,
             device_check_s=round(check_s, 4),
+            group_built=group_built,
         )
 
 
@@ -464,7 +466,28 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     if env.shadow_level >= 3:
         build_group()
         dist.barrier()  # the communicator's connections are made now, not at recovery
+    else:
+        _mesh_waits_for_promotion(ctx)
     return ctx
+
+
+def _mesh_waits_for_promotion(ctx: Context) -> None:
+    """Below L3 a shadow has no process group, and torch's ``DeviceMesh`` (``init_device_mesh``,
+    which an FSDP2 script calls before ``fully_shard``) would create one itself from torch's
+    environment, over the agent's store: instead it waits for promotion there, where the
+    shadow builds its generation's group, and goes on from that point as a promoted trainer."""
+    from torch.distributed import device_mesh
+
+    torch_init = device_mesh.init_process_group
+
+    def init_at_promotion(*args: Any, **kwargs: Any) -> None:
+        if args or kwargs or dist.is_initialized():  # an explicit call: torch's own
+            torch_init(*args, **kwargs)
+            return
+        device_mesh.init_process_group = torch_init
+        ctx.wait_for_promotion()
+
+    device_mesh.init_process_group = init_at_promotion
 
 
 def _process_start_t() -> float:

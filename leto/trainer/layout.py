@@ -100,10 +100,13 @@ class Layout:
         rng_bytes: int | None = None,
         grads: GradPlacement | None = None,
         mirror: tuple[tuple[str, int], ...] = (),
+        sharding: str = "",
     ) -> Layout:
         """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state);
         ``grads``: gradient placement of an integration's buffers (default: Leto's "grads");
-        ``mirror``: (name, bytes) of its full parameter buffers, when ``params`` are shards."""
+        ``mirror``: (name, bytes) of its full parameter buffers, when ``params`` are shards;
+        ``sharding``: what else a reattaching trainer must match when ``params`` are local
+        shards (FSDP2: the mesh and the global shapes, ``leto.trainer.sharding``)."""
         rule, state_keys = optimizer_state(optimizer, params)
         cursor = 0
         param_slots, optim_slots = [], []
@@ -142,6 +145,7 @@ class Layout:
                 [(s.shape, str(s.dtype)) for s in param_slots + buffer_slots],
             )
         )
+        description += sharding
         if grads is not None:  # a job must reattach with the gradient placement it started with
             description += repr((grad_regions, [s.offset for s in grad_slots]))
         if mirror:

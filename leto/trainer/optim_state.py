@@ -164,9 +164,19 @@ class StateSlots:
         params: Sequence[torch.Tensor],
         slots: Sequence[Mapping[str, Slot]],
         region: torch.Tensor,
+        seen: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """``seen(i, view)``: parameter ``i``'s state tensor as the optimizer must see it
+        (an FSDP2 shard's ``DTensor``, ``leto.trainer.sharding``); default the view itself."""
         self.state, self.params = state, params
-        self.views = [{k: s.view(region) for k, s in o.items() if k != PRESENT} for o in slots]
+        self.views = [
+            {
+                k: s.view(region) if seen is None else seen(i, s.view(region))
+                for k, s in o.items()
+                if k != PRESENT
+            }
+            for i, o in enumerate(slots)
+        ]
         self.flags = [o[PRESENT].view(region) if PRESENT in o else None for o in slots]
         self.lazy = any(f is not None for f in self.flags)
         self.present = [True] * len(slots)

@@ -47,11 +47,13 @@ from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.warmup import warm_shadow
 from leto.trainer.buffers import BufferUndo, own_view, refuse_buffer_updates
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
+from leto.trainer.grad_sync import GradSync
 from leto.trainer.layout import GradPlacement, Layout
 from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
 from leto.trainer.optim_state import StateSlots
 from leto.trainer.protection import ProtectedRegion
+from leto.trainer.sharding import FsdpShards, has_dtensor_params, local
 from leto.trainer.timing import PhaseTimes
 from leto.updater.fused import resolve_fused
 from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
@@ -110,13 +112,24 @@ class RetainedState:
             raise ProtocolError("a parameter appears twice in the optimizer's groups")
         self.buffers = [b for b in model.buffers()]
         self.device = ctx.device if self.params[0].is_meta else self.params[0].device
+        self.shards: FsdpShards | None = None
+        """FSDP2's shards among the parameters (``leto.trainer.sharding``), or None."""
+        if has_dtensor_params(self.params):
+            self.shards = FsdpShards.find(model, optimizer, self.params, ctx.world_size)
+            if grads is not None or mirror or ctx.grad_sync != GradSync():
+                raise ConfigError(
+                    "fully_shard reduces its own gradients: no integration's gradient buffers, "
+                    "full-parameter mirror or ctx.grad_sync with it"
+                )
+            ctx.grad_sync = self.shards.grad_sync()
         self.layout = Layout.plan(
-            self.params,
+            self.params if self.shards is None else self.shards.stand_ins(self.params),
             self.buffers,
             optimizer,
             rng_bytes=rng_blob(self.device).numel(),
             grads=grads,
             mirror=mirror,
+            sharding="" if self.shards is None else self.shards.description(self.params),
         )
         if ctx.env.erasure is not None:
             refuse_buffer_updates(model)
@@ -219,6 +232,7 @@ class RetainedState:
         self.grad_regions = {name: views[name] for name in grad_nbytes}
         """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
         self._grad_view_list: list[torch.Tensor] | None = None
+        self._seen_grad_list: list[torch.Tensor] | None = None
         self.mirror_regions = {name: views[name][:n] for name, n in self.layout.mirror_regions}
         """Full parameter buffers of a sharded optimizer, by name (``Layout.mirror_regions``)."""
         self.snapshot_bytes = views.get("snapshot")
@@ -270,16 +284,27 @@ class RetainedState:
         Parameters and buffers get a version counter each (``own_view``): a buffer updated
         in place in forward (BatchNorm) must not invalidate the parameters saved for backward."""
         fresh = not self.reattached
-        for p, pslot, grad in zip(self.params, self.layout.params, self._grad_views(), strict=True):
+        shards = self.shards
+        for i, (p, pslot, grad) in enumerate(
+            zip(self.params, self.layout.params, self._grad_views(), strict=True)
+        ):
             data = own_view(self.state_bytes, pslot)
-            if fresh:
-                data.copy_(p.detach())
-            torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+            if shards is not None:  # FSDP2: the shard's DTensor over its padded slot
+                shards.bind_param(i, p, data, fresh)
+            else:
+                if fresh:
+                    data.copy_(p.detach())
+                torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
             if fresh:
                 grad.zero_()
+        for p, grad in zip(self.params, self._seen_grads(), strict=True):
             p.grad = None if self.layout.main_grad else grad  # main_grad: the integration binds it
         self.optimizer_state = StateSlots(
-            self.optimizer.state, self.params, self.layout.optim, self.state_bytes
+            self.optimizer.state,
+            self.params,
+            self.layout.optim,
+            self.state_bytes,
+            seen=None if shards is None else shards.seen,
         )
         if fresh:  # zeroed, or the state the optimizer already holds (Adagrad's)
             self.optimizer_state.capture()
@@ -330,6 +355,18 @@ class RetainedState:
                 for slot, name in zip(self.layout.grads, self.layout.grad_region, strict=True)
             ]
         return self._grad_view_list
+
+    def _seen_grads(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as torch sees it: its retained view, or for an FSDP2
+        shard the ``DTensor`` over it (built once)."""
+        if self._seen_grad_list is None:
+            views = self._grad_views()
+            self._seen_grad_list = (
+                views
+                if self.shards is None
+                else [self.shards.seen(i, g) for i, g in enumerate(views)]
+            )
+        return self._seen_grad_list
 
     def _encode(self, name: str) -> None:
         if name in self.protected:
@@ -708,9 +745,13 @@ class RetainedState:
     def _unbound_grads(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Parameters whose gradient (``.grad``, or ``main_grad`` when the integration's
         buffers hold them) is not its retained view, with that view."""
-        for p, grad in zip(self.params, self._grad_views(), strict=True):
+        for p, grad in zip(self.params, self._seen_grads(), strict=True):
             bound = getattr(p, "main_grad", None) if self.layout.main_grad else p.grad
-            if bound is None or bound.data_ptr() != grad.data_ptr() or bound.shape != grad.shape:
+            if (
+                bound is None
+                or local(bound).data_ptr() != local(grad).data_ptr()
+                or bound.shape != grad.shape
+            ):
                 yield p, grad
 
     def check_main_grads(self) -> None:
