@@ -206,3 +206,71 @@ def test_a_failed_staging_skips_the_interval(tmp_path, group) -> None:
     run.ckpt.close()
     assert complete_steps(root) == [4]
     assert (root / "step_000000004" / COMPLETE).is_file()
+
+
+def _fake_checkpoint(root: Path, name: str, *, complete: bool) -> Path:
+    """A checkpoint directory as a save leaves it: data, and the marker once it finished."""
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"data")
+    if complete:
+        (d / COMPLETE).write_text("{}")
+    return d
+
+
+def test_complete_steps_are_ordered_by_step_and_need_the_marker_as_a_file(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, "step_10", complete=True)  # not zero-padded: 10 sorts before 9 by name
+    _fake_checkpoint(root, "step_9", complete=True)
+    _fake_checkpoint(root, "step_000000011", complete=False)  # newer, never finished
+    (_fake_checkpoint(root, "step_000000012", complete=False) / COMPLETE).mkdir()  # not a file
+    (root / "step_").mkdir()  # no step number
+    (root / "other_000000013").mkdir()
+    (root / "other_000000013" / COMPLETE).write_text("{}")  # complete, but not a checkpoint
+    assert complete_steps(root) == [9, 10]
+    assert newest_complete(root) == 10
+
+
+def test_pruning_leaves_newer_incomplete_saves_and_what_is_not_a_checkpoint(
+    tmp_path, group
+) -> None:
+    """Once a save completes, checkpoints older than the ``keep`` newest complete ones go,
+    complete or not; a newer incomplete directory (a save that may still be written) and
+    entries that are not checkpoint directories stay."""
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, "step_000000000", complete=False)
+    _fake_checkpoint(root, "step_000000001", complete=True)
+    _fake_checkpoint(root, "step_000000003", complete=False)
+    _fake_checkpoint(root, "step_000000050", complete=False)
+    (root / "step_000000005").write_text("")  # a file
+    (root / "step_x").mkdir()
+    (root / "notes.txt").write_text("")
+    run = Run(tmp_path, group, root, keep=2, interval=2)
+    run.train(range(9, 11))  # saves 10: the two kept are 1 and 10
+    run.ckpt.close()
+    assert complete_steps(root) == [1, 10]
+    assert not (root / "step_000000000").exists()  # older than the oldest kept
+    assert (root / "step_000000003").is_dir()  # newer than it
+    run.train(range(11, 13))  # saves 12: keeps 10 and 12
+    run.ckpt.close()
+    assert complete_steps(root) == [10, 12]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "notes.txt",
+        "step_000000005",
+        "step_000000010",
+        "step_000000012",
+        "step_000000050",
+        "step_x",
+    ]
+    assert newest_complete(root) == 12
+
+
+def test_restore_skips_a_newer_incomplete_checkpoint(tmp_path, group) -> None:
+    root = tmp_path / "ckpt"
+    run = Run(tmp_path, group, root, interval=3)
+    run.train(range(1, 7))  # saves 3 and 6
+    run.ckpt.close()
+    _fake_checkpoint(root, "step_000000009", complete=False)  # torn: the group died in it
+    run.views["model.w"].fill_(-1.0)
+    assert run.ckpt.restore() == 6
+    assert torch.equal(run.views["model.w"], torch.full((8,), 6.0))
