@@ -24,8 +24,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The goodput bench's peers (pyproject's extra `bench`, pinned) go to .bench-peers, not the venv:
+# lm-resiliency's torchrun.handlers entry point is broken under torch 2.13 and would make every
+# torchrun in the venv log a traceback. --no-deps: torch stays the pinned 2.13.0 CPU wheel.
+BENCH_PEERS := lm-resiliency==0.2.0
 bench: $(STAMP)
 	$(VENV)/bin/python bench/recovery_cpu.py
+	$(VENV)/bin/pip install -q --no-deps --upgrade --target .bench-peers $(BENCH_PEERS)
+	$(VENV)/bin/python bench/goodput.py --json bench/results/goodput_cpu.json
 
 # On a GPU machine: the GPU tests (CPU CI skips them, saying why) and the GPU benchmark.
 gpu-test:
