@@ -84,7 +84,7 @@ def test_units_follow_the_field_names() -> None:
 def test_validate_names_what_is_wrong() -> None:
     ok = {
         "t": 1.0,
-        "kind": "step_done",
+        "kind": Kind.STEP_DONE.value,
         "src": "trainer0",
         "schema_version": 1,
         "rank": 0,
@@ -102,7 +102,7 @@ def test_validate_names_what_is_wrong() -> None:
     assert validate({**ok, "kind": "stepped"}) == ["unknown kind 'stepped'"]
     lost = {
         "t": 1.0,
-        "kind": "pages_rebuilt",
+        "kind": Kind.PAGES_REBUILT.value,
         "src": "trainer0",
         "schema_version": 1,
         "rank": 0,
@@ -176,12 +176,12 @@ def test_a_node_that_did_not_see_the_failure_times_its_recovery_from_the_epoch()
         "root_ranks": [1],
     }
     events = [
-        ev(10.2, "epoch", remote=True, **epoch),
-        ev(10.3, "actives_stopped", gen=0, stop_s=0.3),
-        ev(10.4, "shadows_promoted", gen=1, epoch=1, promote_t=10.4, node=1, cold=False),
-        ev(10.5, "promoted", "trainer2", rank=2, gen=1, level=3, device_check_s=0.01),
-        ev(10.7, "resumed", "trainer2", rank=2, step=6, action="none", gen=1),
-        ev(10.8, "step_done", "trainer2", rank=2, step=6, iter_s=0.1),
+        ev(10.2, Kind.EPOCH.value, remote=True, **epoch),
+        ev(10.3, Kind.ACTIVES_STOPPED.value, gen=0, stop_s=0.3),
+        ev(10.4, Kind.SHADOWS_PROMOTED.value, gen=1, epoch=1, promote_t=10.4, node=1, cold=False),
+        ev(10.5, Kind.PROMOTED.value, "trainer2", rank=2, gen=1, level=3, device_check_s=0.01),
+        ev(10.7, Kind.RESUMED.value, "trainer2", rank=2, step=6, action="none", gen=1),
+        ev(10.8, Kind.STEP_DONE.value, "trainer2", rank=2, step=6, iter_s=0.1),
     ]
     (rec,) = Summary.of(events).recoveries()
     assert rec.failed_ranks == [1] and rec.total_s == pytest.approx(0.8)
@@ -199,7 +199,7 @@ def test_a_node_that_did_not_see_the_failure_times_its_recovery_from_the_epoch()
     # follows that record: one recovery, not two
     local = ev(
         10.0,
-        "failure_detected",
+        Kind.FAILURE_DETECTED.value,
         ranks=[2],
         exit_codes=[-9],
         root_ranks=[2],
@@ -218,7 +218,7 @@ def test_a_failure_answered_by_a_group_restart_pairs_with_no_later_promotion() -
     def failure(t: float, root: int) -> dict:
         return ev(
             t,
-            "failure_detected",
+            Kind.FAILURE_DETECTED.value,
             ranks=[0, 1],
             exit_codes=[-9, -9],
             root_ranks=[root],
@@ -230,10 +230,16 @@ def test_a_failure_answered_by_a_group_restart_pairs_with_no_later_promotion() -
 
     events = [
         failure(5.0, 1),  # no shadows: answered by a group restart
-        ev(5.5, "group_restart", restart=1, reason="hof on node 0: no shadows", recoveries=0),
+        ev(
+            5.5,
+            Kind.GROUP_RESTART.value,
+            restart=1,
+            reason="hof on node 0: no shadows",
+            recoveries=0,
+        ),
         failure(20.0, 0),
-        ev(20.25, "actives_stopped", gen=0, stop_s=0.25),
-        ev(20.5, "shadows_promoted", gen=1, epoch=1, promote_t=20.5, node=0, cold=False),
+        ev(20.25, Kind.ACTIVES_STOPPED.value, gen=0, stop_s=0.25),
+        ev(20.5, Kind.SHADOWS_PROMOTED.value, gen=1, epoch=1, promote_t=20.5, node=0, cold=False),
     ]
     (rec,) = Summary.of(events).recoveries()
     assert rec.failed_ranks == [0] and rec.phases["detect"] == 0.0 and rec.phases["stop"] == 0.25
@@ -254,44 +260,44 @@ def test_a_job_with_failures_writes_only_valid_events(job) -> None:
     assert {e["schema_version"] for e in job} == {SCHEMA_VERSION}
     kinds = {e["kind"] for e in job}
     assert {
-        "agent_started",
-        "workers_started",
-        "shadows_spawned",
-        "shadow_level",
-        "trainer_started",
-        "shadow_ready",
-        "fault_injected",
-        "failure_detected",
-        "epoch",
-        "actives_stopped",
-        "shadows_promoted",
-        "promoted",
-        "resumed",
-        "step_done",
-        "recovery_done",
-        "digest",
-        "job_finished",
+        Kind.AGENT_STARTED,
+        Kind.WORKERS_STARTED,
+        Kind.SHADOWS_SPAWNED,
+        Kind.SHADOW_LEVEL,
+        Kind.TRAINER_STARTED,
+        Kind.SHADOW_READY,
+        Kind.FAULT_INJECTED,
+        Kind.FAILURE_DETECTED,
+        Kind.EPOCH,
+        Kind.ACTIVES_STOPPED,
+        Kind.SHADOWS_PROMOTED,
+        Kind.PROMOTED,
+        Kind.RESUMED,
+        Kind.STEP_DONE,
+        Kind.RECOVERY_DONE,
+        Kind.DIGEST,
+        Kind.JOB_FINISHED,
     } <= kinds
     assert json.dumps(job)  # plain JSON throughout
 
 
 @pytest.mark.timeout(400)
 def test_every_step_is_done_on_every_rank(job) -> None:
-    done = [e for e in job if e["kind"] == "step_done"]
+    done = [e for e in job if e["kind"] == Kind.STEP_DONE]
     for rank in (0, 1):
         assert {e["step"] for e in done if e["rank"] == rank} == set(range(STEPS)), rank
     # rank 1 finished step 5's update in the recovery; rank 0 only if it was killed in the
     # instant between committing step 5 and writing its step_done
     finished = {(e["rank"], e["step"], e["loss"]) for e in done if e.get("finished_in_recovery")}
     assert (1, 5, None) in finished and finished <= {(1, 5, None), (0, 5, None)}
-    (resumed,) = [e for e in job if e["kind"] == "resumed" and e["rank"] == 1 and e["gen"] == 1]
+    (resumed,) = [e for e in job if e["kind"] == Kind.RESUMED and e["rank"] == 1 and e["gen"] == 1]
     assert resumed["action"] == "restore+finish" and resumed["step"] == 6
     assert all(isinstance(e["loss"], float) for e in done if not e.get("finished_in_recovery"))
 
 
 @pytest.mark.timeout(400)
 def test_ranks_are_integers_and_lists_line_up(job) -> None:
-    failures = [e for e in job if e["kind"] == "failure_detected"]
+    failures = [e for e in job if e["kind"] == Kind.FAILURE_DETECTED]
     assert [e["root_ranks"] for e in failures] == [[1], [0]]
     for e in failures:
         assert (
@@ -299,13 +305,15 @@ def test_ranks_are_integers_and_lists_line_up(job) -> None:
             and len(e["exit_codes"]) == 2
             and all(c < 0 for c in e["exit_codes"])
         )
-    started = {(e["gen"], e["rank"], e["pid"]) for e in job if e["kind"] == "trainer_started"}
-    promoted = {e["gen"] for e in job if e["kind"] == "shadows_promoted"}
+    started = {(e["gen"], e["rank"], e["pid"]) for e in job if e["kind"] == Kind.TRAINER_STARTED}
+    promoted = {e["gen"] for e in job if e["kind"] == Kind.SHADOWS_PROMOTED}
     for e in job:
-        if e["kind"] in ("workers_started", "shadows_spawned"):
+        if e["kind"] in (Kind.WORKERS_STARTED, Kind.SHADOWS_SPAWNED):
             assert e["ranks"] == [0, 1] and len(e["pids"]) == 2
-        gen = 0 if e["kind"] == "workers_started" else e.get("gen")
-        if e["kind"] == "workers_started" or (e["kind"] == "shadows_spawned" and gen in promoted):
+        gen = 0 if e["kind"] == Kind.WORKERS_STARTED else e.get("gen")
+        if e["kind"] == Kind.WORKERS_STARTED or (
+            e["kind"] == Kind.SHADOWS_SPAWNED and gen in promoted
+        ):
             assert {
                 (gen, r, pid) for r, pid in zip(e["ranks"], e["pids"], strict=True)
             } <= started, e
@@ -313,7 +321,7 @@ def test_ranks_are_integers_and_lists_line_up(job) -> None:
 
 @pytest.mark.timeout(400)
 def test_recovery_done_carries_the_summarys_phases(job) -> None:
-    done = [e for e in job if e["kind"] == "recovery_done"]
+    done = [e for e in job if e["kind"] == Kind.RECOVERY_DONE]
     recs = {r.gen: r for r in Summary.of(job).recoveries()}
     assert [e["gen"] for e in done] == [1, 2] and sorted(recs) == [1, 2]
     for e in done:

@@ -84,17 +84,24 @@ def test_the_summary_of_a_recovery(tmp_path: Path, capsys) -> None:
 
     for step in (1, 2, 3):
         for rank in (0, 1):
-            ev(100.0 + 0.1 * step, "step_done", f"trainer{rank}", rank=rank, step=step, iter_s=0.1)
-    ev(100.40, "fault_injected", "trainer1", rank=1, step=4, phase="backward")
-    ev(100.46, "failure_detected", gen=0, ranks=[1], failure="hof", detected_t=100.45)
-    ev(100.50, "actives_stopped", gen=0, stop_s=0.05)
-    ev(100.555, "promoted", "trainer0", rank=0, gen=1, level=3)  # before the agent's line
-    ev(100.551, "shadows_promoted", gen=1, epoch=1, promote_t=100.55, node=0)
-    ev(100.56, "promoted", "trainer1", rank=1, gen=1, level=3)
-    ev(100.58, "resumed", "trainer0", rank=0, gen=1, step=4)
-    ev(100.60, "resumed", "trainer1", rank=1, gen=1, step=4)
-    ev(100.70, "step_done", "trainer0", rank=0, step=4, iter_s=0.1)
-    ev(100.72, "step_done", "trainer1", rank=1, step=4, iter_s=0.1)
+            ev(
+                100.0 + 0.1 * step,
+                Kind.STEP_DONE.value,
+                f"trainer{rank}",
+                rank=rank,
+                step=step,
+                iter_s=0.1,
+            )
+    ev(100.40, Kind.FAULT_INJECTED.value, "trainer1", rank=1, step=4, phase="backward")
+    ev(100.46, Kind.FAILURE_DETECTED.value, gen=0, ranks=[1], failure="hof", detected_t=100.45)
+    ev(100.50, Kind.ACTIVES_STOPPED.value, gen=0, stop_s=0.05)
+    ev(100.555, Kind.PROMOTED.value, "trainer0", rank=0, gen=1, level=3)  # before the agent's line
+    ev(100.551, Kind.SHADOWS_PROMOTED.value, gen=1, epoch=1, promote_t=100.55, node=0)
+    ev(100.56, Kind.PROMOTED.value, "trainer1", rank=1, gen=1, level=3)
+    ev(100.58, Kind.RESUMED.value, "trainer0", rank=0, gen=1, step=4)
+    ev(100.60, Kind.RESUMED.value, "trainer1", rank=1, gen=1, step=4)
+    ev(100.70, Kind.STEP_DONE.value, "trainer0", rank=0, step=4, iter_s=0.1)
+    ev(100.72, Kind.STEP_DONE.value, "trainer1", rank=1, step=4, iter_s=0.1)
     with path.open("a") as f:
         f.writelines(json.dumps(e) + "\n" for e in lines)
     console, out = _console()
@@ -106,5 +113,5 @@ def test_the_summary_of_a_recovery(tmp_path: Path, capsys) -> None:
     # Rank 0: 0.4 s of steps between 100.0 and 100.7.
     assert f"ETTR {0.4 / 0.7 * 100:.1f} % · in-place recoveries 1 · group restarts 0" in text, text
     plain = capsys.readouterr().err
-    assert "failure_detected" in plain and "shadows_promoted" in plain
-    assert "group_restart" not in plain
+    assert Kind.FAILURE_DETECTED in plain and Kind.SHADOWS_PROMOTED in plain
+    assert Kind.GROUP_RESTART not in plain

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 from tests.launcher.test_erasure_recovery import H1_LOSSES, STEPS
 
@@ -50,11 +51,11 @@ def test_gpu_hof_plus_h1_lost_device_pages_per_group_recovers_bit_identically(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
+    erased = [e for e in events if e["kind"] == Kind.PAGES_ERASED and e["region"] == "state"]
     assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), (
         "several groups lost 16 pages"
     )
-    rebuilt = {(e["rank"], e["gen"]): e for e in events if e["kind"] == "pages_rebuilt"}
+    rebuilt = {(e["rank"], e["gen"]): e for e in events if e["kind"] == Kind.PAGES_REBUILT}
     # Compute-phase kills: every erased device page was found by the page-map query and rebuilt.
     assert rebuilt[(1, 1)]["lost"]["state"]["data"] == len(erased[0]["pages"])
     assert rebuilt[(1, 1)]["lost"]["state"]["tier1"] >= 1
@@ -84,7 +85,7 @@ def test_gpu_more_than_h1_lost_device_pages_restart_the_group_exactly(tmp_path, 
         timeout_s=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (unrecoverable,) = [e for e in events if e["kind"] == "unrecoverable_state"]
+    (unrecoverable,) = [e for e in events if e["kind"] == Kind.UNRECOVERABLE]
     assert unrecoverable["rank"] == 1 and unrecoverable["lost"]["data"] == 17
-    assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 1]
+    assert [e["restart"] for e in events if e["kind"] == Kind.WORKERS_STARTED] == [0, 1]
     assert_exact(reference, events)

@@ -16,6 +16,7 @@ import random
 import pytest
 
 from leto.config import PHASES, FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 16
@@ -35,8 +36,8 @@ def run_against_fault_free(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    assert len([e for e in events if e["kind"] == "fault_injected"]) == len(faults)
-    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
+    assert len([e for e in events if e["kind"] == Kind.FAULT_INJECTED]) == len(faults)
+    assert len([e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]) == len(faults)
     return events
 
 

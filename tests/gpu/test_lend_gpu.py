@@ -13,6 +13,7 @@ import torch
 
 from leto.config import FaultSpec
 from leto.errors import LetoError, ProtocolError
+from leto.events import Kind
 from leto.pool.cuda_vmm import CudaChunks, array_interface
 from leto.pool.lend import ActivationLender
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
@@ -86,6 +87,6 @@ def test_recovery_with_lent_activations_equals_the_run_without_lending(tmp_path)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
-    lent = [e["lent_bytes"] for e in events if e["kind"] == "step_done"]
+    assert len([e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]) == len(faults)
+    lent = [e["lent_bytes"] for e in events if e["kind"] == Kind.STEP_DONE]
     assert lent and min(lent) > 0, "no activation landed in the lent undo buffer"

@@ -66,6 +66,7 @@ import pytest
 import torch
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
 pytest.importorskip(
@@ -336,7 +337,7 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
 
     faults = _faults(case)
     _, events = _run(tmp_path, case, faults)
-    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
+    assert len([e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]) == len(faults)
     # forward/backward kills re-run their step; a kill inside the update finishes it
     assert_recovered(
         reference,
@@ -348,18 +349,22 @@ def test_megatron_gpu_recovery_is_bit_exact(tmp_path, name: str) -> None:
     if (
         case.lost_grad_pages
     ):  # recovery 4 found the erased gradient pages and rebuilt them (needed mid-update)
-        erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == GRAD_REGION]
+        erased = [
+            e for e in events if e["kind"] == Kind.PAGES_ERASED and e["region"] == GRAD_REGION
+        ]
         rebuilt = [
-            e["lost"][GRAD_REGION] for e in events if e["kind"] == "pages_rebuilt" and e["gen"] == 4
+            e["lost"][GRAD_REGION]
+            for e in events
+            if e["kind"] == Kind.PAGES_REBUILT and e["gen"] == 4
         ]
         assert len(erased) == 1 and erased[0]["pages"], erased
         assert [x["data"] for x in rebuilt] == [len(erased[0]["pages"])], rebuilt
     if case.lost_device_pages:  # recoveries 2 and 3 found every erased device page and rebuilt it
-        erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
+        erased = [e for e in events if e["kind"] == Kind.PAGES_ERASED and e["region"] == "state"]
         rebuilt = {
             (e["rank"], e["gen"]): e["lost"]["state"]
             for e in events
-            if e["kind"] == "pages_rebuilt"
+            if e["kind"] == Kind.PAGES_REBUILT
         }
         assert [len(e["pages"]) for e in erased] == [case.lost_device_pages] * 2, erased
         lost = [rebuilt[(faults[1].rank, 2)], rebuilt[(faults[2].rank, 3)]]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
 
 pytest.importorskip(
@@ -73,13 +74,13 @@ def test_megatron_gpu_warmed_shadows_recover_exactly(tmp_path):
     reference, _ = fault_free_run(tmp_path, steps=STEPS, nproc=1, **common)
     proc, events = run_leto(tmp_path, steps=STEPS, nproc=1, faults=FAULTS, **common)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"] == [
+    assert [(e["rank"], e["step"]) for e in events if e["kind"] == Kind.FAULT_INJECTED] == [
         (0, 5),
         (0, 11),
     ]
     assert_exact(reference, events)
 
-    warmed = {e["gen"]: e for e in events if e["kind"] == "model_warmed"}
+    warmed = {e["gen"]: e for e in events if e["kind"] == Kind.MODEL_WARMED}
     for gen in (1, 2):  # the promoted generations
         event = warmed[gen]
         assert event["ran"] and event["level"] == 3 and event["compiled_graphs"] > 0, event

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import REPO, assert_exact, fault_free_digests, run_leto
 
 STEPS, BALLAST, KILL = 20, 6, 12
@@ -44,12 +45,12 @@ def test_activation_peak_reclaims_the_shadow_and_recovery_stays_exact(tmp_path) 
     out = Path(os.environ.get("OUT") or REPO / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     kinds = (
-        "shadow_level",
-        "shadow_reclaimed",
-        "oom_retry",
-        "shadow_ready",
-        "promoted",
-        "recovery_done",
+        Kind.SHADOW_LEVEL,
+        Kind.SHADOW_RECLAIMED,
+        Kind.OOM_RETRY,
+        Kind.SHADOW_READY,
+        Kind.PROMOTED,
+        Kind.RECOVERY_DONE,
     )
     (out / "memory_pressure_gpu.json").write_text(
         json.dumps(
@@ -60,15 +61,15 @@ def test_activation_peak_reclaims_the_shadow_and_recovery_stays_exact(tmp_path) 
     assert proc.returncode == 0, proc.stderr[-5000:]
 
     assert_exact(reference, events)
-    reclaimed = [e for e in events if e["kind"] == "shadow_reclaimed"]
+    reclaimed = [e for e in events if e["kind"] == Kind.SHADOW_RECLAIMED]
     assert [(e["ranks"], e["level"]) for e in reclaimed] == [([0], 3)]
-    (retry,) = [e for e in events if e["kind"] == "oom_retry"]
+    (retry,) = [e for e in events if e["kind"] == Kind.OOM_RETRY]
     assert (retry["rank"], retry["step"], retry["reclaimed_level"]) == (0, BALLAST, 3)
     assert retry["freed_bytes"] > 128 << 20, "the shadow's memory came back to the device"
-    levels = [(e["reason"], e["level"]) for e in events if e["kind"] == "shadow_level"]
+    levels = [(e["reason"], e["level"]) for e in events if e["kind"] == Kind.SHADOW_LEVEL]
     assert levels[0] == ("configured", 3) and levels[2] == ("recovery", 3) and len(levels) == 3, (
         levels
     )
     assert levels[1][0] == "oom" and levels[1][1] < 3, levels
-    assert [e["level"] for e in events if e["kind"] == "promoted"] == [levels[1][1]]
-    assert not [e for e in events if e["kind"] == "group_restart"]
+    assert [e["level"] for e in events if e["kind"] == Kind.PROMOTED] == [levels[1][1]]
+    assert not [e for e in events if e["kind"] == Kind.GROUP_RESTART]

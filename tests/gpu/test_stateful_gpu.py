@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from leto.pool import cuda_vmm
 from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.layout import Layout
@@ -81,6 +82,6 @@ def test_scheduled_bn_job_recovers_bit_identically_on_a_gpu(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_recovered(reference, events, faults, nproc=1, resumed_at=[2, 6, 8])
     resumed = [
-        (e["step"], e["extras"], e["buffers_restored"]) for e in events if e["kind"] == "resumed"
+        (e["step"], e["extras"], e["buffers_restored"]) for e in events if e["kind"] == Kind.RESUMED
     ]
     assert resumed == [(2, "begin", True), (6, "pre+replay", False), (8, "begin", True)], resumed

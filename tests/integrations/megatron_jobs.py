@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from leto.events import Kind
 from tests.launcher.harness import REPO, run_leto
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
@@ -51,4 +52,4 @@ class MegatronJobs:
 
     @staticmethod
     def losses(events: list[dict], rank: int) -> list[float | None]:
-        return [e["loss"] for e in events if e["kind"] == "step_done" and e["rank"] == rank]
+        return [e["loss"] for e in events if e["kind"] == Kind.STEP_DONE and e["rank"] == rank]

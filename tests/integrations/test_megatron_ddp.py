@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from leto.errors import ConfigError
+from leto.events import Kind
 from leto.trainer.grad_sync import GradSync
 from leto.trainer.layout import GradPlacement, Layout
 from tests.launcher.harness import REPO, digests, run_leto
@@ -290,7 +291,7 @@ def test_ddp_equals_leto_allreduce_at_dp2(tmp_path):
     assert set(ddp) == {(r, s) for r in range(2) for s in range(1, 9)}
     assert ddp == flat, "Megatron's DDP and Leto's all-reduce disagree"
     losses = {
-        impl: sorted((e["rank"], e["step"], e["loss"]) for e in ev if e["kind"] == "step_done")
+        impl: sorted((e["rank"], e["step"], e["loss"]) for e in ev if e["kind"] == Kind.STEP_DONE)
         for impl, ev in runs.items()
     }
     assert losses["megatron"] == losses["leto"]

@@ -41,6 +41,7 @@ import torch
 
 from leto.config import FaultSpec
 from leto.errors import ProtocolError
+from leto.events import Kind
 from tests.integrations.megatron_jobs import SCRIPT, MegatronJobs
 from tests.integrations.test_megatron_ddp import _gpt
 from tests.launcher.harness import _env, assert_recovered, digests, run_leto
@@ -242,12 +243,12 @@ def test_megatron_distopt_recovery_is_bit_exact(tmp_path):
         resumed_at=[3, 6, 10, 13, 16],
         fields=("rank", "step", "point"),
     )
-    erased = {e["region"] for e in events if e["kind"] == "pages_erased"}
+    erased = {e["region"] for e in events if e["kind"] == Kind.PAGES_ERASED}
     assert {"state", "state.p1", "ddp.params.float32", "ddp.grads.float32"} <= erased
     rebuilt = [
         e
         for e in events
-        if e["kind"] == "pages_rebuilt"
+        if e["kind"] == Kind.PAGES_REBUILT
         and e["rank"] == 1
         and e["lost"].get("ddp.grads.float32", {}).get("data")
     ]
@@ -333,7 +334,7 @@ def test_tp2_dp2_distopt_matches_and_recovers(tmp_path):
     _, events = JOBS.run(
         tmp_path, nproc=4, steps=8, script_args=[*DISTOPT, *TP2], faults=faults, timeout_s=500
     )
-    assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [2, 5, 7]
+    assert sorted({e["step"] for e in events if e["kind"] == Kind.RESUMED}) == [2, 5, 7]
     clean, faulty = digests(clean_events), digests(events)
     assert set(faulty) == set(clean)
     for key, want in clean.items():
@@ -359,8 +360,11 @@ def test_distopt_fused_rmu_recovery_is_bit_exact(tmp_path, monkeypatch):
     _, events = JOBS.run(
         tmp_path, nproc=2, steps=8, script_args=DISTOPT, leto=leto, faults=faults, timeout_s=600
     )
-    assert [e["point"] for e in events if e["kind"] == "fault_injected"] == ["optimizer", "gather"]
-    assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [4, 7]
+    assert [e["point"] for e in events if e["kind"] == Kind.FAULT_INJECTED] == [
+        "optimizer",
+        "gather",
+    ]
+    assert sorted({e["step"] for e in events if e["kind"] == Kind.RESUMED}) == [4, 7]
     assert digests(events) == digests(clean_events)
 
 
@@ -383,5 +387,5 @@ def test_dp4_distopt_quarter_state_and_recovers(tmp_path):
     _, events = JOBS.run(
         tmp_path, nproc=4, steps=6, script_args=DISTOPT, faults=faults, timeout_s=500
     )
-    assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [3, 5]
+    assert sorted({e["step"] for e in events if e["kind"] == Kind.RESUMED}) == [3, 5]
     assert digests(events) == digests(clean_events)

@@ -31,6 +31,7 @@ import re
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
 pytest.importorskip(
@@ -111,7 +112,7 @@ def _assert_exact_recovery(
     assert set(dense) == {0, 1} and dense[0] == dense[1], (
         "the data-parallel ranks' dense parameters diverged"
     )
-    losses = [e["loss"] for e in events if e["kind"] == "step_done"]
+    losses = [e["loss"] for e in events if e["kind"] == Kind.STEP_DONE]
     assert len(losses) == 2 * steps and all(
         isinstance(x, float) and math.isfinite(x) for x in losses
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
 
 pytest.importorskip(
@@ -65,7 +66,7 @@ def _run(tmp_path, faults, **leto):
         timeout_s=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not [e for e in events if e["kind"] == "group_restart"]
+    assert not [e for e in events if e["kind"] == Kind.GROUP_RESTART]
     return events
 
 
@@ -88,11 +89,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 )  # CI: L1, and L2 via the reclaim
 def test_low_level_shadows_recover_exactly(tmp_path, reference, level):
     events = _run(tmp_path, KILLS, shadow_level=level)
-    injected = [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"]
+    injected = [(e["rank"], e["step"]) for e in events if e["kind"] == Kind.FAULT_INJECTED]
     assert injected == [(f.rank, f.step) for f in KILLS]
     # forward/backward kills re-run their step; a kill inside the update finishes it
-    assert sorted({e["step"] for e in events if e["kind"] == "resumed"}) == [4, 8, 13]
-    promoted = [(e["rank"], e["gen"], e["level"]) for e in events if e["kind"] == "promoted"]
+    assert sorted({e["step"] for e in events if e["kind"] == Kind.RESUMED}) == [4, 8, 13]
+    promoted = [(e["rank"], e["gen"], e["level"]) for e in events if e["kind"] == Kind.PROMOTED]
     assert sorted(promoted) == [(r, g, level) for r in range(2) for g in (1, 2, 3)]
     assert_exact(reference, events)
 
@@ -105,16 +106,16 @@ def test_reclaimed_l3_shadows_relaunch_lower_and_promote(tmp_path, reference):
     ]
     events = _run(tmp_path, faults)
     injected = [
-        (e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == "fault_injected"
+        (e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == Kind.FAULT_INJECTED
     ]
     assert injected == [(f.rank, f.step, f.kind) for f in faults]
-    reclaimed = [(e["ranks"], e["level"]) for e in events if e["kind"] == "shadow_reclaimed"]
+    reclaimed = [(e["ranks"], e["level"]) for e in events if e["kind"] == Kind.SHADOW_RECLAIMED]
     assert reclaimed == [([0], 3)]
-    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "oom_retry"] == [(0, 4)]
-    levels = [(e["reason"], e["level"]) for e in events if e["kind"] == "shadow_level"]
+    assert [(e["rank"], e["step"]) for e in events if e["kind"] == Kind.OOM_RETRY] == [(0, 4)]
+    levels = [(e["reason"], e["level"]) for e in events if e["kind"] == Kind.SHADOW_LEVEL]
     assert levels == [("configured", 3), ("oom", 2), ("recovery", 3)]
     # the kill was recovered in place by the relaunched L2 shadows
-    assert [(e["rank"], e["level"]) for e in events if e["kind"] == "promoted"] in (
+    assert [(e["rank"], e["level"]) for e in events if e["kind"] == Kind.PROMOTED] in (
         [(0, 2), (1, 2)],
         [(1, 2), (0, 2)],
     )

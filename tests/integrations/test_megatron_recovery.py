@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
 pytest.importorskip(
@@ -96,13 +97,13 @@ def test_megatron_recovery_is_bit_exact(tmp_path):
         clean, events, FAULTS, nproc=2, resumed_at=[6, 12, 19, 22], fields=("rank", "step")
     )
     erased = [
-        e for e in events if e["kind"] == "pages_erased" and e["region"] == "ddp.grads.float32"
+        e for e in events if e["kind"] == Kind.PAGES_ERASED and e["region"] == "ddp.grads.float32"
     ]
     assert len(erased) == 1 and len(erased[0]["pages"]) >= 12  # 12 per protection group
     rebuilt = [
         e
         for e in events
-        if e["kind"] == "pages_rebuilt"
+        if e["kind"] == Kind.PAGES_REBUILT
         and e["rank"] == 0
         and e["lost"].get("ddp.grads.float32", {}).get("data")
     ]

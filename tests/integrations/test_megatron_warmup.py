@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
 
 pytest.importorskip(
@@ -71,7 +72,7 @@ def _run(tmp_path, faults, *script_args):
     firsts = [
         (e["rank"], e["step"], e["compiled_graphs"])
         for e in events
-        if e["kind"] == "first_iteration"
+        if e["kind"] == Kind.FIRST_ITERATION
     ]
     return events, firsts
 
@@ -89,16 +90,16 @@ def test_warmed_shadows_recover_exactly_without_compiling(tmp_path):
         timeout_s=240,
     )
     events, firsts = _run(tmp_path, FAULTS)
-    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"] == [
+    assert [(e["rank"], e["step"]) for e in events if e["kind"] == Kind.FAULT_INJECTED] == [
         (1, 6),
         (0, 13),
     ]
     assert_exact(reference, events)
 
-    promoted = {(e["rank"], e["gen"]) for e in events if e["kind"] == "promoted"}
+    promoted = {(e["rank"], e["gen"]) for e in events if e["kind"] == Kind.PROMOTED}
     assert promoted == {(r, g) for r in range(2) for g in (1, 2)}
-    warmed = {(e["rank"], e["gen"]): e for e in events if e["kind"] == "model_warmed"}
-    ready = {(e["rank"], e["gen"]): e["t"] for e in events if e["kind"] == "shadow_ready"}
+    warmed = {(e["rank"], e["gen"]): e for e in events if e["kind"] == Kind.MODEL_WARMED}
+    ready = {(e["rank"], e["gen"]): e["t"] for e in events if e["kind"] == Kind.SHADOW_READY}
     for key in promoted:
         event = warmed[key]
         assert event["ran"] and event["level"] == 3 and event["reason"] == "ok", event
@@ -116,6 +117,6 @@ def test_warmed_shadows_recover_exactly_without_compiling(tmp_path):
 @pytest.mark.timeout(400)
 def test_without_the_warm_up_the_promoted_trainer_compiles(tmp_path):
     events, firsts = _run(tmp_path, FAULTS[:1], "--no-shadow-warm-up")
-    assert not [e for e in events if e["kind"] == "model_warmed"]
+    assert not [e for e in events if e["kind"] == Kind.MODEL_WARMED]
     assert sorted((rank, step) for rank, step, _ in firsts) == [(0, 6), (1, 6)], firsts
     assert all(compiled > 0 for *_, compiled in firsts), firsts

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from leto.config import PHASES, FaultSpec
-from leto.events import read_events
+from leto.events import Kind, read_events
 
 REPO = Path(__file__).resolve().parents[2]
 LETO_RUN = [sys.executable, "-m", "leto_run"]  # the console script, without needing it installed
@@ -83,7 +83,7 @@ def digests(events: list[dict]) -> dict[tuple[int, int], set[str]]:
     """(rank, committed step) -> every digest reported for it (one per report)."""
     out: dict[tuple[int, int], set[str]] = defaultdict(set)
     for e in events:
-        if e["kind"] == "digest":
+        if e["kind"] == Kind.DIGEST:
             out[(e["rank"], e["step"])].add(e["digest"])
     return dict(out)
 
@@ -130,11 +130,11 @@ def assert_recovered(
     """The faults fired as scheduled (compared on ``fields``), every rank resumed once per
     fault, at the steps ``resumed_at`` (a kill before the update re-runs its step, one inside
     it finishes it), and every digest equals the fault-free run's (:func:`assert_exact`)."""
-    injected = [e for e in events if e["kind"] == "fault_injected"]
+    injected = [e for e in events if e["kind"] == Kind.FAULT_INJECTED]
     assert [tuple(e[k] for k in fields) for e in injected] == [
         tuple(getattr(f, k) for k in fields) for f in faults
     ]
-    resumed = [e for e in events if e["kind"] == "resumed"]
+    resumed = [e for e in events if e["kind"] == Kind.RESUMED]
     assert len(resumed) == nproc * len(faults)
     assert sorted({e["step"] for e in resumed}) == resumed_at
     assert_exact(reference, events)

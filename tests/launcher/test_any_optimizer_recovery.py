@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_recovered, fault_free_digests, run_leto
 
 STEPS = 18
@@ -60,7 +61,7 @@ def _recovers_exactly(tmp: Path, optimizer: str, consistency: str = "rmu") -> No
     proc, events = run_leto(tmp, steps=STEPS, faults=faults, leto=leto, script_args=args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_recovered(reference, events, faults, nproc=2, resumed_at=resumed_at, fields=FIELDS)
-    actions = {e["action"] for e in events if e["kind"] == "resumed"}
+    actions = {e["action"] for e in events if e["kind"] == Kind.RESUMED}
     expected = {"rerun", "restore+finish"} | ({"resume+finish"} if consistency == "rmu" else set())
     assert expected <= actions, actions
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 10
@@ -37,11 +38,11 @@ def test_a_kill_in_the_promoted_trainers_first_step_promotes_the_replacements(
     ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(_kinds(events, "fault_injected")) == 2
-    assert [e["cold"] for e in _kinds(events, "shadows_promoted")] == [False, False]
-    assert not _kinds(events, "group_restart")
+    assert len(_kinds(events, Kind.FAULT_INJECTED)) == 2
+    assert [e["cold"] for e in _kinds(events, Kind.SHADOWS_PROMOTED)] == [False, False]
+    assert not _kinds(events, Kind.GROUP_RESTART)
     # the second failure struck the generation promoted by the first, before its first step
-    failed = [e["gen"] for e in _kinds(events, "failure_detected")]
+    failed = [e["gen"] for e in _kinds(events, Kind.FAILURE_DETECTED)]
     assert failed == [0, 1]
     assert_exact(reference, events)
 
@@ -56,9 +57,9 @@ def test_a_kill_while_no_shadows_exist_attaches_a_cold_generation(tmp_path, refe
     ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [e["cold"] for e in _kinds(events, "shadows_promoted")] == [True]
-    assert [e["step"] for e in _kinds(events, "resumed")] == [4, 4]
-    assert not _kinds(events, "group_restart")
+    assert [e["cold"] for e in _kinds(events, Kind.SHADOWS_PROMOTED)] == [True]
+    assert [e["step"] for e in _kinds(events, Kind.RESUMED)] == [4, 4]
+    assert not _kinds(events, Kind.GROUP_RESTART)
     assert_exact(reference, events)
 
 
@@ -78,8 +79,8 @@ def test_a_kill_in_the_middle_of_a_page_rebuild_leaves_the_losses_to_the_success
     ]
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=ERASURE)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [e["phase"] for e in _kinds(events, "fault_injected")] == ["backward", "recovery"]
-    rebuilt = [e for e in _kinds(events, "pages_rebuilt") if e["rank"] == 1]
+    assert [e["phase"] for e in _kinds(events, Kind.FAULT_INJECTED)] == ["backward", "recovery"]
+    rebuilt = [e for e in _kinds(events, Kind.PAGES_REBUILT) if e["rank"] == 1]
     assert rebuilt and rebuilt[-1]["lost"]["state"]["data"] > 0  # the successor found them lost
     assert_exact(ref, events)
 
@@ -101,8 +102,8 @@ def test_a_hang_in_the_promoted_trainers_first_step_is_found_within_the_hang_tim
         extra=["--hang-timeout", "3", "--first-step-timeout", "120"],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (stopped,) = [e for e in _kinds(events, "fault_injected") if e["fault_kind"] == "hang"]
-    (hang,) = _kinds(events, "hang_detected")
+    (stopped,) = [e for e in _kinds(events, Kind.FAULT_INJECTED) if e["fault_kind"] == "hang"]
+    (hang,) = _kinds(events, Kind.HANG_DETECTED)
     assert (
         hang["rank"] == 1
         and hang["gen"] == 1
@@ -110,5 +111,7 @@ def test_a_hang_in_the_promoted_trainers_first_step_is_found_within_the_hang_tim
         and hang["timeout_s"] == 3.0
     )
     assert hang["t"] - stopped["t"] < 10, hang["t"] - stopped["t"]
-    assert len(_kinds(events, "shadows_promoted")) == 2 and not _kinds(events, "group_restart")
+    assert len(_kinds(events, Kind.SHADOWS_PROMOTED)) == 2 and not _kinds(
+        events, Kind.GROUP_RESTART
+    )
     assert_exact(reference, events)

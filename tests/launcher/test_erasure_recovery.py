@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 20
@@ -36,7 +37,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _lost(events: list[dict], rank: int, gen: int) -> dict:
     (event,) = [
-        e for e in events if e["kind"] == "pages_rebuilt" and e["rank"] == rank and e["gen"] == gen
+        e
+        for e in events
+        if e["kind"] == Kind.PAGES_REBUILT and e["rank"] == rank and e["gen"] == gen
     ]
     return event["lost"]["state"]
 
@@ -47,7 +50,7 @@ def test_hof_plus_h1_lost_pages_per_group_recovers_bit_identically(tmp_path, ref
     proc, events = run_leto(tmp_path, steps=STEPS, faults=H1_LOSSES, leto={"erasure": ERASURE})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    erased = [e for e in events if e["kind"] == "pages_erased" and e["region"] == "state"]
+    erased = [e for e in events if e["kind"] == Kind.PAGES_ERASED and e["region"] == "state"]
     assert len(erased) == 3 and all(len(e["pages"]) >= 32 for e in erased), (
         "several groups lost 16 pages"
     )
@@ -76,10 +79,10 @@ def test_more_than_h1_lost_pages_fall_back_and_say_so(tmp_path, reference) -> No
         extra=["--max-restarts", "1"],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    unrecoverable = [e for e in events if e["kind"] == "unrecoverable_state"]
+    unrecoverable = [e for e in events if e["kind"] == Kind.UNRECOVERABLE]
     assert len(unrecoverable) == 1 and unrecoverable[0]["rank"] == 1
     assert "17" in unrecoverable[0]["error"] or unrecoverable[0]["lost"]["data"] == 17
-    assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 1]
+    assert [e["restart"] for e in events if e["kind"] == Kind.WORKERS_STARTED] == [0, 1]
     assert_exact(reference, events)
 
 
@@ -88,5 +91,5 @@ def test_beyond_tolerance_without_restarts_fails_loudly(tmp_path) -> None:
     faults = [FaultSpec(rank=0, step=3, phase="forward", erase_device_pages=17, erase_group=0)]
     proc, events = run_leto(tmp_path, steps=8, faults=faults, leto={"erasure": ERASURE})
     assert proc.returncode == 1
-    assert any(e["kind"] == "unrecoverable_state" for e in events)
+    assert any(e["kind"] == Kind.UNRECOVERABLE for e in events)
     assert "UnrecoverableStateError" in proc.stderr

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from leto.events import read_events
+from leto.events import Kind, read_events
 from tests.launcher.harness import GPT, GPT_ARGS, LETO_RUN, _env, assert_exact, fault_free_digests
 
 STEPS = 40
@@ -51,13 +51,13 @@ def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline:  # until both shadows wait for promotion
             events = read_events(events_path) if events_path.exists() else []
-            if len([e for e in events if e["kind"] == "shadow_ready"]) == 2:
+            if len([e for e in events if e["kind"] == Kind.SHADOW_READY]) == 2:
                 break
             time.sleep(0.1)
         else:
             pytest.fail("the shadows never became ready")
         active = next(
-            e["pid"] for e in events if e["kind"] == "trainer_started" and e["role"] == "active"
+            e["pid"] for e in events if e["kind"] == Kind.TRAINER_STARTED and e["role"] == "active"
         )
         env = _environ(active)  # the forger learns the port (not the token: it is not asked for)
         store = dist.TCPStore(
@@ -75,7 +75,7 @@ def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     events = read_events(events_path)
-    assert not [e for e in events if e["kind"] in ("promoted", "resumed")], (
+    assert not [e for e in events if e["kind"] in (Kind.PROMOTED, Kind.RESUMED)], (
         "a forged key promoted a shadow"
     )
     assert_exact(reference, events)

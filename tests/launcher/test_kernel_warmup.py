@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from leto.preinit.warmup import ENV_CPU
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
@@ -38,10 +39,10 @@ def test_level_3_shadows_warm_kernels_and_recover_exactly(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    promoted = [(e["rank"], e["gen"]) for e in events if e["kind"] == "promoted"]
+    promoted = [(e["rank"], e["gen"]) for e in events if e["kind"] == Kind.PROMOTED]
     assert len(promoted) == 4, "two recoveries, two ranks each"
-    warmed = {(e["rank"], e["gen"]): e for e in events if e["kind"] == "kernels_warmed"}
-    ready = {(e["rank"], e["gen"]): e["t"] for e in events if e["kind"] == "shadow_ready"}
+    warmed = {(e["rank"], e["gen"]): e for e in events if e["kind"] == Kind.KERNELS_WARMED}
+    ready = {(e["rank"], e["gen"]): e["t"] for e in events if e["kind"] == Kind.SHADOW_READY}
     for key in promoted:
         e = warmed[key]
         assert e["level"] == level and e["t"] <= ready[key], (

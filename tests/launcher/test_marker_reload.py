@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from leto.trainer.memory import ENV_MAPPED_MARKER
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
@@ -40,8 +41,8 @@ def test_promoted_shadows_read_the_marker_that_landed(tmp_path, monkeypatch) -> 
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == len(faults)
-    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert len([e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]) == len(faults)
+    resumed = [e for e in events if e["kind"] == Kind.RESUMED]
     assert sorted((e["gen"], e["rank"]) for e in resumed) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for fault in faults:  # the killed rank's shadow mapped the marker >= 4 steps before the kill
         (e,) = [

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from leto.errors import ConfigError
-from leto.events import EventLog, read_events, validate
+from leto.events import EventLog, Kind, read_events, validate
 from leto.summary import Summary
 from leto_run.metrics import MetricsServer, _State
 from tests.launcher.harness import GPT, LETO_RUN, _env
@@ -105,7 +105,14 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
     path = tmp_path / "events.jsonl"
     path.write_text(
         json.dumps(
-            {"t": 1.0, "kind": "step_done", "src": "trainer0", "rank": 0, "step": 0, "iter_s": 1.0}
+            {
+                "t": 1.0,
+                "kind": Kind.STEP_DONE.value,
+                "src": "trainer0",
+                "rank": 0,
+                "step": 0,
+                "iter_s": 1.0,
+            }
         )
         + "\n"
     )
@@ -122,7 +129,7 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
         assert port
         line = f"leto-run: metrics at http://{socket.gethostname()}:{port}/metrics"
         assert capsys.readouterr().err.splitlines() == [line]
-        (serving,) = [e for e in read_events(path) if e["kind"] == "metrics_serving"]
+        (serving,) = [e for e in read_events(path) if e["kind"] == Kind.METRICS_SERVING]
         assert serving["port"] == port
         server.poll()  # the thread polls too; this makes the first scrape complete
         s = _scrape(port)
@@ -188,7 +195,7 @@ def test_scrape_reports_a_synthetic_job_exactly(tmp_path, capsys) -> None:
                 json.dumps(
                     {
                         "t": 110.0,
-                        "kind": "job_finished",
+                        "kind": Kind.JOB_FINISHED.value,
                         "src": "agent",
                         "ok": True,
                         "recoveries": 1,
@@ -266,7 +273,7 @@ def test_a_running_job_is_scraped_over_http(tmp_path) -> None:
         port = None
         while port is None:
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
-            serving = [e for e in read_events(events_path) if e["kind"] == "metrics_serving"]
+            serving = [e for e in read_events(events_path) if e["kind"] == Kind.METRICS_SERVING]
             port = serving[0]["port"] if serving else None
             time.sleep(0.1)
         while True:  # the recovery at step 5 leaves ~35 steps (seconds) to see it in

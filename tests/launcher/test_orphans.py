@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from leto.events import Kind
 from leto.lifetime import sweep_leftovers
 from tests.launcher.harness import GPT, LETO_RUN, _env, run_leto
 
 _SUBREAPER = r"""
 import ctypes, json, os, signal, subprocess, sys, time
-from leto.events import read_events
+from leto.events import Kind, read_events
 
 assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 cmd, events, log, moment = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -71,8 +72,8 @@ def reap():
 agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 deadline = time.monotonic() + 240
 while True:
-    ready = {e["rank"] for e in read_events(events) if e["kind"] == "shadow_ready"}
-    if moment == "shadows_spawned" and any(e["kind"] == moment for e in read_events(events)):
+    ready = {e["rank"] for e in read_events(events) if e["kind"] == Kind.SHADOW_READY}
+    if moment == Kind.SHADOWS_SPAWNED and any(e["kind"] == moment for e in read_events(events)):
         ready = {0, 1}  # the shadows are starting: no death signal asked for yet
     if ready >= {0, 1} or agent.poll() is not None or time.monotonic() > deadline:
         break
@@ -138,9 +139,9 @@ _TINY = [
 @pytest.mark.parametrize(
     ("moment", "sig"),
     [
-        ("shadows_spawned", "SIGKILL"),
-        ("shadow_ready", "SIGKILL"),
-        pytest.param("shadow_ready", "SIGTERM", marks=pytest.mark.slow),
+        (Kind.SHADOWS_SPAWNED, "SIGKILL"),
+        (Kind.SHADOW_READY, "SIGKILL"),
+        pytest.param(Kind.SHADOW_READY, "SIGTERM", marks=pytest.mark.slow),
     ],  # CI time: SIGKILL is the harder case
 )
 def test_an_agent_killed_under_a_subreaper_leaves_nothing(
@@ -179,7 +180,7 @@ def test_a_finished_job_leaves_no_directory_and_sweeps_a_dead_one(tmp_path, monk
     proc, events = run_leto(tmp_path, steps=3, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Shadows ran, so every kind of file the agent makes was made.
-    assert any(e["kind"] == "shadow_ready" for e in events)
+    assert any(e["kind"] == Kind.SHADOW_READY for e in events)
     assert not stale.exists(), "the dead agent's state-manager directory was not swept"
     assert _leto_entries(tmpdir) == set()
     assert _leto_entries(Path("/dev/shm")) - shm_before == set()

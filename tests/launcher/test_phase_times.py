@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from leto.events import Kind
 from leto.trainer.timing import ENV_PHASE_TIMES
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
@@ -14,7 +15,7 @@ def test_phase_times_are_reported_and_change_no_result(tmp_path, monkeypatch) ->
     proc, events = run_leto(tmp_path, steps=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    done = [e for e in events if e["kind"] == "step_done"]
+    done = [e for e in events if e["kind"] == Kind.STEP_DONE]
     assert sorted((e["rank"], e["step"]) for e in done) == [
         (r, s) for r in range(2) for s in range(4)
     ]

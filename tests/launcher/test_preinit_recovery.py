@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_exact, fault_free_run, run_leto
 
 STEPS = 24
@@ -55,7 +56,7 @@ FAULTS = [
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ref, events = fault_free_run(tmp_path_factory.mktemp("ref"), steps=STEPS, leto=LETO)
-    assert not [e for e in events if e["kind"] in ("oom_retry", "shadow_reclaimed")]
+    assert not [e for e in events if e["kind"] in (Kind.OOM_RETRY, Kind.SHADOW_RECLAIMED)]
     return ref
 
 
@@ -65,21 +66,21 @@ def test_oom_reclaims_shadows_and_kills_recover_from_lower_levels(tmp_path, refe
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     injected = [
-        (e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == "fault_injected"
+        (e["rank"], e["step"], e["fault_kind"]) for e in events if e["kind"] == Kind.FAULT_INJECTED
     ]
     assert injected == [(f.rank, f.step, f.kind) for f in FAULTS]
     # Both OOMs were absorbed: shadows reclaimed, the step retried, nothing restarted.
-    reclaimed = [e for e in events if e["kind"] == "shadow_reclaimed"]
+    reclaimed = [e for e in events if e["kind"] == Kind.SHADOW_RECLAIMED]
     assert [(e["ranks"], e["level"]) for e in reclaimed] == [([1], 3), ([0], 3)]
     retries = [
-        (e["rank"], e["step"], e["reclaimed_level"]) for e in events if e["kind"] == "oom_retry"
+        (e["rank"], e["step"], e["reclaimed_level"]) for e in events if e["kind"] == Kind.OOM_RETRY
     ]
     assert retries == [(1, 4, 3), (0, 14, 3)]
-    assert not [e for e in events if e["kind"] == "group_restart"]
+    assert not [e for e in events if e["kind"] == Kind.GROUP_RESTART]
     # Levels: configured, lowered by each OOM from the retried step's peak; after each
     # recovery the replacements start at the level the old actives' peak allowed, then are
     # raised once the fresh actives report their (lower) peak.
-    levels = [(e["reason"], e["level"]) for e in events if e["kind"] == "shadow_level"]
+    levels = [(e["reason"], e["level"]) for e in events if e["kind"] == Kind.SHADOW_LEVEL]
     assert levels == [
         ("configured", 3),
         ("oom", 2),
@@ -89,12 +90,12 @@ def test_oom_reclaims_shadows_and_kills_recover_from_lower_levels(tmp_path, refe
         ("recovery", 1),
         ("recovery", 3),
     ]
-    oom_choices = [e for e in events if e["kind"] == "shadow_level" and e["reason"] == "oom"]
+    oom_choices = [e for e in events if e["kind"] == Kind.SHADOW_LEVEL and e["reason"] == "oom"]
     assert [e["peak_bytes"] for e in oom_choices] == [GIB * 17 // 2, GIB * 19 // 2]
     # The kills were recovered in place, by shadows of the lowered levels.
-    promoted = [e["level"] for e in events if e["kind"] == "promoted"]
+    promoted = [e["level"] for e in events if e["kind"] == Kind.PROMOTED]
     assert promoted == [2, 2, 1, 1]
-    assert len([e for e in events if e["kind"] == "shadows_promoted"]) == 2
+    assert len([e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]) == 2
 
 
 @pytest.mark.timeout(600)
@@ -110,7 +111,7 @@ def test_oom_without_memory_reports_steps_the_level_down(tmp_path, reference) ->
     levels = [
         (e["reason"], e["level"], e["headroom_bytes"])
         for e in events
-        if e["kind"] == "shadow_level"
+        if e["kind"] == Kind.SHADOW_LEVEL
     ]
     assert levels == [("configured", 3, None), ("oom", 2, None), ("recovery", 3, None)]
-    assert [e["level"] for e in events if e["kind"] == "promoted"] == [2, 2]
+    assert [e["level"] for e in events if e["kind"] == Kind.PROMOTED] == [2, 2]

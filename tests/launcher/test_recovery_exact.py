@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from leto.events import Kind
 from tests.launcher.harness import (
     assert_exact,
     fault_free_digests,
@@ -31,9 +32,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int],
 
 def _assert_exact(ref: dict, events: list[dict], faults: list) -> None:
     assert_exact(ref, events)
-    injected = [e for e in events if e["kind"] == "fault_injected"]
+    injected = [e for e in events if e["kind"] == Kind.FAULT_INJECTED]
     assert len(injected) == len(faults), injected
-    promoted = [e for e in events if e["kind"] == "shadows_promoted"]
+    promoted = [e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]
     assert len(promoted) == len(faults)
 
 
@@ -60,7 +61,7 @@ def test_every_phase_on_both_ranks(tmp_path, reference) -> None:
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_exact(reference, events, faults)
-    actions = {e["action"] for e in events if e["kind"] == "resumed"}
+    actions = {e["action"] for e in events if e["kind"] == Kind.RESUMED}
     assert {"rerun", "restore+finish"} <= actions, actions
 
 
@@ -76,4 +77,4 @@ def test_level1_shadows_build_their_group_after_promotion(tmp_path, reference) -
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, extra=["--shadow-level", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_exact(reference, events, faults)
-    assert {e["level"] for e in events if e["kind"] == "shadow_ready"} == {1}
+    assert {e["level"] for e in events if e["kind"] == Kind.SHADOW_READY} == {1}

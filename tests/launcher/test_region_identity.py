@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from leto.config import FaultSpec
-from leto.events import EventLog, read_events
+from leto.events import EventLog, Kind, read_events
 from leto.pool.client import RankIdentities
 from leto.pool.process import StateManagerProcess
 from leto.trainer.marker import MARKER_BYTES, IdentityRecord, Marker, RegionIdentityError
@@ -61,7 +61,7 @@ def _unrecoverable(tmp_path) -> list[tuple[int, str]]:
     return [
         (e["rank"], e["region"])
         for e in read_events(tmp_path / "events.jsonl")
-        if e["kind"] == "unrecoverable_state"
+        if e["kind"] == Kind.UNRECOVERABLE
     ]
 
 
@@ -171,9 +171,9 @@ def test_a_job_whose_region_is_dropped_at_a_kill_does_not_resume(tmp_path) -> No
     )
     proc, events = run_leto(tmp_path, steps=8, faults=[fault])
     kinds = [e["kind"] for e in events]
-    assert "fault_injected" in kinds, proc.stderr[-3000:]
-    unrecoverable = [e for e in events if e["kind"] == "unrecoverable_state"]
+    assert Kind.FAULT_INJECTED in kinds, proc.stderr[-3000:]
+    unrecoverable = [e for e in events if e["kind"] == Kind.UNRECOVERABLE]
     assert [(e["rank"], e["region"]) for e in unrecoverable] == [(1, "state")], proc.stderr[-3000:]
     assert "'state' is no longer held by the state manager" in unrecoverable[0]["error"]
-    assert [e for e in events if e["kind"] == "resumed"] == []
+    assert [e for e in events if e["kind"] == Kind.RESUMED] == []
     assert proc.returncode != 0

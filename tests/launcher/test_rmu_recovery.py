@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_exact, digests, fault_free_digests, run_leto
 
 STEPS = 100
@@ -52,7 +53,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _assert_exact(ref: dict, events: list[dict], faults: list[FaultSpec]) -> None:
     assert_exact(ref, events)
-    injected = [e for e in events if e["kind"] == "fault_injected"]
+    injected = [e for e in events if e["kind"] == Kind.FAULT_INJECTED]
     assert [(e["rank"], e["step"], e["point"], e["chunk"]) for e in injected] == [
         (f.rank, f.step, f.point, f.chunk if f.point != "flush" else None) for f in faults
     ]
@@ -64,13 +65,13 @@ def test_kills_inside_the_update_with_lost_pages_recover_exactly(tmp_path, refer
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_exact(reference, events, faults)
-    rebuilt = [e for e in events if e["kind"] == "pages_rebuilt" and e["lost"]["state"]["data"]]
+    rebuilt = [e for e in events if e["kind"] == Kind.PAGES_REBUILT and e["lost"]["state"]["data"]]
     assert len(rebuilt) == len(faults), "every recovery rebuilt lost model-state pages"
     assert all(
         e["lost"]["state"]["data"] >= 2 * H1 and e["lost"]["state"]["tier1"] >= 1 for e in rebuilt
     )
     assert {e["phase"] for e in rebuilt} == {"CHUNK_SAVED", "FLUSHING"}
-    actions = {e["action"] for e in events if e["kind"] == "resumed"}
+    actions = {e["action"] for e in events if e["kind"] == Kind.RESUMED}
     assert {"restore+finish", "flush"} <= actions, actions
 
 
@@ -103,7 +104,7 @@ def test_kill_point_sweep_every_chunk_boundary_and_mid_chunk_both_ranks(
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, leto=LETO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_exact(reference, events, faults)
-    phases = {e["phase"] for e in events if e["kind"] == "pages_rebuilt"}
+    phases = {e["phase"] for e in events if e["kind"] == Kind.PAGES_REBUILT}
     assert {"PARITY_LOADED", "CHUNK_COMMITTED", "CHUNK_SAVED"} <= phases, phases
 
 
@@ -128,7 +129,7 @@ def test_rmp_alone_without_incremental_parity_diverges(tmp_path, reference, monk
     before = [(r, s) for (r, s) in got if s <= 5]
     assert before and all(got[k] == reference[k] for k in before), "fault-free steps are unaffected"
     wrong = [k for k in got if k[1] > 5 and got[k] != reference[k]]
-    refused = [e for e in events if e["kind"] == "unrecoverable_state"]
+    refused = [e for e in events if e["kind"] == Kind.UNRECOVERABLE]
     assert proc.returncode != 0 or wrong, "resumed on wrong data without noticing"
     # Here the rebuilt pages hold a garbage Adam step counter: the resume refuses.
     assert proc.returncode != 0 and len(refused) == 1 and refused[0]["rank"] == 1
@@ -172,9 +173,9 @@ def test_lost_update_buffers_mid_update_take_the_checkpoint_path(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    assert [e["region"] for e in events if e["kind"] == "pages_erased"] == [region]
-    unrecoverable = [e for e in events if e["kind"] == "unrecoverable_state"]
-    restarts = [e for e in events if e["kind"] == "group_restart"]
+    assert [e["region"] for e in events if e["kind"] == Kind.PAGES_ERASED] == [region]
+    unrecoverable = [e for e in events if e["kind"] == Kind.UNRECOVERABLE]
+    restarts = [e for e in events if e["kind"] == Kind.GROUP_RESTART]
     if in_place:
         assert not unrecoverable and not restarts
     else:

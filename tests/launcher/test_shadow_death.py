@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from leto_run.agent import COLD_LAUNCH
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
@@ -34,27 +35,27 @@ def test_killed_shadow_is_replaced_and_the_next_kill_recovers_in_place(tmp_path,
     proc, events = run_leto(tmp_path, steps=STEPS, faults=faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    assert [e["fault_kind"] for e in _kinds(events, "fault_injected")] == ["kill_shadow", "kill"]
-    (died,) = _kinds(events, "shadow_died")
+    assert [e["fault_kind"] for e in _kinds(events, Kind.FAULT_INJECTED)] == ["kill_shadow", "kill"]
+    (died,) = _kinds(events, Kind.SHADOW_DIED)
     assert (died["rank"], died["gen"], died["signal"], died["exitcode"]) == (1, 1, SIGKILL, None), (
         died
     )
     assert died["level"] == 3 and died["deaths"] == 1
-    launches = [(e["gen"], e["launch"]) for e in _kinds(events, "shadows_spawned")]
+    launches = [(e["gen"], e["launch"]) for e in _kinds(events, Kind.SHADOWS_SPAWNED)]
     assert launches[:2] == [(1, 0), (1, 1)], (
         launches
     )  # the replacement, same generation, same level
-    assert _kinds(events, "shadows_spawned")[1]["level"] == 3
-    assert not _kinds(events, "shadows_given_up")
-    (epoch,) = _kinds(events, "epoch")
+    assert _kinds(events, Kind.SHADOWS_SPAWNED)[1]["level"] == 3
+    assert not _kinds(events, Kind.SHADOWS_GIVEN_UP)
+    (epoch,) = _kinds(events, Kind.EPOCH)
     assert (epoch["action"], epoch["failure"]) == ("in_place", "hof")
-    promoted = _kinds(events, "promoted")
+    promoted = _kinds(events, Kind.PROMOTED)
     assert {e["rank"] for e in promoted} == {0, 1} and {e["gen"] for e in promoted} == {1}
     # The promoted shadows are the replacement's: they announced ready after the death.
-    ready = [e for e in _kinds(events, "shadow_ready") if e["gen"] == 1 and e["t"] > died["t"]]
+    ready = [e for e in _kinds(events, Kind.SHADOW_READY) if e["gen"] == 1 and e["t"] > died["t"]]
     assert {e["rank"] for e in ready} == {0, 1}, ready
-    assert not _kinds(events, "group_restart")
-    (done,) = _kinds(events, "job_finished")
+    assert not _kinds(events, Kind.GROUP_RESTART)
+    (done,) = _kinds(events, Kind.JOB_FINISHED)
     assert (done["restarts"], done["recoveries"]) == (0, 1)
 
 
@@ -92,29 +93,29 @@ def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_gr
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
-    (restart,) = _kinds(events, "group_restart")
+    (restart,) = _kinds(events, Kind.GROUP_RESTART)
     before = [e for e in events if e["t"] < restart["t"]]
-    died = _kinds(before, "shadow_died")
+    died = _kinds(before, Kind.SHADOW_DIED)
     assert [e["deaths"] for e in died] == list(range(1, LIMIT + 1)), died
     assert all(e["rank"] == 1 and e["gen"] == 1 for e in died), died
-    launches = [(e["gen"], e["launch"]) for e in _kinds(before, "shadows_spawned")]
+    launches = [(e["gen"], e["launch"]) for e in _kinds(before, Kind.SHADOWS_SPAWNED)]
     # gen 1 launched LIMIT times, then a cold gen 1; then at each promotion replacements
     # (which die as well: the next generation is theirs if still alive, else cold)
     assert launches[: LIMIT + 1] == [(1, n) for n in range(LIMIT)] + [(1, COLD_LAUNCH)], launches
     assert all(launch in (0, COLD_LAUNCH) and gen > 1 for gen, launch in launches[LIMIT + 1 :]), (
         launches
     )
-    (given_up,) = _kinds(before, "shadows_given_up")
+    (given_up,) = _kinds(before, Kind.SHADOWS_GIVEN_UP)
     assert given_up["deaths"] == LIMIT and given_up["rank"] == 1
-    epochs = _kinds(before, "epoch")
+    epochs = _kinds(before, Kind.EPOCH)
     assert [(e["action"], e["failure"]) for e in epochs] == [("in_place", "hof")] * (LOOP - 1) + [
         ("restart", "hof")
     ]
     assert epochs[0]["cold"] and f"died {LIMIT} times in a row" in epochs[0]["reason"], epochs[0]
     assert f"killed {LOOP} times in a row without committing a step" in restart["reason"], restart
     assert "killed 3 times in a row" in proc.stderr  # one log line names it
-    assert not _kinds(before, "promoted")  # no cold generation got past its pre-initialisation
-    loaded = _kinds(events, "checkpoint_loaded")
+    assert not _kinds(before, Kind.PROMOTED)  # no cold generation got past its pre-initialisation
+    loaded = _kinds(events, Kind.CHECKPOINT_LOADED)
     assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (4, 8)
-    (done,) = _kinds(events, "job_finished")
+    (done,) = _kinds(events, Kind.JOB_FINISHED)
     assert done["restarts"] == 1

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from leto.events import read_events
+from leto.events import Kind, read_events
 from tests.launcher.harness import GPT, GPT_ARGS, LETO_RUN, _env
 
 
@@ -48,7 +48,7 @@ def test_a_dead_state_manager_is_an_event_within_a_second(tmp_path) -> None:
         while time.monotonic() < deadline:
             events = read_events(events_path) if events_path.exists() else []
             kinds = {e["kind"] for e in events}
-            if {"shadows_spawned", "step_done"} <= kinds:  # the actives hold their state
+            if {Kind.SHADOWS_SPAWNED, Kind.STEP_DONE} <= kinds:  # the actives hold their state
                 break
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.1)
@@ -63,9 +63,9 @@ def test_a_dead_state_manager_is_an_event_within_a_second(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
     events = read_events(events_path)
-    (died,) = [e for e in events if e["kind"] == "state_manager_died"]
+    (died,) = [e for e in events if e["kind"] == Kind.STATE_MANAGER_DIED]
     assert died["how"] == "killed by SIGKILL", died
     assert died["t"] - killed_t < 1.0, died["t"] - killed_t
     assert "the state manager died (killed by SIGKILL)" in err
     assert proc.returncode == 0, err[-3000:]
-    assert not [e for e in events if e["kind"] in ("failure_detected", "shadows_promoted")]
+    assert not [e for e in events if e["kind"] in (Kind.FAILURE_DETECTED, Kind.SHADOWS_PROMOTED)]

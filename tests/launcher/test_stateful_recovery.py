@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import (
     REPO,
     assert_exact,
@@ -132,7 +133,7 @@ def _resumed(events: list[dict]) -> list[tuple[int, int, str, bool]]:
     return [
         (e["rank"], e["step"], e["extras"], e["buffers_restored"])
         for e in events
-        if e["kind"] == "resumed"
+        if e["kind"] == Kind.RESUMED
     ]
 
 
@@ -180,14 +181,14 @@ def test_onecycle_recovers_exactly_in_place_and_from_the_checkpoint(
         ],
     )
     assert_exact(onecycle_ref.digests, events)
-    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "fault_injected"] == [
+    assert [(e["rank"], e["step"]) for e in events if e["kind"] == Kind.FAULT_INJECTED] == [
         (1, 2),
         (0, 4),
         (1, 10),
     ]
     resumed = _resumed(events)
     assert (1, 2, "begin", True) in resumed and (0, 5, "pre+replay", False) in resumed, resumed
-    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    loaded = [e for e in events if e["kind"] == Kind.CHECKPOINT_LOADED]
     # saves at 6, 8, 10 after the in-place recoveries; the one at 10 may still be in flight
     assert {e["rank"] for e in loaded} == {0, 1} and loaded[0]["step"] in (8, 10), loaded
 
@@ -229,7 +230,7 @@ def test_random_kill_schedules_recover_exactly(tmp_path: Path) -> None:
             faults = random_schedule(seed, STEPS, count=2, min_gap=4, first=2)
             events = ref.run(run_dir, faults)
             assert_exact(ref.digests, events)
-            assert len([e for e in events if e["kind"] == "fault_injected"]) == len(faults)
+            assert len([e for e in events if e["kind"] == Kind.FAULT_INJECTED]) == len(faults)
 
 
 @pytest.mark.slow

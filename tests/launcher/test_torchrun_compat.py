@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from leto.events import read_events
+from leto.events import Kind, read_events
 from tests.launcher.harness import LETO_RUN, REPO, _env
 
 DDP = str(REPO / "examples" / "plain_ddp.py")
@@ -52,8 +52,8 @@ def test_plain_ddp_group_restart_like_torchrun(tmp_path) -> None:
     assert out["attempt"] == 1
     events = read_events(tmp_path / "events.jsonl")
     kinds = [e["kind"] for e in events]
-    assert "shadows_spawned" not in kinds, "a script without the leto API must never get shadows"
-    assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 1]
+    assert Kind.SHADOWS_SPAWNED not in kinds, "a script without the leto API must never get shadows"
+    assert [e["restart"] for e in events if e["kind"] == Kind.WORKERS_STARTED] == [0, 1]
 
 
 @pytest.mark.timeout(300)
@@ -125,7 +125,7 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # steady state: actives training, shadows ready
         kinds = [e["kind"] for e in read_events(events)]
-        if kinds.count("shadow_ready") == 2 and "step_done" in kinds:
+        if kinds.count(Kind.SHADOW_READY) == 2 and Kind.STEP_DONE in kinds:
             break
         time.sleep(0.2)
     else:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from leto.events import read_events
+from leto.events import Kind, read_events
 from tests.launcher.harness import REPO
 from tests.launcher.test_torchrun_compat import _leto_run
 
@@ -36,7 +36,7 @@ def test_warm_restart_equals_cold_restart(tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[mode] = json.loads((run_dir / "out.json").read_text())
         started = [
-            e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "workers_started"
+            e for e in read_events(run_dir / "events.jsonl") if e["kind"] == Kind.WORKERS_STARTED
         ]
         assert [(e["restart"], e["warm"]) for e in started] == [(0, False), (1, mode == "warm")]
     assert results["warm"] == results["cold"]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from leto.events import read_events
+from leto.events import Kind, read_events
 from tests.launcher.test_torchrun_compat import _alive, _descendants
 from tests.multinode.harness import log_tail, start_nodes, wait_nodes
 
@@ -19,7 +19,7 @@ def _steady(tmp_path) -> list:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # steady state on both nodes: training, shadows ready
         kinds = [[e["kind"] for e in read_events(n.events)] for n in nodes]
-        if all(k.count("shadow_ready") == 2 and "step_done" in k for k in kinds):
+        if all(k.count(Kind.SHADOW_READY) == 2 and Kind.STEP_DONE in k for k in kinds):
             return nodes
         time.sleep(0.2)
     for n in nodes:

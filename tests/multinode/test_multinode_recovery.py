@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
+from leto.events import Kind
 from tests.launcher.harness import assert_exact, fault_free_digests
 from tests.multinode.harness import all_events, log_tail, start_nodes, wait_nodes
 
@@ -30,10 +31,10 @@ def test_kill_on_node1_promotes_shadows_on_every_node(tmp_path, reference, backe
     assert codes == [0, 0], log_tail(tmp_path)
     events = all_events(nodes)
     assert_exact(reference, events)
-    assert len([e for e in events if e["kind"] == "fault_injected"]) == 2
-    promoted = [e for e in events if e["kind"] == "shadows_promoted"]
+    assert len([e for e in events if e["kind"] == Kind.FAULT_INJECTED]) == 2
+    promoted = [e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]
     assert sorted((e["epoch"], e["node"]) for e in promoted) == [(1, 0), (1, 1), (2, 0), (2, 1)]
-    epochs = [e for e in events if e["kind"] == "epoch"]
+    epochs = [e for e in events if e["kind"] == Kind.EPOCH]
     assert {(e["epoch"], e["remote"]) for e in epochs} == {
         (1, False),
         (1, True),
@@ -41,7 +42,7 @@ def test_kill_on_node1_promotes_shadows_on_every_node(tmp_path, reference, backe
         (2, True),
     }
     assert all(e["action"] == "in_place" for e in epochs)
-    assert not [e for e in events if e["kind"] == "group_restart"], (
+    assert not [e for e in events if e["kind"] == Kind.GROUP_RESTART], (
         "no node may restart its workers"
     )
-    assert [e["restart"] for e in events if e["kind"] == "workers_started"] == [0, 0]
+    assert [e["restart"] for e in events if e["kind"] == Kind.WORKERS_STARTED] == [0, 0]

@@ -14,7 +14,7 @@ import pytest
 
 from leto.config import FaultSpec
 from leto.errors import ConfigError, ProtocolError
-from leto.events import EventLog, read_events
+from leto.events import EventLog, Kind, read_events
 from leto.faults import FaultInjector
 from leto.health import Heartbeat, HeartbeatBoard
 from leto.preinit import DeviceMemory, PreinitConfig, ShadowLevel, choose_level
@@ -186,7 +186,7 @@ def test_reclaim_then_relaunch_lower_then_raise_after_recovery(board, tmp_path) 
     for g in fresh:
         g.report()
     assert ctrl.choose("recovery").level == ShadowLevel.L3
-    retry = [e for e in read_events(tmp_path / "ev.jsonl") if e["kind"] == "oom_retry"]
+    retry = [e for e in read_events(tmp_path / "ev.jsonl") if e["kind"] == Kind.OOM_RETRY]
     assert [(e["rank"], e["step"], e["reclaimed_level"]) for e in retry] == [(1, 7, 3)]
 
 
@@ -281,12 +281,12 @@ def test_dashboard_line_shows_level_reason_and_reclaims() -> None:
     events = [
         {
             "t": 1.0,
-            "kind": "shadow_level",
+            "kind": Kind.SHADOW_LEVEL.value,
             "level": 3,
             "reason": "configured",
             "headroom_bytes": None,
         },
-        {"t": 2.0, "kind": "shadow_reclaimed", "level": 3},
+        {"t": 2.0, "kind": Kind.SHADOW_RECLAIMED.value, "level": 3},
     ]
     assert summary.shadow_line(events) == (
         "shadows L3 (configured) · reclaims 1 · none now: relaunched once the retried step reports its memory"
@@ -294,7 +294,7 @@ def test_dashboard_line_shows_level_reason_and_reclaims() -> None:
     events.append(
         {
             "t": 3.0,
-            "kind": "shadow_level",
+            "kind": Kind.SHADOW_LEVEL.value,
             "level": 1,
             "reason": "oom",
             "headroom_bytes": GIB // 2,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from leto import contract
-from leto.events import EventLog, read_events
+from leto.events import EventLog, Kind, read_events
 from leto.health import Heartbeat, HeartbeatBoard
 from leto.preinit import PreinitConfig, board
 from leto.preinit.model_warmup import ModelWarmupConfig, warm_model
@@ -75,7 +75,7 @@ class _Work:
 
 
 def _warmed(tmp_path) -> list[dict]:
-    return [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "model_warmed"]
+    return [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == Kind.MODEL_WARMED]
 
 
 def test_an_l3_shadow_warms_up_once_the_active_reported(tmp_path):
