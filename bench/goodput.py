@@ -300,6 +300,11 @@ class Job:
         wall, delivered, rc, tail = launch(cmd, env, tmp, kills, finder, events, limit_s)
         if self.ckpt_dir is not None:
             shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+        if self.args.keep:
+            Path(self.args.keep).mkdir(parents=True, exist_ok=True)
+            for f in (events, tmp / f"{events.stem}.log"):
+                if f.exists():
+                    shutil.copy(f, Path(self.args.keep) / f.name)
         evs = read_events(events) if events.exists() else []
         done = [
             e
@@ -316,6 +321,7 @@ class Job:
             "iter_s": statistics.median(e["iter_s"] for e in done) if done else None,
             "save_s": [e["save_s"] for e in evs if e["kind"] == "digest" and e["rank"] == 0],
             "recoveries": sum(e["kind"] == "recovery_done" for e in evs),
+            "recovery_s": [e["total_s"] for e in evs if e["kind"] == "recovery_done"],
             "restarts": max((e.get("attempt", 0) or 0 for e in done), default=0)
             if self.key != "leto"
             else next((e["restarts"] for e in evs if e["kind"] == "job_finished"), 0),
@@ -398,6 +404,7 @@ def main() -> None:
     p.add_argument("--shm-dir", default="/dev/shm", help="where the async baseline writes")
     p.add_argument("--calib-steps", type=int, default=120)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--keep", metavar="DIR", help="copy every run's events file and log here")
     args = p.parse_args()
     if args.steps < 1 or args.mtbf_s <= 0:
         p.exit(2, f"{p.prog}: error: --steps must be >= 1 and --mtbf-s > 0\n")
@@ -493,6 +500,8 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
             "recomputed_steps": fail["recomputed_steps"],
             "interval_steps": jobs[key].every or None,
             "iteration_s": ff["iter_s"],
+            "iteration_with_failures_s": fail["iter_s"],
+            "recovery_s": fail["recovery_s"],
             "recoveries": fail["recoveries"],
             "restarts": fail["restarts"],
             "kills": fail["kills"],
@@ -500,7 +509,13 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
         }
         print(
             f"  {NAMES[key]}: fault-free {ff['wall_s']:.1f} s, with failures {fail['wall_s']:.1f} s "
-            f"({len(fail['kills'])} kills)",
+            f"({len(fail['kills'])} kills); median iteration {(ff['iter_s'] or 0) * 1e3:.1f} / "
+            f"{(fail['iter_s'] or 0) * 1e3:.1f} ms"
+            + (
+                f"; recoveries (s): {', '.join(f'{x:.2f}' for x in fail['recovery_s'] if x)}"
+                if fail["recovery_s"]
+                else ""
+            ),
             flush=True,
         )
     print()

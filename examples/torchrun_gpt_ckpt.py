@@ -107,6 +107,13 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--kill-at-step", type=int, default=-1)
     p.add_argument(
+        "--allreduce",
+        choices=("flat", "per-param"),
+        default="flat",
+        help="gradients all-reduced in one flattened call (as DDP's bucket; leto all-reduces "
+        "its one gradient region) or one call per parameter",
+    )
+    p.add_argument(
         "--ckpt-async",
         action="store_true",
         help="dcp.async_save (staged, written in the background) instead of dcp.save",
@@ -213,7 +220,16 @@ def main() -> None:
             events.emit(Kind.FAULT_INJECTED, rank=rank, step=step, phase="backward")
             os.kill(os.getpid(), signal.SIGKILL)
         phases.mark("compute")
-        if world > 1:
+        if world > 1 and args.allreduce == "flat":  # one call, as DDP's bucket would
+            grads = [prm.grad for prm in model.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat.div_(world)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        elif world > 1:
             for prm in model.parameters():
                 dist.all_reduce(prm.grad)
                 prm.grad.div_(world)
