@@ -60,10 +60,39 @@ def leto(args: argparse.Namespace, model: list[str], cwd: Path) -> list[dict]:
         step = every * (k + 1)
         cmd += ["--inject-fault", f"rank=0,step={step},phase={phase},shadow_ready_steps_before=1"]
     cmd += [SCRIPT, "--steps", str(args.steps), *model]
-    proc = subprocess.run(cmd, env=_env(), cwd=cwd, capture_output=True, text=True, check=False)
+    env = _env(LETO_PHASE_TIMES="1") if args.phase_times else _env()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"fsdp2_gpu: leto-run failed:\n{proc.stderr[-4000:]}")
     return read_events(events)
+
+
+def print_first_steps(events: list[dict]) -> None:
+    """Rank 0's phases: the first full step after each resume, and the median step."""
+    timed, firsts, after_resume = [], [], False
+    for e in events:
+        if e["kind"] == Kind.RESUMED and e.get("rank") == 0:
+            after_resume = True
+        elif (
+            e["kind"] == Kind.STEP_DONE
+            and e.get("rank") == 0
+            and "phases_s" in e
+            and not e.get("finished_in_recovery")
+        ):
+            timed.append(e)
+            if after_resume:
+                firsts.append(e)
+                after_resume = False
+    steady = timed[5:]
+    phases = {k: statistics.median(e["phases_s"][k] for e in steady) for k in steady[0]["phases_s"]}
+
+    def show(name: str, phases: dict[str, float], total: float) -> None:
+        items = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items())
+        print(f"{name}: {total * 1e3:.1f} ms ({items})")
+
+    show("steady (median)", phases, statistics.median(e["iter_s"] for e in steady))
+    for e in firsts:
+        show(f"first step after promotion, step {e['step']}", e["phases_s"], e["iter_s"])
 
 
 def main() -> None:
@@ -72,6 +101,12 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument(
+        "--phase-times",
+        action="store_true",
+        help="synchronised phases per step (LETO_PHASE_TIMES=1): the first step after each "
+        "promotion against the steady median",
+    )
     args = p.parse_args()
     model = SMALL if args.small else MODEL
     with tempfile.TemporaryDirectory() as d:
@@ -92,6 +127,8 @@ def main() -> None:
     totals = [e["total_s"] for e in recoveries]
     if totals:
         print(f"recovery median: {statistics.median(totals) * 1e3:.0f} ms over {len(totals)} kills")
+    if args.phase_times:
+        print_first_steps(events)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
