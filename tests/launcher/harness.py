@@ -140,6 +140,13 @@ def assert_recovered(
     assert_exact(reference, events)
 
 
+def resume_steps(faults: list[FaultSpec]) -> list[int]:
+    """The steps every rank resumes at after ``faults``, each recovered in place (the
+    ``resumed_at`` of :func:`assert_recovered`): a kill before the update (forward,
+    backward, sync) re-runs its step, one inside the update finishes it."""
+    return sorted({f.step + (f.phase == "update") for f in faults})
+
+
 def random_schedule(
     seed: int, steps: int, count: int, min_gap: int, first: int = 4
 ) -> list[FaultSpec]:
