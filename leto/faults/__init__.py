@@ -5,6 +5,8 @@ every trainer through ``LETO_FAULTS`` (JSON). Each fault fires once per job: bef
 SIGKILL the trainer records it in the rendezvous store, so the re-run of the interrupted
 step on the promoted trainer does not fire it again. ``injected`` counts what this process
 fired (it is always 0 after a kill, so tests count ``fault_injected`` events instead).
+Tests that drive a trainer or an updater in process schedule kills with
+:meth:`FaultInjector.fail_at` and make :attr:`FaultInjector.stop` raise.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class FaultInjector:
         """Kills this rank's ready shadow, returns once the agent retracted it (``kind: kill_shadow``)."""
         self.drop_region: Callable[[str], None] = self._drop_region
         """Drops a retained region of this rank from the state manager (``drop_region``)."""
+        self.stop: Callable[[FaultSpec], None] = _signal_self
+        """Ends this process once a fault fired: SIGKILL (SIGSTOP for ``kind: hang``). A test
+        that drives a trainer or an updater in process raises instead: what the fault
+        interrupted stays as a kill would leave it."""
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog, claim: Callable[[int], bool]) -> FaultInjector:
@@ -85,7 +91,10 @@ class FaultInjector:
         point: str | None = None,
         chunk: int | None = None,
     ) -> FaultInjector:
-        """Chainable: add a fault (tests that drive a trainer in-process)."""
+        """Chainable: schedule a kill of ``rank`` at ``step``'s ``phase`` as a
+        :class:`~leto.config.FaultSpec` would (``point``, ``chunk``: where inside the update;
+        chunk None: the first one reached), for tests that drive a trainer or an updater in
+        process; they set :attr:`step` as the trainer does and :attr:`stop` to raise."""
         if rank == self.rank:
             spec = FaultSpec(rank=rank, step=step, phase=phase, point=point, chunk=chunk)  # type: ignore[arg-type]
             self._mine.append((len(self._mine) + 1000, spec))
@@ -147,7 +156,7 @@ class FaultInjector:
                     self.break_device()
                 if fault.drop_region is not None:
                     self.drop_region(fault.drop_region)
-                os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+                self.stop(fault)
 
     def _drop_region(self, name: str) -> None:
         pool = PoolClient(os.environ[ENV_POOL_SOCKET])
@@ -177,7 +186,7 @@ class FaultInjector:
                     chunk=None,
                     fault_kind=fault.kind,
                 )
-                os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+                self.stop(fault)
 
     def shadow_launched(self) -> None:
         """Called by a shadow during its pre-initialisation: a ``kind: shadow_crash`` fault of
@@ -195,7 +204,7 @@ class FaultInjector:
                     chunk=None,
                     fault_kind=fault.kind,
                 )
-                os.kill(os.getpid(), signal.SIGKILL)
+                self.stop(fault)  # kind shadow_crash: SIGKILL
 
     def _raise_oom(self, fault: FaultSpec) -> None:
         import torch
@@ -209,6 +218,10 @@ class FaultInjector:
     @property
     def pending(self) -> bool:
         return bool(self._mine)
+
+
+def _signal_self(fault: FaultSpec) -> None:
+    os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
 
 
 def erase_pages(

@@ -11,7 +11,7 @@ import torch
 
 from leto.erasure import ErasureConfig
 from leto.trainer.marker import Phase
-from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_flush import assert_parity_is_fresh
 from tests.updater.test_rmu import _step
 
@@ -28,26 +28,26 @@ def _rig() -> Rig:
 
 def test_gpu_flush_parity_equals_a_full_reencode() -> None:
     rig = _rig()
-    assert rig.protected.groups[0]._on_device() and len(rig.updater(KillAt()).chunks) >= 3
+    assert rig.protected.groups[0]._on_device() and len(rig.updater(no_faults()).chunks) >= 3
     for s in range(3):
-        _step(rig, s, KillAt())
+        _step(rig, s, no_faults())
         assert_parity_is_fresh(rig)
 
 
 def test_gpu_kill_in_the_flush_with_torn_tiers_and_lost_pages_finishes_exactly() -> None:
     ref = _rig()
     for s in range(3):
-        _step(ref, s, KillAt())
+        _step(ref, s, no_faults())
     rig = _rig()
-    _step(rig, 0, KillAt())
+    _step(rig, 0, no_faults())
     with pytest.raises(Killed):
-        _step(rig, 1, KillAt("flush"))
+        _step(rig, 1, kill_at(1, "flush"))
     torch.cuda.synchronize()  # the dead process's queued copies are gone with it; here they land
     assert rig.marker.phase == Phase.FLUSHING
     for g in rig.protected.groups:
         g.tier1[: g.tier1.numel() // 3].fill_(0x5A)
         g.tier2.fill_(0xA5)
-    updater = rig.updater(KillAt())
+    updater = rig.updater(no_faults())
     updater.prepare()
     lost = rig.erase_pages(ERASURE.tier1_parity, seed=1)
     d = ERASURE.data_pages
@@ -61,7 +61,7 @@ def test_gpu_kill_in_the_flush_with_torn_tiers_and_lost_pages_finishes_exactly()
         assert not g.rebuild(
             [p - i * d for p in lost if i * d <= p < (i + 1) * d], [1]
         ).tier2_reencoded
-    _step(rig, 2, KillAt())
+    _step(rig, 2, no_faults())
     assert torch.equal(rig.state, ref.state)
     for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
         assert torch.equal(g.tier1, r.tier1) and torch.equal(g.tier2, r.tier2)

@@ -22,7 +22,7 @@ from triton.backends.compiler import BaseBackend
 import leto.erasure.group as erasure_group
 from leto.erasure import ErasureConfig
 from leto.preinit import warmup
-from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_rmu import _step
 from triton_kernels import adamw_rmu, gf16_mac, gf16_syndrome
 
@@ -117,10 +117,10 @@ def _real_launches(rig: Rig) -> None:
     middle of an update and its resume over rebuilt pages, and rebuilds of every count of
     lost data / tier-1 / tier-2 pages at random positions (real groups, 4 KiB pages)."""
     for s in range(2):
-        _step(rig, s, KillAt())
+        _step(rig, s, no_faults())
     with pytest.raises(Killed):
-        _step(rig, 2, KillAt("parity", 1))
-    up = rig.updater(KillAt())
+        _step(rig, 2, kill_at(2, "parity", 1))
+    up = rig.updater(no_faults())
     up.prepare()
     for g in up.working_groups():
         g.rebuild(random.Random(2).sample(range(g.num_pages), min(2, g.num_pages)))
@@ -165,7 +165,7 @@ def test_warm_up_launches_every_specialisation_a_recovery_launches(
 
 def test_warm_up_touches_no_retained_memory() -> None:
     rig = _rig()
-    _step(rig, 0, KillAt())
+    _step(rig, 0, no_faults())
     buffers = [rig.state, rig.grads, rig.undo, rig.parity, rig.marker_mem]
     buffers += [t for g in rig.protected.groups for t in (g.tier1, g.tier2)]
     before = [b.clone() for b in buffers]

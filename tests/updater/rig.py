@@ -14,7 +14,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from leto.config import FaultSpec
 from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
+from leto.events import EventLog
+from leto.faults import FaultInjector
 from leto.trainer.layout import Layout
 from leto.trainer.marker import MARKER_BYTES, Marker, Phase
 from leto.trainer.optim_state import StateSlots
@@ -25,31 +28,24 @@ class Killed(Exception):
     """Raised at a fault point instead of SIGKILL."""
 
 
-class KillAt:
-    """Duck-typed FaultInjector: raises at one (point, chunk) of one step, once."""
+def _raise(fault: FaultSpec) -> None:
+    raise Killed(f"{fault.point} {fault.chunk}")
 
-    def __init__(
-        self, point: str | None = None, chunk: int | None = None, *, legacy: bool = False
-    ) -> None:
-        self.target, self.chunk, self.legacy = point, chunk, legacy
-        self.fired = 0
-        self.seen: list[tuple[str | None, int | None]] = []
 
-    def point(
-        self, phase: str, *, at: str | None = None, chunk: int | None = None, on_fire=None
-    ) -> None:
-        self.seen.append((at, chunk))
-        hit = (self.legacy and at is None) or (
-            not self.legacy
-            and at is not None
-            and at == self.target
-            and (self.chunk is None or chunk == self.chunk)
-        )
-        if hit and not self.fired:
-            self.fired += 1
-            if on_fire is not None:
-                on_fire()
-            raise Killed(f"{at} {chunk}")
+def no_faults() -> FaultInjector:
+    """The shipped injector of rank 0, in process: nothing scheduled, a kill raises
+    :class:`Killed` (see :func:`kill_at`)."""
+    injector = FaultInjector(0, [], EventLog(None, "rig"), claim=lambda _i: True)
+    injector.stop = _raise
+    return injector
+
+
+def kill_at(step: int, point: str | None = None, chunk: int | None = None) -> FaultInjector:
+    """A kill inside step ``step``'s update at ``point`` (None: the plain update point, after
+    the last chunk), in chunk ``chunk`` (None: the first one reached); it raises
+    :class:`Killed`. The step runs through a helper that sets ``injector.step``, as the
+    trainer does."""
+    return no_faults().fail_at(0, step, "update", point=point, chunk=chunk)
 
 
 def model(seed: int = 0, dim: int = 24) -> nn.Module:
@@ -155,7 +151,7 @@ class Rig:
     def marker(self) -> Marker:
         return Marker(self.marker_mem)
 
-    def updater(self, injector: object) -> ResumableUpdater:
+    def updater(self, injector: FaultInjector) -> ResumableUpdater:
         return ResumableUpdater(
             layout=self.layout,
             state=self.state,

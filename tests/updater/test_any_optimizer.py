@@ -21,7 +21,7 @@ from leto.trainer.marker import Phase
 from leto.trainer.optim_state import PRESENT, StateSlots, optimizer_state
 from leto.updater.plan import plan_chunks
 from leto.updater.rmu import buffer_bytes
-from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_rmu import CHUNK, ERASURE, LRS, _clip, _points, _recover, _step
 
 Factory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -142,9 +142,9 @@ def test_chunked_update_equals_the_optimizers_own_step(name: str) -> None:
     give torch's bytes for every parameter and every state tensor; parity stays current."""
     rig = _build(name)
     assert rig.layout.rule.kind == "torch"
-    assert len(rig.updater(KillAt()).chunks) >= 3
+    assert len(rig.updater(no_faults()).chunks) >= 3
     for step in range(3):
-        _step(rig, step, KillAt())
+        _step(rig, step, no_faults())
     params, opt = _torch_reference(name, 3)
     for i, (p, slot, oslots) in enumerate(
         zip(params, rig.layout.params, rig.layout.optim, strict=True)
@@ -167,7 +167,7 @@ def test_chunked_update_equals_the_optimizers_own_step(name: str) -> None:
 def _reference(name: str, erasure: ErasureConfig | None) -> Rig:
     rig = _build(name, erasure)
     for s in range(3):
-        _step(rig, s, KillAt())
+        _step(rig, s, no_faults())
     return rig
 
 
@@ -181,18 +181,18 @@ def test_every_kill_point_finishes_exactly(name: str, kill_step: int) -> None:
     equal the fault-free run. The first step is where torch creates lazily initialised state
     (the PRESENT byte is in the undo copy)."""
     ref = _reference(name, ERASURE)
-    n_chunks = len(ref.updater(KillAt()).chunks)
+    n_chunks = len(ref.updater(no_faults()).chunks)
     actions = set()
     for point, chunk in _points(n_chunks):
         rig = _build(name)
         for s in range(kill_step):
-            _step(rig, s, KillAt())
+            _step(rig, s, no_faults())
         with pytest.raises(Killed):
-            _step(rig, kill_step, KillAt(point, chunk, legacy=point is None))
+            _step(rig, kill_step, kill_at(kill_step, point, chunk))
         actions.add(_recover(rig, kill_step, erase_per_group=ERASURE.tier1_parity))
         assert rig.marker.step == kill_step + 1 and rig.marker.phase == Phase.IDLE
         for s in range(kill_step + 1, 3):
-            _step(rig, s, KillAt())
+            _step(rig, s, no_faults())
         assert torch.equal(rig.state, ref.state), (
             f"{name}: diverged after a kill at {point} {chunk}"
         )
@@ -203,13 +203,13 @@ def test_every_kill_point_finishes_exactly(name: str, kill_step: int) -> None:
 
 def test_a_kill_mid_chunk_without_erasure_finishes_exactly() -> None:
     ref = _reference("sgd-dampening", None)
-    for chunk in range(len(ref.updater(KillAt()).chunks)):
+    for chunk in range(len(ref.updater(no_faults()).chunks)):
         rig = _build("sgd-dampening", None)
         with pytest.raises(Killed):
-            _step(rig, 0, KillAt("optimizer", chunk))
+            _step(rig, 0, kill_at(0, "optimizer", chunk))
         assert _recover(rig, 0, erase_per_group=0) == "restore+finish"
         for s in (1, 2):
-            _step(rig, s, KillAt())
+            _step(rig, s, no_faults())
         assert torch.equal(rig.state, ref.state)
 
 
@@ -219,15 +219,15 @@ def test_without_the_present_byte_a_restored_first_step_diverges() -> None:
     ref = _reference("sgd-dampening", None)
     rig = _build("sgd-dampening", None)
     with pytest.raises(Killed):
-        _step(rig, 0, KillAt("optimizer", 0))
-    up = rig.updater(KillAt())
+        _step(rig, 0, kill_at(0, "optimizer", 0))
+    up = rig.updater(no_faults())
     up.prepare()
     flag = rig.layout.optim[0][PRESENT].view(rig.state)
     assert int(flag) == 0, "the undo copy restores the byte"
     flag.fill_(1)
     up.resume(0)
     for s in (1, 2):
-        _step(rig, s, KillAt())
+        _step(rig, s, no_faults())
     assert not torch.equal(rig.state, ref.state)
 
 
@@ -264,16 +264,16 @@ def test_state_the_optimizer_holds_at_retain_is_kept_and_checked() -> None:
         for g in ref_opt.param_groups:
             g["lr"] = LRS[step]
         ref_opt.step()
-        _step(plain, step, KillAt())
+        _step(plain, step, no_faults())
     for p, slot, oslots in zip(ref_params, plain.layout.params, plain.layout.optim, strict=True):
         assert torch.equal(_bits(slot.view(plain.state)), _bits(p))
         assert float(oslots["step"].view(plain.state)) == 3.0
         for key, t in ref_opt.state[p].items():
             assert torch.equal(_bits(oslots[key].view(plain.state)), _bits(t)), key
     with pytest.raises(Killed):
-        _step(killed, 0, KillAt("optimizer", 1))
+        _step(killed, 0, kill_at(0, "optimizer", 1))
     assert _recover(killed, 0, erase_per_group=ERASURE.tier1_parity) == "restore+finish"
-    _step(killed, 1, KillAt())
+    _step(killed, 1, no_faults())
     assert torch.equal(killed.state, plain.state)
 
 
@@ -282,10 +282,10 @@ def test_retained_state_that_contradicts_the_marker_refuses_the_resume(corrupt: 
     """What a rebuild from lagging parity would leave: a step counter off by one against the
     chunks the marker says committed, or a PRESENT byte that is neither 0 nor 1."""
     rig = _build("nadam", None)
-    _step(rig, 0, KillAt())
+    _step(rig, 0, no_faults())
     with pytest.raises(Killed):
-        _step(rig, 1, KillAt("boundary", 2))  # chunks 0 and 1 committed
-    first = rig.updater(KillAt()).chunks[0].pieces[0].param
+        _step(rig, 1, kill_at(1, "boundary", 2))  # chunks 0 and 1 committed
+    first = rig.updater(no_faults()).chunks[0].pieces[0].param
     key, value = ("step", 1.0) if corrupt == "counter" else (PRESENT, 3)
     rig.layout.optim[first][key].view(rig.state).fill_(value)
     with pytest.raises(UnrecoverableStateError, match="contradict the update marker"):
@@ -327,15 +327,15 @@ class _Snapshot:
 @pytest.mark.parametrize("name", ["sgd-dampening", "nadam", "adagrad", "muon"])
 def test_snapshot_path_equals_the_optimizers_own_step_and_recovers(name: str) -> None:
     params, opt = _torch_reference(name, 3)
-    for kill_at in (None, 0, 1):
+    for killed_step in (None, 0, 1):
         snap = _Snapshot(name)
         for s in range(3):
-            snap.step(s, kill=s == kill_at)
+            snap.step(s, kill=s == killed_step)
         for p, slot, oslots in zip(
             params, snap.rig.layout.params, snap.rig.layout.optim, strict=True
         ):
             assert torch.equal(_bits(slot.view(snap.rig.state)), _bits(p)), (
-                f"{name}, kill at {kill_at}"
+                f"{name}, kill at {killed_step}"
             )
             for key, t in opt.state[p].items():
                 assert torch.equal(_bits(oslots[key].view(snap.rig.state)), _bits(t)), (
@@ -415,4 +415,4 @@ def test_adam_amsgrad_is_planned_at_retain_and_the_fused_kernel_is_adamw_only() 
     )
     with pytest.raises(ConfigError, match="rmu_fused"):
         rig.fused = True
-        rig.updater(KillAt())
+        rig.updater(no_faults())

@@ -10,7 +10,7 @@ import torch
 
 from leto.erasure import ErasureConfig, ProtectionGroup
 from leto.trainer.marker import Phase
-from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_rmu import CHUNK, ERASURE, _reference, _step
 
 TWO_T2 = ErasureConfig(page_bytes=4096, data_pages=8, tier1_parity=4, tier2_parity=2)
@@ -52,7 +52,7 @@ def test_host_parity_after_updates_equals_a_full_reencode(
     for s in range(3):
         with monkeypatch.context() as patch:
             patch.setattr(ProtectionGroup, "encode_tier2", host_encode)
-            _step(rig, s, KillAt())
+            _step(rig, s, no_faults())
         assert_parity_is_fresh(rig)
     assert rig.marker.step == 3 and rig.marker.phase == Phase.IDLE
 
@@ -65,7 +65,7 @@ def test_triton_flush_equals_the_torch_flush() -> None:
         "TRITON_INTERPRET=1 is set by tests/updater/conftest.py"
     )
     for s in range(2):
-        _step(rig, s, KillAt())
+        _step(rig, s, no_faults())
     assert torch.equal(rig.state, ref.state)
     for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
         assert torch.equal(g.tier1, r.tier1) and torch.equal(g.tier2, r.tier2)
@@ -81,9 +81,9 @@ def test_kill_in_the_flush_torn_host_tiers_lost_pages_then_tier2_rebuild(torn: s
     cfg = TWO_T2
     ref = _reference(cfg, steps=3)
     rig = Rig.build(model(), erasure=cfg, chunk_bytes=CHUNK)
-    _step(rig, 0, KillAt())
+    _step(rig, 0, no_faults())
     with pytest.raises(Killed):
-        _step(rig, 1, KillAt("flush"))
+        _step(rig, 1, kill_at(1, "flush"))
     assert rig.marker.phase == Phase.FLUSHING
     gen = torch.Generator().manual_seed(3)
     for g in rig.protected.groups:
@@ -94,7 +94,7 @@ def test_kill_in_the_flush_torn_host_tiers_lost_pages_then_tier2_rebuild(torn: s
         if "tier2" in torn:
             g.tier2.copy_(torch.randint(0, 256, g.tier2.shape, dtype=torch.uint8, generator=gen))
     # the promoted trainer: prepare, lose pages, rebuild data from the working parity, resume
-    updater = rig.updater(KillAt())
+    updater = rig.updater(no_faults())
     updater.prepare()
     lost = rig.erase_pages(cfg.tier1_parity, seed=1)
     for g in rig.protected.groups:
@@ -113,7 +113,7 @@ def test_kill_in_the_flush_torn_host_tiers_lost_pages_then_tier2_rebuild(torn: s
         report = g.rebuild([p - i * d for p in lost if i * d <= p < (i + 1) * d], [2])
         assert not report.tier2_reencoded, "the tier-1 page came from tier 2"
     assert_parity_is_fresh(rig)
-    _step(rig, 2, KillAt())
+    _step(rig, 2, no_faults())
     assert torch.equal(rig.state, ref.state)
     for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
         assert torch.equal(g.tier1, r.tier1) and torch.equal(g.tier2, r.tier2)
@@ -123,12 +123,12 @@ def test_flush_kill_with_tier2_staged_outside_the_working_parity() -> None:
     """H2 > H1: tier 2 is staged in a temporary buffer; the flush kill still recovers."""
     ref = _reference(T2_WIDER, steps=3)
     rig = Rig.build(model(), erasure=T2_WIDER, chunk_bytes=CHUNK)
-    _step(rig, 0, KillAt())
+    _step(rig, 0, no_faults())
     with pytest.raises(Killed):
-        _step(rig, 1, KillAt("flush"))
-    updater = rig.updater(KillAt())
+        _step(rig, 1, kill_at(1, "flush"))
+    updater = rig.updater(no_faults())
     updater.prepare()
     assert updater.resume(1) == "flush"
-    _step(rig, 2, KillAt())
+    _step(rig, 2, no_faults())
     assert torch.equal(rig.state, ref.state)
     assert_parity_is_fresh(rig)

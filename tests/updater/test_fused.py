@@ -12,7 +12,7 @@ from leto.erasure import ErasureConfig
 from leto.errors import ConfigError
 from leto.trainer.marker import Phase
 from leto.updater.fused import BLOCK, fused_token, resolve_fused
-from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_rmu import CHUNK, ERASURE, _step, sweep_kill_points
 
 WIDE = 16384
@@ -30,7 +30,7 @@ def _run(
 ) -> Rig:
     rig = Rig.build(model(dim=dim), erasure=erasure, chunk_bytes=chunk, fused=fused)
     for s in range(steps):
-        _step(rig, s, KillAt())
+        _step(rig, s, no_faults())
     return rig
 
 
@@ -74,17 +74,17 @@ def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
     """Kill inside chunk ``chunk``'s kernel (half its blocks done, one torn): prepare()
     puts back exactly the bytes of before the chunk."""
     rig = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
-    _step(rig, 0, KillAt())
-    n_chunks = len(rig.updater(KillAt()).chunks)
+    _step(rig, 0, no_faults())
+    n_chunks = len(rig.updater(no_faults()).chunks)
     assert n_chunks > chunk
     # the state just before chunk `chunk` of step 1: a fault-free run killed at its boundary
     before = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
-    _step(before, 0, KillAt())
+    _step(before, 0, no_faults())
     with pytest.raises(Killed):
-        _step(before, 1, KillAt("boundary", chunk))
+        _step(before, 1, kill_at(1, "boundary", chunk))
     with pytest.raises(Killed):
-        _step(rig, 1, KillAt("optimizer", chunk))
-    up = rig.updater(KillAt())
+        _step(rig, 1, kill_at(1, "optimizer", chunk))
+    up = rig.updater(no_faults())
     assert rig.marker.phase == Phase.CHUNK_SAVED and rig.marker.chunk == chunk
     plan = up.fused.plans[chunk]
     flags = up.fused.flags[: plan.blocks]
@@ -98,7 +98,7 @@ def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
 @pytest.mark.parametrize("erasure", [ERASURE, None], ids=["parity", "no-erasure"])
 def test_every_kill_point_of_a_fused_update_finishes_exactly(erasure: ErasureConfig | None) -> None:
     ref = _run(True, erasure, chunk=WIDE, dim=DIM)
-    n_chunks = len(ref.updater(KillAt()).chunks)
+    n_chunks = len(ref.updater(no_faults()).chunks)
     assert n_chunks >= 3 and WIDE // 4 > BLOCK
     sweep_kill_points(
         ref,

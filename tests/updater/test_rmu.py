@@ -11,9 +11,10 @@ import torch
 
 from leto.erasure import ErasureConfig
 from leto.errors import InvalidTransitionError
+from leto.faults import FaultInjector
 from leto.trainer.marker import MARKER_BYTES, Marker, Phase, pack
 from leto.updater.rmu import WORKING_PHASES
-from tests.updater.rig import KillAt, Killed, Rig, model
+from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 
 ERASURE = ErasureConfig(page_bytes=4096, data_pages=8, tier1_parity=4, tier2_parity=1)
 CHUNK = 4096  # bytes of parameters per chunk: the rig's model makes 4 chunks
@@ -31,16 +32,17 @@ def _clip(rig: Rig, max_norm: float = 1.0) -> None:
     torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
-def _step(rig: Rig, step: int, injector: object) -> None:
+def _step(rig: Rig, step: int, injector: FaultInjector) -> None:
     rig.set_grads(seed=100 + step)
     _clip(rig)
     rig.grads_ready(LRS[step])
+    injector.step = step  # as the trainer does at the start of each step
     rig.updater(injector).run(step)
 
 
 def _recover(rig: Rig, step: int, erase_per_group: int) -> str:
     """What a promoted trainer does: prepare, lose pages, rebuild, resume."""
-    updater = rig.updater(KillAt())
+    updater = rig.updater(no_faults())
     phase = rig.marker.phase
     updater.prepare()
     if rig.protected is not None and erase_per_group:
@@ -55,7 +57,7 @@ def _recover(rig: Rig, step: int, erase_per_group: int) -> str:
 def _reference(erasure: ErasureConfig | None, steps: int = 3) -> Rig:
     rig = Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK)
     for s in range(steps):
-        _step(rig, s, KillAt())
+        _step(rig, s, no_faults())
     return rig
 
 
@@ -70,7 +72,7 @@ def test_chunked_adamw_equals_torch(foreach: bool, kind: str) -> None:
     rig = Rig.build(net, erasure=ERASURE, chunk_bytes=CHUNK)
     if kind == "adam_l2":
         rig.opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=0.1)
-    assert len(rig.updater(KillAt()).chunks) >= 3
+    assert len(rig.updater(no_faults()).chunks) >= 3
     for step in range(3):
         rig.set_grads(seed=step)
         for p, slot in zip(ref.parameters(), rig.layout.grads, strict=True):
@@ -81,7 +83,7 @@ def test_chunked_adamw_equals_torch(foreach: bool, kind: str) -> None:
         ref_opt.step()
         _clip(rig)
         rig.grads_ready(LRS[step])
-        rig.updater(KillAt()).run(step)
+        rig.updater(no_faults()).run(step)
     exact = foreach  # same foreach kernels: bit-equal; the for-loop path: float rounding
     tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-7}
     for p, slot, oslots in zip(ref.parameters(), rig.layout.params, rig.layout.optim, strict=True):
@@ -128,7 +130,7 @@ def _points(n_chunks: int) -> list[tuple[str | None, int | None]]:
 @pytest.mark.parametrize("erasure", [ERASURE, None], ids=["parity", "no-erasure"])
 def test_every_kill_point_with_lost_pages_finishes_exactly(erasure: ErasureConfig | None) -> None:
     ref = _reference(erasure)
-    n_chunks = len(ref.updater(KillAt()).chunks)
+    n_chunks = len(ref.updater(no_faults()).chunks)
     assert n_chunks >= 3
     sweep_kill_points(
         ref, n_chunks, erasure, lambda: Rig.build(model(), erasure=erasure, chunk_bytes=CHUNK)
@@ -145,12 +147,12 @@ def sweep_kill_points(
         if erasure is None and point in ("parity", "flush"):
             continue
         rig = build()
-        _step(rig, 0, KillAt())
+        _step(rig, 0, no_faults())
         with pytest.raises(Killed):
-            _step(rig, 1, KillAt(point, chunk, legacy=point is None))
+            _step(rig, 1, kill_at(1, point, chunk))
         actions.add(_recover(rig, 1, erase_per_group=ERASURE.tier1_parity if erasure else 0))
         assert rig.marker.step == 2 and rig.marker.phase == Phase.IDLE
-        _step(rig, 2, KillAt())
+        _step(rig, 2, no_faults())
         assert torch.equal(rig.state, ref.state), f"diverged after a kill at {point} {chunk}"
         if erasure is not None:
             for g, r in zip(rig.protected.groups, ref.protected.groups, strict=True):
@@ -162,13 +164,13 @@ def test_kill_during_the_parity_load_reruns_from_grads_ready() -> None:
     """A kill before PARITY_LOADED: host parity still matches M_t; the update starts over."""
     ref = _reference(ERASURE)
     rig = Rig.build(model(), erasure=ERASURE, chunk_bytes=CHUNK)
-    _step(rig, 0, KillAt())
+    _step(rig, 0, no_faults())
     rig.set_grads(seed=101)
     _clip(rig)
     rig.grads_ready(LRS[1])
     rig.parity.random_(0, 255)  # torn load
     assert _recover(rig, 1, erase_per_group=4) == "finish"
-    _step(rig, 2, KillAt())
+    _step(rig, 2, no_faults())
     assert torch.equal(rig.state, ref.state)
 
 
@@ -178,14 +180,14 @@ def test_without_incremental_parity_a_mid_update_rebuild_is_wrong() -> None:
     ref = _reference(ERASURE)
     fault_free = Rig.build(model(), erasure=ERASURE, chunk_bytes=CHUNK, incremental=False)
     for s in range(3):
-        _step(fault_free, s, KillAt())
+        _step(fault_free, s, no_faults())
     assert torch.equal(fault_free.state, ref.state), "without faults the data path is the same"
     rig = Rig.build(model(), erasure=ERASURE, chunk_bytes=CHUNK, incremental=False)
-    _step(rig, 0, KillAt())
+    _step(rig, 0, no_faults())
     with pytest.raises(Killed):
-        _step(rig, 1, KillAt("optimizer", 2))
+        _step(rig, 1, kill_at(1, "optimizer", 2))
     _recover(rig, 1, erase_per_group=ERASURE.tier1_parity)
-    _step(rig, 2, KillAt())
+    _step(rig, 2, no_faults())
     assert not torch.equal(rig.state, ref.state)
 
 
@@ -245,5 +247,5 @@ def test_working_parity_invariants_hold_at_every_chunk_boundary(shape: str) -> N
         assert check.checked == len(up.chunks) and check.stale_seen > 0
     ref = Rig.build(model(dim=24 if shape == "rig" else 48), erasure=erasure, chunk_bytes=CHUNK)
     for step in range(2):
-        _step(ref, step, KillAt())
+        _step(ref, step, no_faults())
     assert torch.equal(rig.state, ref.state)
