@@ -179,7 +179,16 @@ def test_a_node_that_did_not_see_the_failure_times_its_recovery_from_the_epoch()
         ev(10.2, Kind.EPOCH.value, remote=True, **epoch),
         ev(10.3, Kind.ACTIVES_STOPPED.value, gen=0, stop_s=0.3),
         ev(10.4, Kind.SHADOWS_PROMOTED.value, gen=1, epoch=1, promote_t=10.4, node=1, cold=False),
-        ev(10.5, Kind.PROMOTED.value, "trainer2", rank=2, gen=1, level=3, device_check_s=0.01),
+        ev(
+            10.5,
+            Kind.PROMOTED.value,
+            "trainer2",
+            rank=2,
+            gen=1,
+            level=3,
+            device_check_s=0.01,
+            group_built=False,
+        ),
         ev(10.7, Kind.RESUMED.value, "trainer2", rank=2, step=6, action="none", gen=1),
         ev(10.8, Kind.STEP_DONE.value, "trainer2", rank=2, step=6, iter_s=0.1),
     ]

@@ -47,8 +47,8 @@ JOB = """\
 {"t":104.75,"kind":"actives_stopped","src":"agent","schema_version":1,"gen":0,"stop_s":0.125}
 {"t":105.0,"kind":"shadows_promoted","src":"agent","schema_version":1,"gen":1,"epoch":1,"promote_t":105.0,"node":0,"cold":false}
 {"t":105.0,"kind":"shadow_level","src":"agent","schema_version":1,"gen":2,"level":3,"reason":"recovery","headroom_bytes":null,"free_bytes":null,"peak_bytes":null,"needed_bytes":0}
-{"t":105.25,"kind":"promoted","src":"trainer1","schema_version":1,"rank":1,"gen":1,"level":3,"device_check_s":0.002}
-{"t":105.25,"kind":"promoted","src":"trainer0","schema_version":1,"rank":0,"gen":1,"level":3,"device_check_s":0.002}
+{"t":105.25,"kind":"promoted","src":"trainer1","schema_version":1,"rank":1,"gen":1,"level":3,"device_check_s":0.002,"group_built":false}
+{"t":105.25,"kind":"promoted","src":"trainer0","schema_version":1,"rank":0,"gen":1,"level":3,"device_check_s":0.002,"group_built":false}
 {"t":105.25,"kind":"shadows_spawned","src":"agent","schema_version":1,"gen":2,"pids":[30,31],"ranks":[0,1],"level":3,"launch":0}
 {"t":105.375,"kind":"pages_rebuilt","src":"trainer1","schema_version":1,"rank":1,"gen":1,"rebuild_s":0.01,"localize_s":0.001,"phase":"UPDATE","lost":{"state":{"data":2,"tier1":1,"tier2":0},"grads":{"data":1,"tier1":0,"tier2":0}}}
 {"t":105.4375,"kind":"step_done","src":"trainer1","schema_version":1,"rank":1,"step":5,"total":null,"iter_s":0.0625,"loss":null,"finished_in_recovery":true}
