@@ -27,7 +27,8 @@ fault-free time instead (failures only, not its steady cost). Every process the 
 starts gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 
     python bench/goodput.py [--steps 600 --mtbf-s 20 --seed 0] [--json OUT]
-    python bench/goodput.py --device cuda [--nproc 1]      # one GPU
+    python bench/goodput.py --device cuda --steps 3000     # one GPU, one rank
+                                   # (a job of a few MTBFs: the default 600 steps end in ~30 s)
 
 Peers (``lm-resiliency``'s GEMINI, ``nvidia-resiliency-ext``'s in-process restart) are
 checked when the call starts; each one that cannot run prints one line saying why.
@@ -122,7 +123,8 @@ def _alive(pid: int) -> bool:
 
 class LetoPids:
     """The active trainer of a rank from leto-run's events: the newest generation a trainer
-    of that rank reported ``promoted`` in (0 before any), its pid from ``trainer_started``."""
+    of that rank reported ``promoted`` in (0 before any) since the last group restart, its
+    pid from ``trainer_started``."""
 
     def __init__(self, events: Path) -> None:
         self.path, self.offset = events, 0
@@ -143,7 +145,9 @@ class LetoPids:
                 e = json.loads(line)
             except ValueError:
                 continue
-            if e.get("kind") == "trainer_started":
+            if e.get("kind") == "group_restart":  # generations count from 0 again
+                self.pids, self.gen = {}, {}
+            elif e.get("kind") == "trainer_started":
                 self.pids[(e["rank"], e["gen"])] = e["pid"]
             elif e.get("kind") == "promoted":
                 self.gen[e["rank"]] = max(self.gen.get(e["rank"], 0), e["gen"])
