@@ -310,17 +310,15 @@ class Job:
                 if f.exists():
                     shutil.copy(f, Path(self.args.keep) / f.name)
         evs = read_events(events) if events.exists() else []
-        done = [
-            e
-            for e in evs
-            if e["kind"] == "step_done" and e["rank"] == 0 and not e.get("finished_in_recovery")
-        ]
+        committed = [e for e in evs if e["kind"] == "step_done" and e["rank"] == 0]
+        # a step a promoted trainer finished for its predecessor is committed once, not re-run
+        done = [e for e in committed if not e.get("finished_in_recovery")]
         unique = {e["step"] for e in done}
         return {
             "wall_s": wall,
             "rc": rc,
             "kills": delivered,
-            "steps_done": len(unique),
+            "steps_done": len({e["step"] for e in committed}),
             "recomputed_steps": len(done) - len(unique),
             "iter_s": statistics.median(e["iter_s"] for e in done) if done else None,
             "save_s": [e["save_s"] for e in evs if e["kind"] == "digest" and e["rank"] == 0],
