@@ -93,9 +93,9 @@ def _retained(lm, model, opt, placement: GradPlacement, fill: float):
     state.grad_regions = {
         name: torch.full((n // 4,), fill).view(torch.uint8) for name, n in placement.regions
     }
-    state._grad_view_list = (
-        None  # as RetainedState._map_regions leaves it (the views are built once)
-    )
+    state._grad_view_list = None  # as RetainedState._map_regions leaves it (built once)
+    state._seen_grad_list = None
+    state.shards = None  # not FSDP2
     return state
 
 
