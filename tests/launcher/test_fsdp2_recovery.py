@@ -99,6 +99,7 @@ def test_trains_exactly_as_torch_alone(tmp_path, mixed) -> None:
     assert repr(done[-1]["loss"]) == plain
 
 
+@pytest.mark.slow  # CI runs the 2-rank kills in every phase; this widens to 4 ranks, SGD, L1
 @pytest.mark.timeout(900)
 def test_four_ranks_sgd_level1_shadows(tmp_path) -> None:
     """4 ranks, SGD with momentum (state torch creates lazily, stepped by its own class per
