@@ -70,7 +70,6 @@ def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
     pnames = {id(p): n for n, p in state.model.named_parameters(remove_duplicate=False)}
     bnames = {id(b): n for n, b in state.model.named_buffers(remove_duplicate=False)}
     views: dict[str, torch.Tensor] = {}
-    seen = state.shards.seen if state.shards is not None else (lambda _i, view: view)
     for i, (p, pslot, oslots) in enumerate(
         zip(state.params, state.layout.params, state.layout.optim, strict=True)
     ):
@@ -79,9 +78,9 @@ def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
             raise ProtocolError(
                 "the optimizer holds a parameter that is not in the model; cannot name it"
             )
-        views[f"model.{name}"] = seen(i, pslot.view(region))  # an FSDP2 shard: its DTensor
+        views[f"model.{name}"] = state.seen(i, pslot.view(region))  # an FSDP2 shard: its DTensor
         for key, slot in oslots.items():
-            views[f"optim.{name}.{key}"] = seen(i, slot.view(region))
+            views[f"optim.{name}.{key}"] = state.seen(i, slot.view(region))
     for b, slot in zip(state.buffers, state.layout.buffers, strict=True):
         views[f"buffer.rank{state.ctx.rank}.{bnames[id(b)]}"] = slot.view(region)
     views[f"rng.rank{state.ctx.rank}"] = state.layout.rng.view(region)

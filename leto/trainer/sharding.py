@@ -59,7 +59,7 @@ update as they would inside the whole parameter)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Shard:
+class FsdpShard:
     """One FSDP2-sharded parameter of this rank."""
 
     fsdp_param: FSDPParam
@@ -85,7 +85,7 @@ def has_dtensor_params(params: Sequence[torch.Tensor]) -> bool:
 class FsdpShards:
     """The FSDP2 shards among an optimizer's parameters (by index into them)."""
 
-    def __init__(self, shards: dict[int, Shard], mesh_shape: tuple[int, ...]) -> None:
+    def __init__(self, shards: dict[int, FsdpShard], mesh_shape: tuple[int, ...]) -> None:
         self.shards = shards
         self.mesh_shape = mesh_shape
 
@@ -122,7 +122,7 @@ class FsdpShards:
                 "shard alone, which needs an element-wise optimizer "
                 f"({', '.join(ELEMENTWISE_OPTIMIZERS)})"
             )
-        shards: dict[int, Shard] = {}
+        shards: dict[int, FsdpShard] = {}
         mesh_shape: tuple[int, ...] = ()
         for i, p in enumerate(params):
             name = names.get(id(p), f"parameter {i}")
@@ -153,7 +153,7 @@ class FsdpShards:
                 raise ConfigError(f"{name}: fully_shard's CPUOffloadPolicy is not supported")
             padded = tuple(fp.padded_sharded_param_size)
             rows = fp.sharded_size[0] if len(fp.sharded_size) else 0
-            shards[i] = Shard(fp, padded, rows)
+            shards[i] = FsdpShard(fp, padded, rows)
             mesh_shape = tuple(mesh.shape)
         return cls(shards, mesh_shape)
 

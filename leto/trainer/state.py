@@ -304,7 +304,7 @@ class RetainedState:
             self.params,
             self.layout.optim,
             self.state_bytes,
-            seen=None if shards is None else shards.seen,
+            seen=self.seen,
         )
         if fresh:  # zeroed, or the state the optimizer already holds (Adagrad's)
             self.optimizer_state.capture()
@@ -360,13 +360,13 @@ class RetainedState:
         """Each parameter's gradient as torch sees it: its retained view, or for an FSDP2
         shard the ``DTensor`` over it (built once)."""
         if self._seen_grad_list is None:
-            views = self._grad_views()
-            self._seen_grad_list = (
-                views
-                if self.shards is None
-                else [self.shards.seen(i, g) for i, g in enumerate(views)]
-            )
+            self._seen_grad_list = [self.seen(i, g) for i, g in enumerate(self._grad_views())]
         return self._seen_grad_list
+
+    def seen(self, i: int, view: torch.Tensor) -> torch.Tensor:
+        """A retained view of parameter ``i``'s data, gradient or state as torch sees it:
+        for an FSDP2 shard its ``DTensor`` (``FsdpShards.seen``), else the view itself."""
+        return view if self.shards is None else self.shards.seen(i, view)
 
     def _encode(self, name: str) -> None:
         if name in self.protected:
