@@ -62,6 +62,7 @@ an environment that has it log a traceback. Only this process looks there."""
 if PEERS.is_dir():
     sys.path.append(str(PEERS))
 
+from bench.recovery_gpu import _env as gpu_env
 from leto.events import read_events
 
 CPU_MODEL: list[str] = []  # examples/train_gpt.py's defaults: the demo GPT
@@ -88,16 +89,8 @@ NAMES = {
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-    }
-    env.update(extra)
-    return env
+    """``recovery_gpu``'s environment (the NCCL/NVSHMEM variables), one thread per rank."""
+    return gpu_env(**{"OMP_NUM_THREADS": "1", **extra})
 
 
 def schedule(mtbf_s: float, seed: int, nproc: int, horizon_s: float) -> list[tuple[float, int]]:
