@@ -32,7 +32,9 @@ def test_promoted_trainers_resume_from_the_committed_state(tmp_path) -> None:
     # begin) the previous step's update when the group stopped (ranks drift by up to one
     # step): its promoted trainer finishes that update ("finish", "restore+finish"), a
     # state no predecessor committed, so it has no digest to compare with here (the
-    # exactness tests compare it with a fault-free run).
+    # exactness tests compare it with a fault-free run). A peer SIGKILLed by the agent
+    # between committing a step and writing its digest has none either.
+    killed = {(f.rank, f.step) for f in FAULTS}
     checked = set()
     for r in resumed:
         if r["action"] not in ("rerun", "none"):
@@ -45,14 +47,14 @@ def test_promoted_trainers_resume_from_the_committed_state(tmp_path) -> None:
         ]
         before = [e for e in digests if e["t"] < r["t"]]
         after = [e for e in digests if e["t"] > r["t"]]
+        if not before and (r["rank"], step) not in killed:
+            continue
         assert before and after, (r, digests)
         assert after[0]["digest"] == before[-1]["digest"], (
             f"rank {r['rank']} resumed at {step} from other state"
         )
         checked.add((r["rank"], step))
-    assert checked >= {(f.rank, f.step) for f in FAULTS}, (
-        "every killed rank resumed from its committed state"
-    )
+    assert checked >= killed, "every killed rank resumed from its committed state"
 
 
 @pytest.mark.timeout(300)
