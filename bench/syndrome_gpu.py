@@ -90,6 +90,7 @@ def fold_run(
 def warm(variant: str, diag: bool) -> None:
     """Compile one launch shape at the benchmark's sizes (a 2-page fold), to fill Triton's
     cache from a parallel process before the timed run (``--warm 32x1x8``)."""
+    from leto.erasure.engine import scale_table
     from triton_kernels import gf16_syndrome
 
     v = tuple(int(x) for x in variant.split("x"))
@@ -97,7 +98,7 @@ def warm(variant: str, diag: bool) -> None:
     bufs = [
         torch.zeros(n // 4, dtype=torch.int32, device=dev) for n in (2 * pb, 2 * pb, h * pb, h * pb)
     ]
-    sc = gf16_syndrome.scale_table(d, dev)
+    sc = scale_table(d, dev)
     for math in (True, False) if diag else (True,):
         fold_run(gf16_syndrome, sc, 2, 2, pb, h, bufs[0], bufs[1], bufs[2], bufs[3], v, math)
     torch.cuda.synchronize()
@@ -130,7 +131,7 @@ def main() -> None:
         "--syndrome-min-pages",
         type=int,
         default=None,
-        help="fold runs of at least this many pages with the Horner kernel (default: leto.erasure.group's)",
+        help="fold runs of at least this many pages with the Horner kernel (default: leto.erasure.engine's)",
     )
     ap.add_argument(
         "--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)"
@@ -142,15 +143,16 @@ def main() -> None:
     if args.warm:
         return warm(args.warm, args.diag)
     if args.syndrome_min_pages is not None:
-        import leto.erasure.group as erasure_group
+        import leto.erasure.engine as erasure_engine
 
-        erasure_group.SYNDROME_MIN_PAGES = args.syndrome_min_pages
+        erasure_engine.SYNDROME_MIN_PAGES = args.syndrome_min_pages
     sweep_ks = tuple(int(x) for x in args.sweep_ks.split(",")) if args.sweep_ks else SWEEP_KS
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from bench.erasure_gpu import timeit
     from leto.erasure import ErasureConfig, ProtectionGroup
     from leto.erasure.bitslice import TILE_BYTES, mac_pages, plane_masks
+    from leto.erasure.engine import scale_table
     from triton_kernels import gf16_syndrome
 
     cuda = torch.cuda.is_available() and not args.tiny
@@ -302,7 +304,7 @@ def main() -> None:
             )
     out["folds"] = rows
     if args.sweep or args.diag:
-        sc = gf16_syndrome.scale_table(d, dev)
+        sc = scale_table(d, dev)
         sweep, want = [], {}
         variants = [
             (v, m)

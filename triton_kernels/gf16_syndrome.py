@@ -25,57 +25,38 @@ The same kernel encodes (``old=None``: the syndromes of the pages themselves, th
 Layout of the work: each program holds 8 syndromes ("halves", 16 planes each: 128
 registers of accumulators) for one column of 32 symbols per thread, and H = 16 runs as two
 halves in one launch, the half being the fastest grid axis so both read a delta while it
-is in L2; 4 per program (quarters) is the other choice. What the H200 showed
-(bench/syndrome_gpu.py --sweep, BENCHMARKS.md sessions 4 and 6; one 2 GiB group, D = 1024,
-H = 16, out of place):
+is in L2; 4 per program (quarters) is the other choice. Two choices decide the speed
+(bench/syndrome_gpu.py --sweep; the numbers are in BENCHMARKS.md):
 
-* The parts must be *balanced*. Multiplying by ``a^p`` costs ~3p XORs, so with syndromes
-  in order the parts' page loops cost 98 / 152 / 194 / 260 XORs and the cheap parts ran
-  ahead: the later ones read each delta from DRAM again (L2 hit rate 21-41 %). Mirrored
-  pairs (:func:`_part`) cost 184 / 172 / 170 / 172: halves went from 2.2 to 1.58 us per page.
-* The parity's loads must be in flight before the scale's loop (:func:`_scale_store`): all
-  programs reach the epilogue together, and waiting on them there cost a fixed ~60 us per
-  launch (a 128-page chunk 302 -> 252 us, a 32-page one 161 -> 90 us).
-* No gain, so not kept (session 6, logs ``bench/results/s6_syndrome_sweep*.log``): two
-  pages of loads in flight in registers, Triton's shared-memory pipeliner over the page
-  loop (slower by 0.2-1.7 us per page), a run split over several programs that XOR their
-  sums in atomically (slower at every k), a cheaper scale alone.
-
-Result (session 6, final form, ``s6_syndrome_gpu.log``): 1.50 us per 2 MiB page for a whole
-group (0.67x the device-copy rate for the bytes it must move), 1.93 at 128 pages (0.58x),
-2.84 at 32 (0.53x), 5.9 at 8 (0.51x, through ``update_pages``); the loads alone run at
-0.96x, so the fold is now bound by its XORs at about half the issue rate (8 warps per SM,
-215 registers, no spills). Session 4's shape (quarters in order): 2.2-5.0 us per page,
-0.30-0.46x.
+* The parts are *balanced*. Multiplying by ``a^p`` costs ~3p XORs, so with syndromes in
+  order the cheap parts run ahead of the expensive ones and the later ones read each delta
+  from DRAM again; mirrored pairs (:func:`_part`) cost nearly the same per part and read it
+  in step.
+* The parity's loads are in flight before the scale's loop (:func:`_scale_store`): all
+  programs reach the epilogue together, and waiting on the loads there costs a fixed time
+  per launch.
 
 How the constant multiply compiles: the 16 planes are a tuple of 1-D ``[BLOCK]`` tensors
 and :func:`_times_alpha` renames them and XORs the top plane into the feedback taps, so it
-is three XORs by construction, whatever layout Triton picks. (A first form held the
-planes as one ``[16, BLOCK]`` tensor and relied on LLVM folding constant masks: PyPI's
-Triton kept the plane axis in one thread and folded it, but the GPU image's Triton spread
-the axis across threads and turned every multiply into shuffles and shared-memory layout
-conversions, 8x slower than the loads; docs/ERASURE.md.) Compile time: a first form of the
-scale (256 mask loads per syndrome, unrolled: 60 k lines of PTX) took 3 min to compile and
-ran a GPU bench past its limit; the rolled loop takes ~25 s.
+is three XORs by construction, whatever layout Triton picks (a ``[16, BLOCK]`` tensor of
+planes may be spread across threads, turning every multiply into shuffles). The scale is a
+rolled loop: unrolled, its mask loads make the kernel take minutes to compile.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 TUNING = {"block": 64, "num_warps": 2, "acc": 8}
 """Columns (32-symbol words) per program, warps per program (one column per thread) and
-syndromes per program (8: halves; 4: quarters), from bench/syndrome_gpu.py --sweep on an
-H200 (BENCHMARKS.md, session 6): halves read each delta twice from L2 instead of four
-times, at 215 registers (8 warps per SM) without spills; 64 columns on 2 warps were as fast
-as or 1-10 % faster than 32 on 1 at every run length from 2 to 1024 pages (quarters win
-only at 3-4 pages, by 2-4 %). ``LETO_SYNDROME_TUNING=BLOCKxWARPSxACC`` overrides it."""
+syndromes per program (8: halves; 4: quarters): the fastest shape of bench/syndrome_gpu.py
+--sweep on an H200 (BENCHMARKS.md). Halves read each delta twice from L2 instead of four
+times and fit in registers without spills. ``LETO_SYNDROME_TUNING=BLOCKxWARPSxACC``
+overrides it."""
 if os.environ.get("LETO_SYNDROME_TUNING"):
     TUNING.update(zip(TUNING, (int(v) for v in os.environ["LETO_SYNDROME_TUNING"].split("x"))))
 MAX_PARITY = 16
@@ -218,8 +199,8 @@ def _scale_store(
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
     The 16 loads of ``q_in[p]`` are issued first, so they are in flight during the multiply
-    (issued after it, every program of the launch waited on them in step: a fixed ~60 us
-    per launch on an H200, a fifth of a 128-page chunk's time before). The multiply is Horner over
+    (issued after it, every program of the launch waits on them in step, a fixed cost per
+    launch). The multiply is Horner over
     the bits of ``c_p`` from the top (``y = a y``, then ``y ^= acc`` where the bit is set):
     the bit is the same in every thread, so it is a branch, not a mask, ~176 XORs per
     syndrome and column; a rolled loop (the unrolled form, 256 mask loads, took minutes to
@@ -271,8 +252,7 @@ def _part(
     16 syndromes launched) mirrored pairs ``G*b + PART, G*b + G-1-PART`` (``G = 32 / ACC``):
     multiplying by ``a^p`` costs about 3p XORs, so in order the parts do 98 / 152 / 194 / 260
     XORs per page and column (quarters) and drift apart, the later ones reading each delta
-    from DRAM again; balanced, 184 / 172 / 170 / 172, and they read it in step (halves:
-    0.64x against 0.46x the copy rate for a group on an H200)."""
+    from DRAM again; balanced, 184 / 172 / 170 / 172, and they read it in step."""
     G: tl.constexpr = 32 // ACC
     if BAL:
         S0: tl.constexpr = PART
@@ -302,8 +282,7 @@ def _part(
     a6 = a0
     a7 = a0
     # Horner from the last page, software-pipelined: page r+1's loads are issued while page r
-    # folds (index clamped: a redundant load at the end). Two pages in flight (254 registers
-    # with halves) or Triton's shared-memory pipeliner measured no faster or slower.
+    # folds (index clamped: a redundant load at the end).
     f = _fetch(new_ptr, old_ptr, tl.cast(k - 1, tl.int64), new_stride, old_stride, off, ok, HAS_OLD)
     for r in range(k):
         d = _reduce(f, HAS_OLD)
@@ -473,27 +452,6 @@ def _syndrome_kernel(
             )
 
 
-@functools.lru_cache(maxsize=8)
-def _scale_np(data_pages: int) -> np.ndarray:
-    """``[D, 16]`` int32: ``a^(p j0)`` for every first page ``j0`` and syndrome ``p``."""
-    from leto.erasure import gf16
-
-    j0 = np.arange(data_pages, dtype=np.int64)[:, None]
-    p = np.arange(MAX_PARITY, dtype=np.int64)[None, :]
-    return gf16.EXP_NP[(j0 * p) % (gf16.ORDER - 1)].astype(np.int32)
-
-
-_DEVICE_SCALES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def scale_table(data_pages: int, device: torch.device) -> torch.Tensor:
-    """The scale table of :func:`_scale_np` on ``device`` (built once per shape)."""
-    key = (data_pages, torch.device(device))
-    if key not in _DEVICE_SCALES:
-        _DEVICE_SCALES[key] = torch.from_numpy(_scale_np(data_pages)).to(device).contiguous()
-    return _DEVICE_SCALES[key]
-
-
 def syndrome_update(
     scale: torch.Tensor,
     first_page: int,
@@ -514,8 +472,10 @@ def syndrome_update(
 
     Page ``i`` of the chunk starts at word ``i * new_stride`` of ``new`` (``old`` alike),
     syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
-    tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is
-    :func:`scale_table` of the code's D. int32 views on one device; one launch. ``launch``
+    tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is the
+    int32 ``[D, 16]`` table ``scale[j0][p] = a^(p j0)`` of the code's D, on the kernel's
+    device (``leto.erasure.engine.scale_table`` builds it). int32 views on one device; one
+    launch. ``launch``
     may override ``block``, ``num_warps`` and ``acc`` (anything else is refused);
     ``math=False`` (diagnostic: wrong bytes) skips the multiplications to time the loads
     alone. ``old=None`` folds the pages themselves

@@ -26,8 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from leto.erasure import gf16
-from leto.erasure.gf16 import bitmatrix_rows_np
+from leto.erasure.gf16 import EXP, LOG, bitmatrix_rows_np
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +157,8 @@ def plane_masks_tensor(coef: torch.Tensor) -> torch.Tensor:
     Used on the GPU for decode matrices, which change with every erasure pattern: the
     masks of a 16 x 1024 matrix are 16 MiB, cheaper to build there than to upload.
     """
-    exp = gf16.EXP.to(coef.device)
-    log = gf16.LOG.to(coef.device)
+    exp = EXP.to(coef.device)
+    log = LOG.to(coef.device)
     b = torch.arange(PLANES, device=coef.device)
     c = coef.to(torch.int64)[..., None]
     cols = torch.where(c == 0, 0, exp[log[c] + b])  # c * x^b: [n_out, n_src, b]

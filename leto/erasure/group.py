@@ -5,15 +5,15 @@ the parity tensors live in state-manager host memory; the caller passes all of t
 Tier 1 is a generalised RS code over the data pages (:class:`leto.erasure.rs.GRSCode`),
 tier 2 a Cauchy RS code over the tier-1 pages. A group built with ``syndromes=True``
 holds the tier-1 *syndromes* instead of the parity (the updater's device working copy:
-cheaper to update, see rs.py); :meth:`syndromes_of` / :meth:`parity_of` convert. Arithmetic runs where the data is (Triton on CUDA, PyTorch on CPU); tier 2 always
-runs where the parity is. No persistent parity lives on the device: device scratch is
-allocated per call and freed.
+cheaper to update, see rs.py); :meth:`syndromes_of` / :meth:`parity_of` convert. Arithmetic
+runs where the data is, on the kernels :mod:`leto.erasure.engine` chooses (Triton on CUDA,
+PyTorch on CPU); tier 2 always runs where the parity is. No persistent parity lives on the
+device: device scratch is allocated per call and freed.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,25 +21,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leto.erasure import engine, gf16
 from leto.erasure.bitslice import TILE_BYTES, plane_masks, plane_masks_tensor
 from leto.erasure.config import ErasureConfig
+from leto.erasure.engine import (
+    Backend,
+    mac,
+    mac_strided,
+    mac_words,
+    resolve_backend,
+    syndrome_fold,
+    syndrome_kernel_applies,
+)
+from leto.erasure.gf16 import mat_mul
 from leto.erasure.rs import CauchyCode, DecodePlan, GRSCode, SyndromeDecode
 
 logger = logging.getLogger(__name__)
-
-SYNDROME_KERNEL = os.environ.get("LETO_SYNDROME_KERNEL", "1") == "1"
-"""Fold syndrome-form chunks on CUDA with the Horner kernel (``triton_kernels.gf16_syndrome``)
-instead of the generic kernel on the syndrome matrix (same bytes). On an H200 (BENCHMARKS.md,
-GPU session 6) it folds a 2 GiB group in 1.54 ms against 18.0 ms (k = 1024 pages per call),
-91 vs 515 us per 32-page chunk, 47 vs 152 us per 8-page chunk. ``LETO_SYNDROME_KERNEL=0``
-selects the generic kernel (bench/syndrome_gpu.py compares both)."""
-SYNDROME_MIN_PAGES = 2
-"""Single pages go to the generic kernel (out of place, the Horner kernel's 1-page fold was
-50.6 against 48.2 us in place for the generic one through ``update_pages`` on an H200);
-from 2 pages the Horner kernel wins (2: 44.3 vs 70.5 us, 3: 44.2 vs 73.1, 4: 45.1 vs 88.6;
-session 6, ``bench/syndrome_gpu.py --ks 1,2,3,4,8 --syndrome-min-pages 1``). Session 4's form
-of the kernel lost below 4 pages (72 us at k = 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +78,7 @@ class ProtectionGroup:
         tier1: torch.Tensor,
         tier2: torch.Tensor,
         *,
-        backend: engine.Backend = "auto",
+        backend: Backend = "auto",
         syndromes: bool = False,
     ) -> None:
         pb = config.page_bytes
@@ -106,7 +102,7 @@ class ProtectionGroup:
         self.code2 = CauchyCode(config.tier1_parity, config.tier2_parity)
         self._c1 = self.code1.coef(range(self.num_pages))
         self._c2 = self.code2.coef()
-        c21 = gf16.mat_mul(
+        c21 = mat_mul(
             np.array(self._c2, dtype=np.int64).reshape(-1, config.tier1_parity),
             self.grs.matrix[:, : self.num_pages],
         )
@@ -127,7 +123,7 @@ class ProtectionGroup:
         return self.tier2[q * pb : (q + 1) * pb]
 
     def _on_device(self) -> bool:
-        return engine.resolve_backend(self.backend, self.data.device) == "triton"
+        return resolve_backend(self.backend, self.data.device) == "triton"
 
     def _device_masks(self, name: str, coef: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         """Kernel masks for a fixed matrix, uploaded once (``[n_src, 16, n_out * 16]``)."""
@@ -156,22 +152,15 @@ class ProtectionGroup:
     def _encode_tier1_by_syndromes(self) -> torch.Tensor | None:
         """Tier 1 of the data on its device (a new buffer) by the Horner kernel: syndromes
         ``S = V d`` of all pages in one launch, then ``P = W^-1 S`` (a syndrome-form group
-        keeps S). 2.4 + 0.4 ms per 2 GiB group on an H200 against 12 ms for the generic
-        kernel's product. None where the kernel does not apply (CPU engine, H1 > 16)."""
+        keeps S): cheaper than the generic kernel's product. None where the kernel does not
+        apply (:func:`leto.erasure.engine.syndrome_kernel_applies`)."""
         h1, pb = self.config.tier1_parity, self.config.page_bytes
-        if not (
-            SYNDROME_KERNEL
-            and self._on_device()
-            and h1 <= 16
-            and self.num_pages >= SYNDROME_MIN_PAGES
-        ):
-            return None
-        from triton_kernels.gf16_syndrome import scale_table, syndrome_update
-
         dev = self.data.device
+        if not syndrome_kernel_applies(self.backend, dev, h1, self.num_pages):
+            return None
         s = torch.empty(h1 * pb, dtype=torch.uint8, device=dev)
-        syndrome_update(
-            scale_table(self.config.data_pages, dev),
+        syndrome_fold(
+            self.config.data_pages,
             0,
             self.num_pages,
             self.data.view(torch.int32),
@@ -213,7 +202,7 @@ class ProtectionGroup:
         pb = self.config.page_bytes
         outs = [out[p * pb : (p + 1) * pb] for p in range(self.config.tier1_parity)]
         masks = self._device_masks("c1", self._c1) if out.is_cuda else None
-        engine.mac(self._c1, srcs, outs, accumulate=False, backend=self.backend, masks=masks)
+        mac(self._c1, srcs, outs, accumulate=False, backend=self.backend, masks=masks)
 
     def encode_tier2(self) -> None:
         """Tier-2 parity over the tier-1 pages (runs where the parity lives)."""
@@ -236,7 +225,7 @@ class ProtectionGroup:
             if out.device == self.data.device and out.is_cuda
             else None
         )
-        engine.mac(
+        mac(
             self._c2,
             [tier1[p * pb : (p + 1) * pb] for p in range(h1)],
             [out[q * pb : (q + 1) * pb] for q in range(h2)],
@@ -262,7 +251,7 @@ class ProtectionGroup:
             raise ValueError("conversion needs distinct buffers on one device")
         coef = tuple(tuple(int(v) for v in row) for row in m)
         masks = self._device_masks(name, coef) if out.is_cuda and self._on_device() else None
-        engine.mac(
+        mac(
             coef,
             [src[p * pb : (p + 1) * pb] for p in range(h1)],
             [out[p * pb : (p + 1) * pb] for p in range(h1)],
@@ -306,11 +295,11 @@ class ProtectionGroup:
         dests = [self.tier1[p * pb + byte_offset : p * pb + byte_offset + n] for p in range(h1)]
         dests += [self.tier2[q * pb + byte_offset : q * pb + byte_offset + n] for q in range(h2)]
         if old.device == self.tier1.device:
-            engine.mac(col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend)
+            mac(col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend)
             return
         scratch = torch.empty((h1 + h2) * n, dtype=torch.uint8, device=old.device)
         outs = [scratch[k * n : (k + 1) * n] for k in range(h1 + h2)]
-        engine.mac(col, [new], outs, accumulate=False, srcs_xor=[old], backend=self.backend)
+        mac(col, [new], outs, accumulate=False, srcs_xor=[old], backend=self.backend)
         host = scratch.cpu() if self.tier1.device.type == "cpu" else scratch.to(self.tier1.device)
         for k, d in enumerate(dests):
             d ^= host[k * n : (k + 1) * n]
@@ -338,9 +327,7 @@ class ProtectionGroup:
         if parity.is_cuda and self._on_device():
             masks = self._device_masks("c1", self._c1)[page_index : page_index + 1]
         col = [(row[page_index],) for row in self._c1]
-        engine.mac(
-            col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend, masks=masks
-        )
+        mac(col, [new], dests, accumulate=True, srcs_xor=[old], backend=self.backend, masks=masks)
 
     def update_pages(
         self,
@@ -395,18 +382,13 @@ class ProtectionGroup:
                 )
             return
         if (
-            self._on_device()
+            self.syndromes
             and parity.device == old.device == new.device
-            and self.syndromes
-            and h1 <= 16
-            and SYNDROME_KERNEL
-            and k >= SYNDROME_MIN_PAGES
+            and syndrome_kernel_applies(self.backend, self.data.device, h1, k)
         ):
-            from triton_kernels.gf16_syndrome import scale_table, syndrome_update
-
             q = parity.view(torch.int32)
-            syndrome_update(
-                scale_table(self.config.data_pages, parity.device),
+            syndrome_fold(
+                self.config.data_pages,
                 first_page,
                 k,
                 n2.view(torch.int32),
@@ -426,10 +408,8 @@ class ProtectionGroup:
                 parity_in.view(h1, pb)[:, byte_offset : byte_offset + n]
             )
         if self._on_device() and parity.device == old.device == new.device:
-            from triton_kernels.gf16_mac import gf16_mac_strided
-
             masks = self._device_masks("c1", self._c1)
-            gf16_mac_strided(
+            mac_strided(
                 masks,
                 first_page,
                 k,
@@ -446,7 +426,7 @@ class ProtectionGroup:
             return
         coef = [row[first_page : first_page + k] for row in self._c1]
         dests = [parity[p * pb + byte_offset : p * pb + byte_offset + n] for p in range(h1)]
-        engine.mac(
+        mac(
             coef,
             [n2[i] for i in range(k)],
             dests,
@@ -553,22 +533,19 @@ class ProtectionGroup:
 
     def _syndrome_kernel_applies(self) -> bool:
         """The Horner kernel serves this group's tier 1 (the device engine, H1 <= 16)."""
-        return SYNDROME_KERNEL and self._on_device() and self.config.tier1_parity <= 16
+        return syndrome_kernel_applies(self.backend, self.data.device, self.config.tier1_parity)
 
     def _rebuild_t1_by_syndromes(self, plan: SyndromeDecode) -> None:
         """Rebuild tier-1 erasures on the device through syndromes (:class:`SyndromeDecode`).
 
         The lost data pages are zeroed; the Horner kernel folds every data page into the
-        first ``e`` syndromes ``R`` (one launch, ~1.5 ms for a 2 GiB group on an H200) while
+        first ``e`` syndromes ``R`` (one launch over the group) while
         the surviving parity pages it needs travel to the device on a side stream; a small
         product adds them to ``R``, and ``c = M^-1 R`` writes the lost data pages in place
         and the lost tier-1 pages through scratch. Against the one-pass plan of
         :meth:`_run_plan_t1` (a 16 x 1008 composition on the host, then a product reading
         every surviving page with 16 outputs) this reads the data once with ~10 XORs per
         byte instead of 64, and plans one ``e x e`` inverse."""
-        from triton_kernels.gf16_mac import gf16_mac
-        from triton_kernels.gf16_syndrome import scale_table, syndrome_update
-
         pb, dev, e = self.config.page_bytes, self.data.device, plan.rows
         pw, n_tiles = pb // 4, pb // TILE_BYTES
         lost_data = [r.index for r in plan.outputs if r.kind == "data"]
@@ -580,8 +557,8 @@ class ProtectionGroup:
         syn, par_in, par_out = buf[: e * pb], buf[e * pb : (e + n_in) * pb], buf[(e + n_in) * pb :]
         side = self._tier1_to_device(plan.parity_sources, par_in)
         base = self.data.view(torch.int32)
-        syndrome_update(
-            scale_table(self.config.data_pages, dev),
+        syndrome_fold(
+            self.config.data_pages,
             0,
             self.num_pages,
             base,
@@ -605,7 +582,7 @@ class ProtectionGroup:
 
         syn_off = torch.tensor(offsets(syn, e), dtype=torch.int64, device=dev)
         if n_in:
-            gf16_mac(
+            mac_words(
                 plane_masks_tensor(torch.from_numpy(plan.parity_coef).to(dev)),
                 base,
                 torch.tensor(offsets(par_in, n_in), dtype=torch.int64, device=dev),
@@ -615,7 +592,7 @@ class ProtectionGroup:
                 accumulate=True,
             )
         dst = [j * pw for j in lost_data] + offsets(par_out, len(lost_par))
-        gf16_mac(
+        mac_words(
             plane_masks_tensor(torch.from_numpy(plan.inverse).to(dev)),
             base,
             syn_off,
@@ -635,7 +612,7 @@ class ProtectionGroup:
     ) -> None:
         srcs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.sources]
         outs = [(data_page if r.kind == "data" else parity_page)(r.index) for r in plan.outputs]
-        engine.mac(plan.coef, srcs, outs, accumulate=False, backend=self.backend)
+        mac(plan.coef, srcs, outs, accumulate=False, backend=self.backend)
 
     def _run_plan_t1(self, plan: DecodePlan) -> None:
         if not self._on_device():
@@ -646,8 +623,6 @@ class ProtectionGroup:
         # masks built on the device from the plan's matrix); meanwhile the parity pages it
         # needs travel host -> device on a side stream (async when tier 1 is pinned), and a
         # second, small launch folds them in. Lost tier-1 pages go through device scratch.
-        from triton_kernels.gf16_mac import gf16_mac
-
         pb, dev = self.config.page_bytes, self.data.device
         pw = pb // 4
         base = self.data.view(torch.int32)
@@ -678,7 +653,7 @@ class ProtectionGroup:
         src_off, dst_off = offs[: len(src)], offs[len(src) :]
         n_tiles = pb // TILE_BYTES
         if nd:
-            gf16_mac(masks[:nd], base, src_off[:nd], base, dst_off, n_tiles, accumulate=False)
+            mac_words(masks[:nd], base, src_off[:nd], base, dst_off, n_tiles, accumulate=False)
         else:
             for r in plan.outputs:
                 if r.kind == "data":
@@ -687,7 +662,7 @@ class ProtectionGroup:
         if used:
             if side is not None:
                 torch.cuda.current_stream(dev).wait_stream(side)
-            gf16_mac(masks[nd:], base, src_off[nd:], base, dst_off, n_tiles, accumulate=True)
+            mac_words(masks[nd:], base, src_off[nd:], base, dst_off, n_tiles, accumulate=True)
         for k, p in enumerate(lost_par):
             self.tier1_page(p).copy_(par_out[k * pb : (k + 1) * pb])
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from leto.erasure import gf16
+from leto.erasure.gf16 import ALPHA, EXP_NP, LOG_NP, ORDER, mat_inv, mat_mul
 from leto.errors import ConfigError, UnrecoverableStateError
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def _check_shape(data_pages: int, parity_pages: int, points: int) -> None:
 
 def _powers(base: np.ndarray, exponents: np.ndarray) -> np.ndarray:
     """``base ** exponents`` elementwise for non-zero field elements (via the log table)."""
-    return gf16.EXP_NP[(gf16.LOG_NP[base] * exponents) % (gf16.ORDER - 1)]
+    return EXP_NP[(LOG_NP[base] * exponents) % (ORDER - 1)]
 
 
 class SystematicCode:
@@ -134,14 +134,14 @@ class CauchyCode(SystematicCode):
     """The ``[D + H, D]`` Cauchy Reed-Solomon code; ``data_pages`` D, ``parity_pages`` H."""
 
     def __init__(self, data_pages: int, parity_pages: int) -> None:
-        _check_shape(data_pages, parity_pages, gf16.ORDER)
+        _check_shape(data_pages, parity_pages, ORDER)
         self.data_pages = data_pages
         self.parity_pages = parity_pages
         h = parity_pages
         x = np.arange(h, dtype=np.int64)[:, None]
         y = np.arange(h, h + data_pages, dtype=np.int64)[None, :]
         s = x ^ y
-        self._matrix = gf16.EXP_NP[(gf16.ORDER - 1 - gf16.LOG_NP[s]) % (gf16.ORDER - 1)]
+        self._matrix = EXP_NP[(ORDER - 1 - LOG_NP[s]) % (ORDER - 1)]
 
 
 class GRSCode(SystematicCode):
@@ -153,21 +153,21 @@ class GRSCode(SystematicCode):
 
     def __init__(self, data_pages: int, parity_pages: int) -> None:
         # the points a^0 .. a^(D+H-1) must be distinct: D + H <= 2^16 - 1
-        _check_shape(data_pages, parity_pages, gf16.ORDER - 1)
+        _check_shape(data_pages, parity_pages, ORDER - 1)
         self.data_pages, self.parity_pages = data_pages, parity_pages
         p = np.arange(parity_pages, dtype=np.int64)[:, None]
-        a = np.full((1, 1), gf16.ALPHA, dtype=np.int64)
+        a = np.full((1, 1), ALPHA, dtype=np.int64)
         self.check_data = _powers(a, p * np.arange(data_pages, dtype=np.int64)[None, :])
         self.to_syndromes = _powers(
             a, p * np.arange(data_pages, data_pages + parity_pages, dtype=np.int64)[None, :]
         )
         self.from_syndromes = (
-            np.array(gf16.mat_inv(self.to_syndromes.tolist()), dtype=np.int64)
+            np.array(mat_inv(self.to_syndromes.tolist()), dtype=np.int64)
             if parity_pages
             else np.zeros((0, 0), dtype=np.int64)
         )
         self._matrix = (
-            gf16.mat_mul(self.from_syndromes, self.check_data)
+            mat_mul(self.from_syndromes, self.check_data)
             if parity_pages
             else np.zeros((0, data_pages), dtype=np.int64)
         )
@@ -266,10 +266,8 @@ def _vandermonde_inverse(positions: np.ndarray, rows: int) -> np.ndarray:
     """``M^-1`` for ``M[p][x] = a^(p positions[x])``, ``p < rows = len(positions)``."""
     if rows == 0:
         return np.zeros((0, 0), dtype=np.int64)
-    m = gf16.EXP_NP[
-        (np.arange(rows, dtype=np.int64)[:, None] * positions[None, :]) % (gf16.ORDER - 1)
-    ]
-    return np.array(gf16.mat_inv(m.tolist()), dtype=np.int64)
+    m = EXP_NP[(np.arange(rows, dtype=np.int64)[:, None] * positions[None, :]) % (ORDER - 1)]
+    return np.array(mat_inv(m.tolist()), dtype=np.int64)
 
 
 def _decode_plan(c_all: np.ndarray, d: int, ld: list[int], lp: list[int]) -> DecodePlan:
@@ -281,9 +279,9 @@ def _decode_plan(c_all: np.ndarray, d: int, ld: list[int], lp: list[int]) -> Dec
     n_src = len(surv_d) + len(use_p)
     rows: list[np.ndarray] = []
     if ld:
-        cinv = np.array(gf16.mat_inv(c[np.ix_(use_p, ld)].tolist()), dtype=np.int64)
+        cinv = np.array(mat_inv(c[np.ix_(use_p, ld)].tolist()), dtype=np.int64)
         # d_L = Cinv * (parity_used + C[used, surv] d_surv)
-        r_data = gf16.mat_mul(cinv, c[np.ix_(use_p, surv_d)])
+        r_data = mat_mul(cinv, c[np.ix_(use_p, surv_d)])
         r_par = cinv
         rows.extend(np.concatenate([r_data, r_par], axis=1))
     else:
@@ -294,7 +292,7 @@ def _decode_plan(c_all: np.ndarray, d: int, ld: list[int], lp: list[int]) -> Dec
         row = np.zeros(n_src, dtype=np.int64)
         row[: len(surv_d)] = c[p, surv_d]
         if ld:
-            via = gf16.mat_mul(c[np.ix_([p], ld)], np.concatenate([r_data, r_par], axis=1))
+            via = mat_mul(c[np.ix_([p], ld)], np.concatenate([r_data, r_par], axis=1))
             row ^= via[0]
         rows.append(row)
     sources = tuple(PageRef("data", j) for j in surv_d) + tuple(PageRef("parity", p) for p in use_p)

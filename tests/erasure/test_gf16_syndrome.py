@@ -36,7 +36,8 @@ def test_syndrome_kernel_equals_reference(
 ) -> None:
     """Any D, H, run and range, in place or not, 4 or 8 syndromes per program (in order, or
     in mirrored pairs when all 16 are launched)."""
-    from triton_kernels.gf16_syndrome import scale_table, syndrome_update
+    from leto.erasure.engine import scale_table
+    from triton_kernels.gf16_syndrome import syndrome_update
 
     g = torch.Generator().manual_seed(seed)
     k = min(k, d)
@@ -82,7 +83,8 @@ def test_syndrome_kernel_equals_reference(
 def test_syndrome_kernel_refuses_unknown_launch_options() -> None:
     """A misspelt or retired launch option (the session-6 sweep's ``depth``, ``split``) is an
     error, not silently the default shape."""
-    from triton_kernels.gf16_syndrome import scale_table, syndrome_update
+    from leto.erasure.engine import scale_table
+    from triton_kernels.gf16_syndrome import syndrome_update
 
     w = torch.zeros(TILE_BYTES // 4, dtype=torch.int32, device=DEV)
     with pytest.raises(TypeError, match="split"):
@@ -96,12 +98,12 @@ def test_syndrome_group_update_pages_and_conversions(
     """A syndrome-form group (the updater's working parity) updated chunk by chunk holds
     the syndromes of the data; ``parity_of`` gives the GRS parity bytes, ``syndromes_of``
     inverts it; a lost data page is rebuilt from the syndromes; lost syndromes are refused."""
-    import leto.erasure.group as erasure_group
+    import leto.erasure.engine as erasure_engine
 
     monkeypatch.setattr(
-        erasure_group, "SYNDROME_KERNEL", True
+        erasure_engine, "SYNDROME_KERNEL", True
     )  # the Horner kernel through update_pages,
-    monkeypatch.setattr(erasure_group, "SYNDROME_MIN_PAGES", 1)  # for the short runs below too
+    monkeypatch.setattr(erasure_engine, "SYNDROME_MIN_PAGES", 1)  # for the short runs below too
     cfg = ErasureConfig(page_bytes=2 * TILE_BYTES, data_pages=8, tier1_parity=9, tier2_parity=0)
     pb = cfg.page_bytes
     g = torch.Generator().manual_seed(3)
@@ -165,9 +167,9 @@ def test_encode_by_syndromes_equals_the_generic_encode(
     """``encode_all`` on the device path (the Horner kernel over every page, then
     ``P = W^-1 S`` and tier 2 where the data lives) writes the same bytes in both tiers as
     the PyTorch engine's product, for a full and a short group."""
-    import leto.erasure.group as erasure_group
+    import leto.erasure.engine as erasure_engine
 
-    monkeypatch.setattr(erasure_group, "SYNDROME_MIN_PAGES", 1)
+    monkeypatch.setattr(erasure_engine, "SYNDROME_MIN_PAGES", 1)
     cfg = ErasureConfig(page_bytes=2 * TILE_BYTES, data_pages=6, tier1_parity=5, tier2_parity=2)
     pb, g = cfg.page_bytes, torch.Generator().manual_seed(7)
     for pages in (6, 3):

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
-import leto.erasure.group as erasure_group
+import leto.erasure.engine as erasure_engine
 from leto.erasure import ErasureConfig
 from leto.preinit import warmup
 from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
@@ -85,10 +85,10 @@ def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
     monkeypatch.setattr(gf16_mac, "_gf16_mac_kernel", rec["gf16_mac"])
     monkeypatch.setattr(gf16_syndrome, "_syndrome_kernel", rec["gf16_syndrome"])
     monkeypatch.setattr(
-        erasure_group, "SYNDROME_KERNEL", True
+        erasure_engine, "SYNDROME_KERNEL", True
     )  # the GPU default, whatever the environment;
     monkeypatch.setattr(
-        erasure_group, "SYNDROME_MIN_PAGES", 2
+        erasure_engine, "SYNDROME_MIN_PAGES", 2
     )  # runs of 1 page (generic) and more (Horner)
     monkeypatch.setattr(adamw_rmu, "_adamw_undo_kernel", rec["adamw_rmu"])
     return rec
