@@ -56,9 +56,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
-from leto.trainer.layout import Layout
-from leto.trainer.marker import MARKER_BYTES, Marker, Phase
-from leto.trainer.optim_state import StateSlots
+from leto.retained.layout import Layout
+from leto.retained.marker import MARKER_BYTES, Marker, Phase
+from leto.retained.optim_state import StateSlots
 from leto.updater.rmu import ResumableUpdater, buffer_bytes
 
 PRESETS = {

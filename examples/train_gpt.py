@@ -85,7 +85,7 @@ OPTIMIZERS = {
     "adam-amsgrad": lambda ps, lr: torch.optim.Adam(ps, lr=lr, amsgrad=True, weight_decay=0.01),
     "muon": lambda ps, lr: torch.optim.Muon(ps, lr=lr),  # matrices only: the model has no vectors
 }
-"""``--optimizer`` choices: any torch.optim optimizer is retained (leto.trainer.optim_state)."""
+"""``--optimizer`` choices: any torch.optim optimizer is retained (leto.retained.optim_state)."""
 
 
 def batch(

@@ -235,7 +235,7 @@ def erase_pages(
     parity ("state.p1"): punched out of the memfd and made inaccessible to the probe. The
     choice is deterministic in the fault's index.
     """
-    from leto.trainer.protection import pages_to_erase
+    from leto.erasure.protection import pages_to_erase
 
     for region, count, group_pages in (
         (fault.erase_device_region, fault.erase_device_pages, erasure.data_pages),

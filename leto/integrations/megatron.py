@@ -81,8 +81,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from leto.errors import ConfigError
+from leto.retained.layout import Layout
 from leto.trainer.grad_sync import GradSync
-from leto.trainer.layout import Layout
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig

@@ -46,7 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from leto.errors import ConfigError, ProtocolError
-from leto.trainer.layout import GradPlacement
+from leto.retained.layout import GradPlacement
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

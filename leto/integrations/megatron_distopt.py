@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from leto.errors import ConfigError, ProtocolError
 from leto.integrations.megatron_ddp import check_ddp_config, ddp_on_buffers, region_name
-from leto.trainer.layout import GradPlacement
+from leto.retained.layout import GradPlacement
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -47,8 +47,8 @@ from leto.erasure.bitslice import TILE_BYTES
 from leto.events import Kind
 
 if TYPE_CHECKING:
+    from leto.retained.layout import Layout
     from leto.trainer.context import Context
-    from leto.trainer.layout import Layout
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from leto.errors import ConfigError, UnrecoverableStateError
 from leto.pool import cuda_vmm
-from leto.trainer.layout import Slot
+from leto.retained.slot import Slot
 
 TAG_BYTES = 64
 """Bytes before the copy in the undo region (the tag word, padded to an aligned offset)."""

@@ -47,7 +47,7 @@ from leto.trainer.timing import phase_times_enabled
 if TYPE_CHECKING:
     from leto.checkpoint import Checkpointer
     from leto.config import CheckpointConfig
-    from leto.trainer.layout import GradPlacement
+    from leto.retained.layout import GradPlacement
     from leto.trainer.state import RetainedState
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class Context:
 
     def state_retained(self) -> bool:
         """True when this rank's retained state exists and was fully initialised."""
-        from leto.trainer.marker import Marker
+        from leto.retained.marker import Marker
 
         region = self.pool.lookup(self.rank, "marker")
         if region is None:

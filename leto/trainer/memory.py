@@ -28,7 +28,7 @@ from leto.pool import cuda_vmm, pagemap, protocol
 from leto.pool.chunks import ChunkBackend, ChunkedRegion, MemfdChunks
 from leto.pool.client import PoolClient, RankIdentities
 from leto.pool.cuda_vmm import CudaChunks
-from leto.trainer.marker import IdentityRecord, Marker, RegionIdentityError
+from leto.retained.marker import IdentityRecord, Marker, RegionIdentityError
 
 _DIGEST_CHUNK = 1 << 26  # int64 words per chunk of the on-device digest
 

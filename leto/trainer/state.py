@@ -40,19 +40,19 @@ import torch.distributed as dist
 
 from leto import contract
 from leto.erasure import padded_bytes
+from leto.erasure.protection import ProtectedRegion
 from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import Kind, last_event
 from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.warmup import warm_shadow
+from leto.retained.layout import GradPlacement, Layout
+from leto.retained.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
+from leto.retained.optim_state import StateSlots
 from leto.trainer.buffers import BufferUndo, own_view, refuse_buffer_updates
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
 from leto.trainer.grad_sync import GradSync
-from leto.trainer.layout import GradPlacement, Layout
-from leto.trainer.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
 from leto.trainer.memory import RegionMemory
-from leto.trainer.optim_state import StateSlots
-from leto.trainer.protection import ProtectedRegion
 from leto.trainer.sharding import FsdpShards, has_dtensor_params, local
 from leto.trainer.timing import PhaseTimes
 from leto.updater.fused import resolve_fused

@@ -9,7 +9,7 @@
 * :mod:`leto.updater.fused` — the fused chunk (``triton_kernels.adamw_rmu``: undo copy, progress
   flags and AdamW in one pass) and its restore.
 * :mod:`leto.updater.torch_step` — any other optimizer: its own ``step()`` over one chunk of
-  whole parameters, on views of retained memory (state found by ``leto.trainer.optim_state``).
+  whole parameters, on views of retained memory (state found by ``leto.retained.optim_state``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from leto.errors import ConfigError, ProtocolError
-from leto.trainer.layout import Layout
+from leto.retained.layout import Layout
 from leto.updater.adamw import AdamWHyper
 from leto.updater.plan import Chunk
 

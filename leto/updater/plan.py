@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leto.errors import ConfigError
-from leto.trainer.layout import Layout, _itemsize
+from leto.retained.layout import Layout
+from leto.retained.slot import element_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ def plan_chunks(layout: Layout, chunk_bytes: int, align: int, region_bytes: int)
             f"consistency: rmu needs one parameter dtype, got {sorted(map(str, dtypes))}; "
             "use consistency: snapshot"
         )
-    itemsize = _itemsize(layout.params[0].dtype) if layout.params else 4
+    itemsize = element_size(layout.params[0].dtype) if layout.params else 4
     per_chunk = max(1, chunk_bytes // itemsize)
     sizes = [_numel(s.shape) for s in layout.params]
     total = sum(sizes)

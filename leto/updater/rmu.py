@@ -11,7 +11,7 @@ Per step (paper Pseudocode 1, lines 5–12)::
         Q[sel_old][ranges of j] <- Q[sel]   (resync the other buffer)
     H <- W^-1 Q[sel]; H2 <- T2(H) (on the device)       FLUSHING → IDLE(t+1)
 
-Every arrow into a marker state is one 64-bit store (``leto.trainer.marker``), so a kill
+Every arrow into a marker state is one 64-bit store (``leto.retained.marker``), so a kill
 anywhere leaves a state from which the step can be finished exactly:
 
 * CHUNK_SAVED(j): the data of chunk j may be torn; the undo buffer restores it, after
@@ -52,11 +52,11 @@ import torch
 
 from leto.erasure import ErasureConfig, ProtectionGroup, split_range
 from leto.erasure.bitslice import TILE_BYTES
+from leto.erasure.protection import ProtectedRegion
 from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.faults import FaultInjector
-from leto.trainer.layout import Layout
-from leto.trainer.marker import Marker, Phase
-from leto.trainer.protection import ProtectedRegion
+from leto.retained.layout import Layout
+from leto.retained.marker import Marker, Phase
 from leto.updater.adamw import AdamWHyper, adamw_pieces
 from leto.updater.fused import FusedChunks, flag_bytes
 from leto.updater.plan import Chunk, plan_chunks

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from leto.trainer.layout import Layout
-from leto.trainer.optim_state import StateSlots, subgroups, unhooked_step, view_of
+from leto.retained.layout import Layout
+from leto.retained.optim_state import StateSlots, subgroups, unhooked_step, view_of
 
 
 class TorchStep:

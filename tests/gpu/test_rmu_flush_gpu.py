@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leto.erasure import ErasureConfig
-from leto.trainer.marker import Phase
+from leto.retained.marker import Phase
 from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_flush import assert_parity_is_fresh
 from tests.updater.test_rmu import _step

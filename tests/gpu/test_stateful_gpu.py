@@ -14,8 +14,8 @@ from torch import nn
 from leto.config import FaultSpec
 from leto.events import Kind
 from leto.pool import cuda_vmm
+from leto.retained.layout import Layout
 from leto.trainer.buffers import BufferUndo, own_view
-from leto.trainer.layout import Layout
 from tests.launcher.harness import REPO, assert_recovered, fault_free_digests, run_leto
 
 SCRIPT = str(REPO / "examples" / "train_scheduled.py")

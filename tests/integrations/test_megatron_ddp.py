@@ -24,8 +24,8 @@ import torch
 
 from leto.errors import ConfigError
 from leto.events import Kind
+from leto.retained.layout import GradPlacement, Layout
 from leto.trainer.grad_sync import GradSync
-from leto.trainer.layout import GradPlacement, Layout
 from tests.launcher.harness import REPO, digests, run_leto
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")

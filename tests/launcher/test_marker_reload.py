@@ -1,7 +1,7 @@
 """A shadow that mapped the marker ahead resumes from the marker as it finally landed.
 
 On a GPU the marker is written in stream order into a mapped host page, and the trainer
-reads a host copy taken when it mapped the page (``leto.trainer.marker.Marker``). A shadow
+reads a host copy taken when it mapped the page (``leto.retained.marker.Marker``). A shadow
 maps its regions while its predecessor still trains, so its copy is stale by the time it is
 promoted: ``RetainedState`` must ``reload()`` it, or the shadow resumes from the step it
 saw when it mapped, over state that is several steps further on.

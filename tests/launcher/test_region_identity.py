@@ -17,7 +17,7 @@ from leto.config import FaultSpec
 from leto.events import EventLog, Kind, read_events
 from leto.pool.client import RankIdentities
 from leto.pool.process import StateManagerProcess
-from leto.trainer.marker import MARKER_BYTES, IdentityRecord, Marker, RegionIdentityError
+from leto.retained.marker import MARKER_BYTES, IdentityRecord, Marker, RegionIdentityError
 from leto.trainer.memory import RegionMemory, identity_problem
 from tests.launcher.harness import run_leto
 

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from leto.errors import ConfigError
+from leto.retained.layout import Layout
+from leto.retained.slot import Slot
 from leto.trainer.buffers import BufferUndo, own_view, refuse_buffer_updates
-from leto.trainer.layout import Layout, Slot
 
 
 def _bn_model() -> nn.Module:

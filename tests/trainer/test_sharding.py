@@ -12,9 +12,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from leto.errors import ConfigError, UnrecoverableStateError
+from leto.retained.layout import Layout
+from leto.retained.marker import MARKER_BYTES, Marker
+from leto.retained.slot import Slot
 from leto.trainer.buffers import own_view
-from leto.trainer.layout import Layout, Slot
-from leto.trainer.marker import MARKER_BYTES, Marker
 from leto.trainer.sharding import FsdpShards
 
 

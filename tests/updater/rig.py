@@ -18,9 +18,9 @@ from leto.config import FaultSpec
 from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
 from leto.events import EventLog
 from leto.faults import FaultInjector
-from leto.trainer.layout import Layout
-from leto.trainer.marker import MARKER_BYTES, Marker, Phase
-from leto.trainer.optim_state import StateSlots
+from leto.retained.layout import Layout
+from leto.retained.marker import MARKER_BYTES, Marker, Phase
+from leto.retained.optim_state import StateSlots
 from leto.updater.rmu import ResumableUpdater, buffer_bytes
 
 

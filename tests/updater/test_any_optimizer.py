@@ -1,4 +1,4 @@
-"""Any ``torch.optim`` optimizer on the RMU in-process (``leto.trainer.optim_state``,
+"""Any ``torch.optim`` optimizer on the RMU in-process (``leto.retained.optim_state``,
 ``leto.updater.torch_step``): its state is found by running it, the chunked update equals
 its own ``step()`` bit for bit, a kill at every point of the update (in the first step,
 where torch creates the state, and in a later one) finishes exactly, so does the snapshot
@@ -16,9 +16,9 @@ from torch import nn
 
 from leto.erasure import ErasureConfig
 from leto.errors import ConfigError, UnrecoverableStateError
-from leto.trainer.layout import Layout
-from leto.trainer.marker import Phase
-from leto.trainer.optim_state import PRESENT, StateSlots, optimizer_state
+from leto.retained.layout import Layout
+from leto.retained.marker import Phase
+from leto.retained.optim_state import PRESENT, StateSlots, optimizer_state
 from leto.updater.plan import plan_chunks
 from leto.updater.rmu import buffer_bytes
 from tests.updater.rig import Killed, Rig, kill_at, model, no_faults

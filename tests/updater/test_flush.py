@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leto.erasure import ErasureConfig, ProtectionGroup
-from leto.trainer.marker import Phase
+from leto.retained.marker import Phase
 from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_rmu import CHUNK, ERASURE, _reference, _step
 

@@ -10,7 +10,7 @@ import torch
 
 from leto.erasure import ErasureConfig
 from leto.errors import ConfigError
-from leto.trainer.marker import Phase
+from leto.retained.marker import Phase
 from leto.updater.fused import BLOCK, fused_token, resolve_fused
 from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 from tests.updater.test_rmu import CHUNK, ERASURE, _step, sweep_kill_points

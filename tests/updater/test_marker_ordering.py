@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from leto.trainer.marker import MARKER_BYTES, Marker, Phase
+from leto.retained.marker import MARKER_BYTES, Marker, Phase
 
 
 def test_writer_reads_its_own_writes_successor_reads_what_landed() -> None:

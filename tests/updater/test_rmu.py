@@ -12,7 +12,7 @@ import torch
 from leto.erasure import ErasureConfig
 from leto.errors import InvalidTransitionError
 from leto.faults import FaultInjector
-from leto.trainer.marker import MARKER_BYTES, Marker, Phase, pack
+from leto.retained.marker import MARKER_BYTES, Marker, Phase, pack
 from leto.updater.rmu import WORKING_PHASES
 from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
 

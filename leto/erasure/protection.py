@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leto.erasure import ErasureConfig, ProtectionGroup, plan_groups
+from leto.erasure.config import ErasureConfig
+from leto.erasure.group import ProtectionGroup
+from leto.erasure.layout import plan_groups
 from leto.pool.client import MappedRegion, PoolClient
 
 

@@ -30,14 +30,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from leto.errors import ConfigError, ProtocolError
-
-if TYPE_CHECKING:
-    from leto.trainer.layout import Slot
+from leto.retained.slot import Slot
 
 PRESENT = "leto.present"
 """Slot key of the per-parameter byte "the optimizer has created this parameter's state"."""

@@ -21,25 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from leto.errors import ConfigError
-from leto.trainer.optim_state import UpdateRule, optimizer_state
+from leto.retained.optim_state import UpdateRule, optimizer_state
+from leto.retained.slot import Slot, element_size
 
 ALIGN = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where one tensor lives inside a region."""
-
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * _itemsize(self.dtype)
-
-    def view(self, region: torch.Tensor) -> torch.Tensor:
-        return region[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +53,7 @@ class Layout:
     grads: tuple[Slot, ...]
     """Each parameter's gradient, at an offset of its region ``grad_region``."""
     optim: tuple[dict[str, Slot], ...]
-    """Each parameter's optimizer state (``leto.trainer.optim_state``: found by running the
+    """Each parameter's optimizer state (``leto.retained.optim_state``: found by running the
     optimizer, with its ``PRESENT`` byte when torch creates the state lazily)."""
     rule: UpdateRule
     """How the optimizer state is updated: Leto's element-wise AdamW or the optimizer's own step."""
@@ -188,7 +173,7 @@ def _place_grads(
     for p, (index, offset) in zip(params, grads.slots, strict=True):
         name, nbytes = grads.regions[index]
         slot = Slot(offset, tuple(p.shape), p.dtype)
-        if offset < 0 or offset + slot.nbytes > nbytes or offset % _itemsize(p.dtype):
+        if offset < 0 or offset + slot.nbytes > nbytes or offset % element_size(p.dtype):
             raise ConfigError(
                 f"gradient slot at byte {offset} ({slot.nbytes} bytes) does not fit region {name}"
             )
@@ -199,14 +184,3 @@ def _place_grads(
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
