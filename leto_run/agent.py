@@ -7,8 +7,9 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
 * for every local rank, an active trainer and a shadow trainer: the same script with
   ``LETO_ROLE=active|shadow`` and a generation number. Each generation is one torch
   ``PContext``, so logs, redirects and tee behave exactly as torchrun's;
-* failure handling in ``_monitor_workers`` (the decision in ``leto_run/policy.py``, its
-  facts and the epoch in ``leto_run/failures.py``), job-wide through the recovery epoch
+* failure handling in ``_monitor_workers`` (the decision in ``leto_run/policy.py``, the
+  classification and hang verdicts in ``leto_run/failures.py``, the runtime state in
+  ``leto_run/agent_state.py``), job-wide through the recovery epoch
   (``leto.epoch``): the agent that sees a failure classifies it (``leto.health``: HOF =
   killed by a signal or hung; FF = reported fatal by the trainer, or a dead state
   manager; ERROR = the script raised) and publishes one record per generation in the
@@ -58,13 +59,21 @@ from leto.config import LetoConfig
 from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, EventTail, Kind
-from leto.health import ENV_HEARTBEAT, HangWatch, HeartbeatBoard, dying_signal
+from leto.health import ENV_HEARTBEAT, FailureClass, HangWatch, HeartbeatBoard
 from leto.pool.process import StateManagerProcess
 from leto.preinit.controller import PreinitController, ShadowState
 from leto.preinit.levels import LevelChoice, ShadowLevel
 from leto.summary import Summary
 from leto.trainer.context import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
-from leto_run.failures import FailurePolicy
+from leto_run.agent_state import (
+    Attempt,
+    Phase,
+    Recovery,
+    ShadowGeneration,
+    detect_kill,
+)
+from leto_run.failures import classify, kill_hung, log_group_restart, stop_for_restart
+from leto_run.policy import Action, FailureFacts, decide
 from leto_run.warm_start import ForkServer, warm_spawns
 
 logger = logging.getLogger(__name__)
@@ -114,26 +123,6 @@ COLD_LAUNCH = 1 << 16
 store prefix), distinct from the relaunches of the shadow generation it replaces."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Recovery:
-    """A recovery in progress: promoted, waiting for every promoted trainer's first step."""
-
-    gen: int
-    epoch: int
-    detected_t: float
-    stopped_t: float
-    cold: bool
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ProcessExit:
-    """How a watched process ended: by ``signal``, or with ``exitcode`` (both None: it was
-    reaped elsewhere, e.g. by torch's PContext, and its status is gone)."""
-
-    signal: int | None = None
-    exitcode: int | None = None
-
-
 def _pids_of(worker_group: WorkerGroup, pcontext: PContext) -> dict[str, list[int]]:
     """A generation's processes for its event: ``pids[i]`` is global rank ``ranks[i]``'s."""
     pids = pcontext.pids()
@@ -143,8 +132,13 @@ def _pids_of(worker_group: WorkerGroup, pcontext: PContext) -> dict[str, list[in
     }
 
 
-class LetoAgent(FailurePolicy, LocalElasticAgent):
-    """A LocalElasticAgent whose worker group survives trainer failures in place."""
+class LetoAgent(LocalElasticAgent):
+    """A LocalElasticAgent whose worker group survives trainer failures in place.
+
+    Its runtime state is the :class:`~leto_run.agent_state.Phase` and the current
+    :class:`~leto_run.agent_state.Attempt`; what outlives a group attempt (the state
+    manager, the heartbeat board, the faults that fired) is kept here.
+    """
 
     def __init__(
         self,
@@ -163,41 +157,38 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             None if events.path is None else EventTail(events.path, os.path.getsize(events.path))
         )
         """The events file from where this job began (the trainers' events feed the summary)."""
-        self._sm: StateManagerProcess | None = None
-        self._shadows: PContext | None = None
-        self._generation = 0
-        self._spawn_env: dict[str, str] = {}
-        self._store: dist.Store | None = None
-        self._uses_leto = False
-        self._recovery: Recovery | None = None
-        self._failures_in_a_row = 0
-        """HOFs since a generation last committed a step (``leto.failure_loop_limit``)."""
         self._job_token = contract.new_token()
         """The job's secret: every store key lives under it (``leto.contract``)."""
-        self._sm_death_seen = False
-        self._pidfds: dict[int, int] = {}
-        self._raw_store: dist.Store | None = None
-        self._erased: set[int] = set()
-        self._fired: set[int] = set()
-        self._worker_store: dist.TCPStore | None = None
-        self._detected_t: float | None = None
-        self._root_pid: int | None = None
-        self._epochs: EpochBoard | None = None
-        self._board: HeartbeatBoard | None = None
-        self._hangs: HangWatch | None = None
         self._device_health = NvmlHealth()
         """GPU fatal-condition counters, baselined now (no CUDA context: NVML only)."""
+        self._phase = Phase.STOPPED
+        self._attempt: Attempt | None = None
+        """The current group attempt's state (``_start_workers`` builds a fresh one)."""
+        self._sm: StateManagerProcess | None = None
+        """The state manager: reset by a group restart, stopped with the agent."""
+        self._board: HeartbeatBoard | None = None
+        """Heartbeats and shadow words of every local rank, kept across group attempts."""
+        self._worker_store: dist.TCPStore | None = None
+        """The attempt's worker store, hosted by the leader node's agent."""
+        self._spawn_env: dict[str, str] = {}
+        self._fired: set[int] = set()
+        """Faults claimed in any attempt (a group restart does not fire them again)."""
+        self._erased: set[int] = set()
+        """Faults whose page losses were injected."""
         self._restart_reason = ""
-        self._preinit: PreinitController | None = None
-        self._launches: dict[int, int] = {}
-        self._shadow_deaths = 0
-        """Shadow generations that died in a row before every shadow became ready."""
-        self._no_shadows_reason = ""
-        """Why this node has no shadows although the job uses them (the group-restart reason)."""
         self.forkserver: ForkServer | None = None
         """Set by launch: group restarts start their workers from it (warm restarts)."""
         self.recoveries = 0
         self.restarts = 0
+
+    @property
+    def _current(self) -> Attempt:
+        assert self._attempt is not None, "no group attempt has started"
+        return self._attempt
+
+    def _to(self, phase: Phase) -> None:
+        """Move to ``phase``; raises ``InvalidTransitionError`` where the table forbids it."""
+        self._phase = self._phase.to(phase)
 
     # -- worker environment: the one seam torch offers inside _start_workers -----------------
     def _set_local_rank_env(
@@ -301,22 +292,19 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             is_master=False,
             timeout=timedelta(seconds=60),
         )
-        self._raw_store = raw
-        self._store = dist.PrefixStore(
-            contract.store_prefix(self._restart_count(), self._job_token), raw
-        )
-        self._generation, self._uses_leto, self._recovery = 0, False, None
-        self._failures_in_a_row, self._sm_death_seen = 0, False
-        self._epochs = EpochBoard(
-            self._store, f"{worker_group.master_addr}:{worker_group.master_port}"
-        )
+        store = dist.PrefixStore(contract.store_prefix(self._restart_count(), self._job_token), raw)
         if self._board is None:
             self._board = HeartbeatBoard(worker_group.spec.local_world_size)
-        self._hangs = HangWatch(
-            self._board, self._leto.hang_timeout_s, self._leto.first_step_timeout_s
+        self._attempt = Attempt(
+            raw_store=raw,
+            store=store,
+            epochs=EpochBoard(store, f"{worker_group.master_addr}:{worker_group.master_port}"),
+            hangs=HangWatch(
+                self._board, self._leto.hang_timeout_s, self._leto.first_step_timeout_s
+            ),
+            preinit=PreinitController(self._leto.preinit, self._leto.shadow_level, self._board),
         )
-        self._preinit = PreinitController(self._leto.preinit, self._leto.shadow_level, self._board)
-        self._launches, self._shadow_deaths, self._no_shadows_reason = {}, 0, ""
+        self._to(Phase.STARTING)
         pcontext = self._spawn(worker_group, ROLE_ACTIVE, 0)
         self._events.emit(
             Kind.WORKERS_STARTED,
@@ -327,32 +315,34 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         return pcontext.pids()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        attempt = self._current
         self._watch_state_manager()
         self._watch_registration(worker_group)
         self._watch_recovery(worker_group)
         self._watch_preinit(worker_group)
-        if self._uses_leto and self._epochs is not None:
-            record = self._epochs.poll(self._generation + 1)
+        if self._phase.uses_leto:
+            record = attempt.epochs.poll(attempt.generation + 1)
             if record is not None:  # another node saw a failure: do as it decided
                 return self._follow(worker_group, record, None)
-            self._watch_hangs(worker_group)
+            if attempt.detection is None and self._pcontext is not None:
+                kill_hung(attempt.hangs, worker_group, self._events, attempt.generation)
         self._detect_killed_active()
         self._watch_shadows(worker_group)
         result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.FAILED and self._uses_leto and self._epochs is not None:
+        if result.state == WorkerState.FAILED and self._phase.uses_leto:
             return self._decide(worker_group, result)
         if result.state == WorkerState.SUCCEEDED:
-            self._close_shadows()
+            self._retire_shadows()
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torchrun's group restart (counted against --max-restarts), recorded as an event."""
         self.restarts += 1
-        if not self._restart_reason and self._uses_leto and self._epochs is not None:
+        if not self._restart_reason and self._phase.uses_leto:
             # torch restarts on a membership change without counting it; when that change is
             # another node's restart decision seen late, count it as that node does, so the
             # nodes' restart counts (and so their worker stores) stay in step.
-            record = self._epochs.poll(self._generation + 1)
+            record = self._current.epochs.poll(self._current.generation + 1)
             if record is not None and record.action == "restart" and self._remaining_restarts > 0:
                 self._remaining_restarts -= 1
                 self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
@@ -367,14 +357,16 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._note_fired_faults()
-        self._close_pidfds()
-        self._close_shadows()
+        if self._attempt is not None:
+            self._attempt.actives_stopped()
+        self._retire_shadows()
         super()._stop_workers(worker_group)
 
     def _shutdown(
         self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any
     ) -> None:
-        self._close_shadows(death_sig)
+        self._retire_shadows(death_sig)
+        self._to(Phase.STOPPED)
         super()._shutdown(death_sig, *args, **kwargs)
 
     def run(self, role: str = "default") -> RunResult:
@@ -382,317 +374,232 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
         try:
             return super().run(role)
         finally:
-            self._close_shadows()
+            self._retire_shadows()
+            if self._attempt is not None:
+                self._attempt.actives_stopped()
             if self._sm is not None:
                 self._sm.stop()
                 self._sm = None
-            self._preinit = None  # its words live in the board
+            self._attempt = None  # its controller's words live in the board
             if self._board is not None:
                 self._board.close()
                 self._board = None
 
-    # -- leto --------------------------------------------------------------------------------
-    def _restart_count(self) -> int:
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
-
-    def _local_keys(self, worker_group: WorkerGroup, what: str, generation: int) -> list[str]:
-        key = {"registered": contract.registered, "stepped": contract.stepped}[what]
-        return [key(generation, w.global_rank) for w in worker_group.workers]
-
-    def _watch_state_manager(self) -> None:
-        """A dead state manager takes every retained region of the node with it: say so at
-        once (the next failure restarts the group; the running trainers go on)."""
-        if self._sm is None or self._sm_death_seen or self._sm.alive():
-            return
-        self._sm_death_seen = True
-        how = str(self._sm.exit_status())
-        self._events.emit(Kind.STATE_MANAGER_DIED, how=how, gen=self._generation)
-        logger.error(
-            "the state manager died (%s): in-place recovery is lost on this node; the next failure "
-            "restarts the group from the newest checkpoint",
-            how,
-        )
-
-    def _watch_registration(self, worker_group: WorkerGroup) -> None:
-        """Spawn shadows once every local active has joined through ``leto.init()``."""
-        if self._uses_leto or self._leto.recovery != "in_place" or self._store is None:
-            return
-        if self._store.check(self._local_keys(worker_group, "registered", 0)):
-            self._uses_leto = True
-            self._spawn_shadows(worker_group)
-
-    def _spawn_shadows(
-        self,
-        worker_group: WorkerGroup,
-        choice: LevelChoice | None = None,
-        launch: int | None = None,
-    ) -> None:
-        """Spawn the next generation's shadows at ``choice``'s level (default: the configured
-        one), as launch ``launch`` (default: the next of this generation)."""
-        assert self._store is not None and self._preinit is not None
-        gen = self._generation + 1
-        choice = choice or LevelChoice(
-            level=ShadowLevel(self._leto.shadow_level), reason="configured"
-        )
-        level = choice.level
-        if launch is None:
-            launch = self._launches.get(gen, -1) + 1
-        self._launches[gen] = launch
-        self._no_shadows_reason = ""
-        self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
-        self._shadows = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
-        self._preinit.spawned(level)
-        self._events.emit(
-            Kind.SHADOWS_SPAWNED,
-            gen=gen,
-            **_pids_of(worker_group, self._shadows),
-            level=int(level),
-            launch=launch,
-        )
-        self._store.set(contract.shadows(gen, worker_group.group_rank), "1")
-
+    # -- the recovery path: detect → stop → decide → promote or restart → recovery_done ------
     def _detect_killed_active(self) -> None:
-        """See a trainer killed by a signal without reaping it, and stop its peers at once.
-
-        torch's PContext, on a failure, sends SIGTERM to the survivors and waits for them;
-        peers stuck in a collective then take their time. With a pidfd and ``WNOWAIT`` we
-        learn of the death first and SIGKILL the survivors, so the base class finds them
-        all dead; ``dying_signal`` sees it even before the victim is a zombie, while the
-        kernel still tears down its memory and CUDA context, so the survivors' teardowns
-        overlap the victim's instead of following it. Only for leto jobs, and only for deaths
-        by signal (HOFs).
-        """
-        if not self._uses_leto or self._pcontext is None or self._detected_t is not None:
+        """See a trainer killed by a signal without reaping it, and stop its peers at once
+        (``agent_state.detect_kill``). Only for leto jobs, and only for deaths by signal
+        (HOFs); torch's poll then reports the failure to ``_decide``."""
+        attempt = self._current
+        if not self._phase.uses_leto or self._pcontext is None or attempt.detection is not None:
             return
-        pids = list(self._pcontext.pids().values())
-        for pid in pids:
-            try:
-                end = self._exit_of(pid)
-            except OSError:  # no pidfds (e.g. gVisor): the base class's poll still sees it
-                return
-            if end is not None and end.signal is not None:
-                self._detected_t, self._root_pid = time.time(), pid
-                for other in pids:
-                    if other != pid:
-                        try:
-                            os.kill(other, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                return
+        attempt.detection = detect_kill(self._pcontext.pids().values(), attempt.actives)
 
-    def _exit_of(self, pid: int) -> ProcessExit | None:
-        """How ``pid`` (a child) ended, without reaping it; None while it lives. A signal is
-        seen already while the kernel tears the process down (``dying_signal``). Raises
-        OSError when pidfds are unavailable."""
-        fd = self._pidfds.get(pid)
-        if fd is None:
-            try:
-                fd = self._pidfds[pid] = os.pidfd_open(pid)
-            except ProcessLookupError:
-                return ProcessExit()
-        try:
-            info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # already reaped (by torch's PContext)
-            return ProcessExit()
-        if info is None:
-            signo = dying_signal(pid)
-            return None if signo is None else ProcessExit(signal=signo)
-        if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-            return ProcessExit(signal=info.si_status)
-        return ProcessExit(exitcode=info.si_status)
-
-    def _drop_pidfds(self, pids: Iterator[int] | list[int]) -> None:
-        for pid in pids:
-            fd = self._pidfds.pop(pid, None)
-            if fd is not None:
-                os.close(fd)
-
-    def _dead_shadow(self) -> tuple[int, ProcessExit] | None:
-        """The first local shadow (local rank, how it ended) that is gone, else None."""
-        if self._shadows is None:
-            return None
-        for local_rank, pid in self._shadows.pids().items():
-            try:
-                end = self._exit_of(pid)
-            except OSError:  # no pidfds: torch's poll (it reaps) is all there is
-                result = self._shadows.wait(0)
-                if result is None:
-                    return None
-                failure = min(result.failures.values(), key=lambda f: f.timestamp, default=None)
-                return (failure.local_rank if failure else local_rank), ProcessExit(
-                    exitcode=failure.exitcode if failure else 0
-                )
-            if end is not None:
-                return local_rank, end
-        return None
-
-    def _watch_shadows(self, worker_group: WorkerGroup) -> None:
-        """A shadow that died before promotion (crash, OOM kill, SIGKILL): retract its
-        generation's readiness and relaunch it at the same level, unless shadows keep dying
-        (``preinit.shadow_deaths_limit`` in a row before becoming ready): then none, and the next
-        failure restarts the group. The whole local generation goes: at L3 its shadows share
-        a process group that a dead member breaks."""
-        ctrl = self._preinit
-        if (
-            self._shadows is None
-            or ctrl is None
-            or ctrl.state is not ShadowState.LIVE
-            or self._detected_t is not None
-        ):
-            return
-        dead = self._dead_shadow()
-        if dead is None:
-            if self._shadow_deaths and ctrl.ready():
-                self._shadow_deaths = 0  # a replacement made it: in-place recovery is back
-            return
-        assert self._store is not None
-        local_rank, end = dead
-        gen, level, pids = self._generation + 1, int(ctrl.level), self._shadows.pids()
-        self._store.delete_key(
-            contract.shadows(gen, worker_group.group_rank)
-        )  # not ready for a HOF
-        self._shadows.close(death_sig=signal.SIGKILL, timeout=5)  # returns once reaped
-        self._shadows = None
-        self._drop_pidfds(list(pids.values()))
-        ctrl.closed()  # clears the ready words on the board
-        self._shadow_deaths += 1
-        rank = worker_group.workers[local_rank].global_rank
+    def _decide(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """A local failure: publish the job-wide answer (or find a peer's) and follow it."""
+        attempt = self._current
+        detection = attempt.detection
+        failure = classify(
+            result,
+            state_manager=self._sm,
+            epochs=attempt.epochs,
+            device_health=self._device_health,
+            events=self._events,
+            killed_seen=detection is not None,
+        )
+        epoch = attempt.generation + 1
+        if self._phase is Phase.RECOVERING:  # the promoted trainers failed before all stepped
+            self.recoveries -= 1
+            attempt.recovery = None
+        if failure is FailureClass.ERROR and worker_group.group_world_size > 1:
+            # A trainer on another node died, breaking our collectives: its agent's record
+            # is on its way and explains our error.
+            record = attempt.epochs.wait(epoch, self._leto.peer_failure_grace_s)
+            if record is not None:
+                return self._follow(worker_group, record, result)
+        failed = {str(rank): f.exitcode for rank, f in result.failures.items()}
+        root = [
+            w.global_rank
+            for w in worker_group.workers
+            if detection is not None and w.id == detection.root_pid
+        ] or sorted(result.failures)
+        detected_t = detection.t if detection is not None else time.time()
+        attempt.failures_in_a_row += 1
+        ranks = sorted(result.failures)
         self._events.emit(
-            Kind.SHADOW_DIED,
-            gen=gen,
-            rank=rank,
-            level=level,
-            pid=pids[local_rank],
-            signal=end.signal,
-            exitcode=end.exitcode,
-            deaths=self._shadow_deaths,
+            Kind.FAILURE_DETECTED,
+            ranks=ranks,
+            exit_codes=[result.failures[r].exitcode for r in ranks],
+            root_ranks=root,
+            gen=attempt.generation,
+            detected_t=detected_t,
+            failure=failure.value,
+            in_a_row=attempt.failures_in_a_row,
         )
-        logger.warning(
-            "rank %d's shadow (gen %d, level %d, pid %d) died before promotion (%s)",
-            rank,
-            gen,
-            level,
-            pids[local_rank],
-            f"signal {end.signal}" if end.signal is not None else f"exit code {end.exitcode}",
-        )
-        why = ""
-        if worker_group.group_world_size > 1:
-            # As after a reclaim: the shadows of every node share one process group.
-            why = "multi-node job: a node's shadows cannot be relaunched alone"
-        elif self._shadow_deaths >= self._leto.preinit.shadow_deaths_limit:
-            why = f"shadows died {self._shadow_deaths} times in a row before becoming ready"
-        if why:
-            self._no_shadows_reason = f"rank {rank}'s shadow died; not relaunched ({why})"
-            ctrl.gave_up()
-            self._events.emit(
-                Kind.SHADOWS_GIVEN_UP,
-                gen=gen,
-                rank=rank,
-                level=level,
-                deaths=self._shadow_deaths,
-                reason=why,
+        decision = decide(self._facts(worker_group, failure))
+        record = attempt.epochs.publish(
+            EpochRecord(
+                epoch=epoch,
+                action="in_place" if decision.action.in_place else "restart",
+                failure=failure.value,
+                node=worker_group.group_rank,
+                ranks=failed,
+                root_ranks=root,
+                reason=decision.reason,
+                detected_t=detected_t,
+                cold=decision.action is Action.PROMOTE_COLD,
             )
-            logger.error("%s: the next failure restarts the group", self._no_shadows_reason)
-            return
-        self._spawn_shadows(
-            worker_group, LevelChoice(level=ShadowLevel(level), reason="shadow_died")
+        )
+        return self._follow(worker_group, record, result)
+
+    def _facts(self, worker_group: WorkerGroup, failure: FailureClass) -> FailureFacts:
+        attempt = self._current
+        sm_alive = self._sm is not None and self._sm.alive()
+        nodes = range(worker_group.group_world_size)
+        return FailureFacts(
+            failure=failure,
+            in_place_enabled=self._leto.recovery == "in_place",
+            state_manager_alive=sm_alive,
+            shadows_everywhere=self._local_shadows_ok()
+            and attempt.epochs.check([contract.shadows(attempt.generation + 1, n) for n in nodes]),
+            multi_node=worker_group.group_world_size > 1,
+            failures_without_progress=attempt.failures_in_a_row,
+            failure_loop_limit=self._leto.failure_loop_limit,
+            no_shadows_reason=attempt.no_shadows_reason,
+            state_manager_exit="" if sm_alive or self._sm is None else str(self._sm.exit_status()),
         )
 
-    def _close_pidfds(self) -> None:
-        for fd in self._pidfds.values():
-            os.close(fd)
-        self._pidfds.clear()
-        self._detected_t = self._root_pid = None
+    def _local_shadows_ok(self) -> bool:
+        shadows = self._current.shadows
+        return (
+            shadows is not None
+            and shadows.dead() is None
+            and self._sm is not None
+            and self._sm.alive()
+        )
+
+    def _follow(
+        self, worker_group: WorkerGroup, record: EpochRecord, result: RunResult | None
+    ) -> RunResult:
+        """Act on the job-wide decision for this generation: promote, or restart the group."""
+        if record.action == "in_place" and not record.cold and not self._local_shadows_ok():
+            if worker_group.group_world_size > 1:
+                # The other nodes promote their shadows; then every node follows a cold
+                # generation (its trainers must meet in one process group). Until then this
+                # node's cold trainers wait in theirs.
+                self._current.epochs.publish(
+                    EpochRecord(
+                        epoch=record.epoch + 1,
+                        action="in_place",
+                        failure=record.failure,
+                        node=worker_group.group_rank,
+                        reason=f"node {worker_group.group_rank} has no live shadows",
+                        detected_t=time.time(),
+                        cold=True,
+                    )
+                )
+            # This node's shadows died since the decision: a cold generation here instead.
+            record = dataclasses.replace(record, cold=True)
+        self._events.emit(
+            Kind.EPOCH,
+            epoch=record.epoch,
+            action=record.action,
+            failure=record.failure,
+            node=record.node,
+            remote=record.node != worker_group.group_rank,
+            cold=record.cold,
+            reason=record.reason,
+            detected_t=record.detected_t,
+            root_ranks=record.root_ranks,
+        )
+        if record.action == "in_place":
+            self._recover(worker_group, record)
+            return RunResult(state=WorkerState.HEALTHY)
+        self._to(Phase.RESTARTING)
+        self._current.recovery = None
+        self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
+        log_group_restart(
+            self._restart_reason,
+            self._remaining_restarts,
+            worker_group.spec.max_restarts,
+            self._leto.checkpoint,
+        )
+        if result is not None and result.state == WorkerState.FAILED:
+            return result
+        # Our own workers are healthy but the job is restarting: stop them, report them.
+        assert self._pcontext is not None
+        return stop_for_restart(worker_group, self._pcontext)
 
     def _recover(self, worker_group: WorkerGroup, record: EpochRecord) -> None:
         """Stop this node's actives and promote the next generation (every node does this):
         its live shadows, or with ``record.cold`` a generation started now, which attaches
         to the retained state as soon as it has started. Replacement shadows are spawned
         at once, so a failure in the promoted generation's first steps finds them."""
-        t_detect = self._detected_t or time.time()
-        assert self._store is not None and self._pcontext is not None and self._preinit is not None
-        assert record.epoch == self._generation + 1, (record.epoch, self._generation)
+        attempt = self._current
+        t_detect = attempt.detection.t if attempt.detection is not None else time.time()
+        assert self._pcontext is not None
+        assert record.epoch == attempt.generation + 1, (record.epoch, attempt.generation)
         epoch = record.epoch
         self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
         t_stopped = time.time()
-        self._events.emit(Kind.ACTIVES_STOPPED, gen=self._generation, stop_s=t_stopped - t_detect)
-        self._close_pidfds()
+        self._events.emit(Kind.ACTIVES_STOPPED, gen=attempt.generation, stop_s=t_stopped - t_detect)
+        attempt.actives_stopped()
         self._inject_erasures()
-        level = self._preinit.choose("recovery")  # the last actives' peak (reports outlive them)
-        if record.cold or self._shadows is None:
-            self._close_shadows()
+        level = attempt.preinit.choose("recovery")  # the last actives' peak (reports outlive them)
+        if record.cold or attempt.shadows is None:
+            self._retire_shadows()
             self._spawn_shadows(
                 worker_group, dataclasses.replace(level, reason="cold"), launch=COLD_LAUNCH
             )
-        assert self._shadows is not None
-        self._generation += 1
+        shadows = attempt.shadows
+        assert shadows is not None
+        attempt.generation += 1
         t_promote = time.time()
         for worker in worker_group.workers:
-            self._store.set(contract.promote(self._generation, worker.global_rank), str(epoch))
+            attempt.store.set(contract.promote(attempt.generation, worker.global_rank), str(epoch))
         # Ready shadows are warm: their first step is judged by the hang timeout. Shadows
         # still pre-initialising and cold generations import and build first (the
         # first-step timeout).
-        warm = not record.cold and self._preinit.ready()
-        self._pcontext, self._shadows = self._shadows, None
-        self._preinit.closed()  # the shadows are the actives now
-        if self._hangs is not None:
-            self._hangs.arm(warm=warm)
+        warm = not record.cold and attempt.preinit.ready()
+        attempt.shadows = None
+        self._pcontext, attempt.actives = shadows.promote()
+        attempt.preinit.closed()  # the shadows are the actives now
+        attempt.hangs.arm(warm=warm)
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
             worker.id = pid
         self._events.emit(
             Kind.SHADOWS_PROMOTED,
-            gen=self._generation,
+            gen=attempt.generation,
             epoch=epoch,
             promote_t=t_promote,
             node=worker_group.group_rank,
             cold=record.cold,
         )
         self.recoveries += 1
-        self._recovery = Recovery(
-            gen=self._generation,
+        attempt.recovery = Recovery(
+            gen=attempt.generation,
             epoch=epoch,
             detected_t=t_detect,
             stopped_t=t_stopped,
             cold=record.cold,
         )
+        self._to(Phase.RECOVERING)
         self._spawn_shadows(worker_group, level)
-
-    def _note_fired_faults(self) -> None:
-        """Faults are claimed in the attempt's store; remember them across group restarts."""
-        if self._raw_store is None:
-            return
-        for i in range(len(self._leto.faults)):
-            if i not in self._fired and self._raw_store.check([contract.fault_claim(i)]):
-                self._fired.add(i)
-
-    def _inject_erasures(self) -> None:
-        """Page losses scheduled with a fault that has now fired (tests and demos)."""
-        erasure = self._leto.erasure
-        if erasure is None or self._sm is None:
-            return
-        pool = self._sm.client()
-        try:
-            for i, fault in enumerate(self._leto.faults):
-                if (
-                    fault.erases
-                    and i not in self._erased
-                    and self._raw_store.check([contract.fault_claim(i)])
-                ):
-                    self._erased.add(i)
-                    faults.erase_pages(pool, fault, i, erasure, self._events)
-        finally:
-            pool.close()
 
     def _watch_recovery(self, worker_group: WorkerGroup) -> None:
         """When every promoted trainer has stepped once, the recovery is done: its phases
         are the summary's of this node's events (each trainer writes its first step's
         ``step_done`` before it says it stepped)."""
         self._read_events()
-        if self._recovery is None or self._store is None:
+        attempt = self._current
+        if self._phase is not Phase.RECOVERING:
             return
-        if self._store.check(self._local_keys(worker_group, "stepped", self._recovery.gen)):
-            recovery, self._recovery = self._recovery, None
-            self._failures_in_a_row = 0
+        recovery = attempt.recovery
+        assert recovery is not None
+        if attempt.store.check(self._local_keys(worker_group, "stepped", recovery.gen)):
+            attempt.recovery = None
+            self._to(Phase.RUNNING)
+            attempt.failures_in_a_row = 0
             self._read_events()
             rec = next(
                 (r for r in reversed(self._summary.recoveries()) if r.gen == recovery.gen), None
@@ -706,41 +613,198 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
             )
             self._raise_shadow_level(worker_group)
 
+    # -- the rest of the monitoring pass ------------------------------------------------------
+    def _restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def _local_keys(self, worker_group: WorkerGroup, what: str, generation: int) -> list[str]:
+        key = {"registered": contract.registered, "stepped": contract.stepped}[what]
+        return [key(generation, w.global_rank) for w in worker_group.workers]
+
+    def _watch_state_manager(self) -> None:
+        """A dead state manager takes every retained region of the node with it: say so at
+        once (the next failure restarts the group; the running trainers go on)."""
+        attempt = self._current
+        if self._sm is None or attempt.sm_death_seen or self._sm.alive():
+            return
+        attempt.sm_death_seen = True
+        how = str(self._sm.exit_status())
+        self._events.emit(Kind.STATE_MANAGER_DIED, how=how, gen=attempt.generation)
+        logger.error(
+            "the state manager died (%s): in-place recovery is lost on this node; the next failure "
+            "restarts the group from the newest checkpoint",
+            how,
+        )
+
+    def _watch_registration(self, worker_group: WorkerGroup) -> None:
+        """Spawn shadows once every local active has joined through ``leto.init()``."""
+        if self._phase is not Phase.STARTING or self._leto.recovery != "in_place":
+            return
+        if self._current.store.check(self._local_keys(worker_group, "registered", 0)):
+            self._to(Phase.RUNNING)
+            self._spawn_shadows(worker_group)
+
     def _read_events(self) -> None:
         """Feed the summary what was appended to the events file since the last call."""
         if self._tail is not None:
             for event in self._tail.new_events():
                 self._summary.add(event)
 
+    def _note_fired_faults(self) -> None:
+        """Faults are claimed in the attempt's store; remember them across group restarts."""
+        if self._attempt is None:
+            return
+        for i in range(len(self._leto.faults)):
+            if i not in self._fired and self._attempt.raw_store.check([contract.fault_claim(i)]):
+                self._fired.add(i)
+
+    def _inject_erasures(self) -> None:
+        """Page losses scheduled with a fault that has now fired (tests and demos)."""
+        erasure = self._leto.erasure
+        if erasure is None or self._sm is None:
+            return
+        raw_store = self._current.raw_store
+        pool = self._sm.client()
+        try:
+            for i, fault in enumerate(self._leto.faults):
+                if (
+                    fault.erases
+                    and i not in self._erased
+                    and raw_store.check([contract.fault_claim(i)])
+                ):
+                    self._erased.add(i)
+                    faults.erase_pages(pool, fault, i, erasure, self._events)
+        finally:
+            pool.close()
+
+    # -- shadows: spawn, watch, reclaim, relaunch; every teardown is ShadowGeneration.retire --
+    def _spawn_shadows(
+        self,
+        worker_group: WorkerGroup,
+        choice: LevelChoice | None = None,
+        launch: int | None = None,
+    ) -> None:
+        """Spawn the next generation's shadows at ``choice``'s level (default: the configured
+        one), as launch ``launch`` (default: the next of this generation)."""
+        attempt = self._current
+        gen = attempt.generation + 1
+        choice = choice or LevelChoice(
+            level=ShadowLevel(self._leto.shadow_level), reason="configured"
+        )
+        level = choice.level
+        if launch is None:
+            launch = attempt.launches.get(gen, -1) + 1
+        attempt.launches[gen] = launch
+        attempt.no_shadows_reason = ""
+        self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
+        pcontext = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
+        attempt.shadows = ShadowGeneration(gen=gen, level=level, launch=launch, pcontext=pcontext)
+        attempt.preinit.spawned(level)
+        self._events.emit(
+            Kind.SHADOWS_SPAWNED,
+            gen=gen,
+            **_pids_of(worker_group, pcontext),
+            level=int(level),
+            launch=launch,
+        )
+        attempt.store.set(contract.shadows(gen, worker_group.group_rank), "1")
+
+    def _retire_shadows(self, death_sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop this node's shadows, if any, for a reason other than a reclaim."""
+        attempt = self._attempt
+        if attempt is None:
+            return
+        if attempt.shadows is not None:
+            attempt.shadows.retire(death_sig)
+            attempt.shadows = None
+        attempt.preinit.closed()
+
+    def _watch_shadows(self, worker_group: WorkerGroup) -> None:
+        """A shadow that died before promotion (crash, OOM kill, SIGKILL): retract its
+        generation's readiness and relaunch it at the same level, unless shadows keep dying
+        (``preinit.shadow_deaths_limit`` in a row before becoming ready): then none, and the next
+        failure restarts the group. The whole local generation goes: at L3 its shadows share
+        a process group that a dead member breaks."""
+        attempt = self._current
+        ctrl, shadows = attempt.preinit, attempt.shadows
+        if shadows is None or ctrl.state is not ShadowState.LIVE or attempt.detection is not None:
+            return
+        dead = shadows.dead()
+        if dead is None:
+            if attempt.shadow_deaths and ctrl.ready():
+                attempt.shadow_deaths = 0  # a replacement made it: in-place recovery is back
+            return
+        local_rank, end = dead
+        gen, level = shadows.gen, int(shadows.level)
+        attempt.store.delete_key(contract.shadows(gen, worker_group.group_rank))  # not ready
+        attempt.shadows = None
+        pids = shadows.retire()
+        ctrl.closed()  # clears the ready words on the board
+        attempt.shadow_deaths += 1
+        rank = worker_group.workers[local_rank].global_rank
+        self._events.emit(
+            Kind.SHADOW_DIED,
+            gen=gen,
+            rank=rank,
+            level=level,
+            pid=pids[local_rank],
+            signal=end.signal,
+            exitcode=end.exitcode,
+            deaths=attempt.shadow_deaths,
+        )
+        logger.warning(
+            "rank %d's shadow (gen %d, level %d, pid %d) died before promotion (%s)",
+            rank,
+            gen,
+            level,
+            pids[local_rank],
+            f"signal {end.signal}" if end.signal is not None else f"exit code {end.exitcode}",
+        )
+        why = ""
+        if worker_group.group_world_size > 1:
+            # As after a reclaim: the shadows of every node share one process group.
+            why = "multi-node job: a node's shadows cannot be relaunched alone"
+        elif attempt.shadow_deaths >= self._leto.preinit.shadow_deaths_limit:
+            why = f"shadows died {attempt.shadow_deaths} times in a row before becoming ready"
+        if why:
+            attempt.no_shadows_reason = f"rank {rank}'s shadow died; not relaunched ({why})"
+            ctrl.gave_up()
+            self._events.emit(
+                Kind.SHADOWS_GIVEN_UP,
+                gen=gen,
+                rank=rank,
+                level=level,
+                deaths=attempt.shadow_deaths,
+                reason=why,
+            )
+            logger.error("%s: the next failure restarts the group", attempt.no_shadows_reason)
+            return
+        self._spawn_shadows(
+            worker_group, LevelChoice(level=ShadowLevel(level), reason="shadow_died")
+        )
+
     def _raise_shadow_level(self, worker_group: WorkerGroup) -> None:
         """The replacements were spawned at promotion, at the level the previous actives'
         peak allowed; the fresh actives have now reported theirs (a transient peak, e.g. an
         OOM's, is gone): relaunch the shadows higher when a higher level fits. Single node
         only (a node's shadows cannot join the others' group alone)."""
-        ctrl = self._preinit
-        if ctrl is None or ctrl.state is not ShadowState.LIVE or worker_group.group_world_size > 1:
+        attempt = self._current
+        ctrl = attempt.preinit
+        if ctrl.state is not ShadowState.LIVE or worker_group.group_world_size > 1:
             return
         choice = ctrl.choose("recovery")
         if choice.level <= ctrl.level:
             return
-        self._close_shadows()
-        assert self._store is not None
-        self._store.delete_key(contract.shadows(self._generation + 1, worker_group.group_rank))
+        self._retire_shadows()
+        attempt.store.delete_key(contract.shadows(attempt.generation + 1, worker_group.group_rank))
         self._spawn_shadows(worker_group, choice)
-
-    def _close_shadows(self, death_sig: signal.Signals = signal.SIGKILL) -> None:
-        if self._shadows is not None:
-            self._drop_pidfds(list(self._shadows.pids().values()))
-            self._shadows.close(death_sig=death_sig, timeout=5)
-            self._shadows = None
-        if self._preinit is not None:
-            self._preinit.closed()
 
     def _watch_preinit(self, worker_group: WorkerGroup) -> None:
         """Answer actives' OOMs by reclaiming the shadows; relaunch them when it is known
         what fits (every active committed the retried step and reported its memory)."""
-        ctrl = self._preinit
-        if ctrl is None or not self._uses_leto or self._detected_t is not None:
+        attempt = self._current
+        ctrl = attempt.preinit
+        if not self._phase.uses_leto or attempt.detection is not None:
             return  # during a failure the actives are being stopped anyway
         slots = ctrl.requests()
         if slots:
@@ -758,26 +822,25 @@ class LetoAgent(FailurePolicy, LocalElasticAgent):
 
     def _reclaim_shadows(self, worker_group: WorkerGroup, slots: list[int]) -> None:
         """SIGKILL this node's shadows, reap them, then answer the waiting trainers."""
-        assert self._preinit is not None and self._store is not None
+        attempt = self._current
+        ctrl, shadows = attempt.preinit, attempt.shadows
         ranks = [worker_group.workers[s].global_rank for s in slots]
         level = 0
-        if self._shadows is not None and self._preinit.state is ShadowState.LIVE:
-            level, t0, pids = int(self._preinit.level), time.time(), self._shadows.pids()
-            self._drop_pidfds(list(pids.values()))
-            self._shadows.close(death_sig=signal.SIGKILL, timeout=5)  # returns once reaped
-            self._shadows = None
-            self._preinit.reclaimed()
-            gen = self._generation + 1
-            self._store.delete_key(
-                contract.shadows(gen, worker_group.group_rank)
+        if shadows is not None and ctrl.state is ShadowState.LIVE:
+            level, t0 = int(shadows.level), time.time()
+            attempt.shadows = None
+            pids = shadows.retire()
+            ctrl.reclaimed()
+            attempt.store.delete_key(
+                contract.shadows(shadows.gen, worker_group.group_rank)
             )  # not ready for a HOF
             self._events.emit(
                 Kind.SHADOW_RECLAIMED,
-                gen=gen,
+                gen=shadows.gen,
                 level=level,
                 ranks=ranks,
                 pids=list(pids.values()),
                 reclaim_s=time.time() - t0,
-                reclaims=self._preinit.reclaims,
+                reclaims=ctrl.reclaims,
             )
-        self._preinit.answer(slots, level)
+        ctrl.answer(slots, level)
