@@ -232,9 +232,8 @@ class LetoConfig:
     """rmu: bytes of parameters per chunk transaction (the undo buffer holds ~3x this:
     parameters, exp_avg, exp_avg_sq, rounded out to 2 KiB tiles). None: 256 MiB on a GPU,
     4 MiB on CPU (``default_rmu_chunk_bytes``). Small chunks on a GPU make the update
-    launch-bound: a 1.1 B GPT ran 180 ms per step with 4 MiB chunks (~1000 per step)
-    against torchrun's 111 ms on the same kernels, and the parity fold needs runs of >= 4
-    pages per group for the Horner kernel (BENCHMARKS.md, GPU session 4)."""
+    launch-bound (a kernel launch per chunk) and cut the parity fold into short runs per
+    group, where the Horner kernel gains least; BENCHMARKS.md has the measurements."""
     rmu_fused: bool | None = None
     """rmu: save and update each chunk with one fused Triton kernel (undo copy + AdamW in one
     pass, ``triton_kernels/adamw_rmu.py``) instead of a copy and torch's foreach ops. None:

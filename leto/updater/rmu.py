@@ -23,9 +23,8 @@ anywhere leaves a state from which the step can be finished exactly:
 
 The working parity is held as tier-1 *syndromes* (``leto.erasure.rs.GRSCode``): a chunk's
 fold is then a Horner sum in fixed constants (the Triton kernel of
-``triton_kernels.gf16_syndrome``, 12x faster than the generic kernel per group on an
-H200, at 0.58x the device-copy rate for a 256 MiB chunk), and the conversions cost 16
-pages per group per step.
+``triton_kernels.gf16_syndrome``, several times faster than the generic kernel;
+BENCHMARKS.md), and the conversions cost 16 pages per group per step.
 
 All three buffers (undo, Q[0], Q[1]) are pool regions ("rmu.undo", "rmu.parity"), so they
 survive the trainer. On a GPU they are the memory the paper borrows from activations (they
