@@ -32,16 +32,15 @@ from leto.preinit.levels import ShadowLevel
 class Phase(str, enum.Enum):
     """Where this node's agent is::
 
-        STOPPED ──start──▶ STARTING ──every active called leto.init()──▶ RUNNING ◀─┐
-           ▲                  │                                           │  │    │ every promoted
-           │                  │ (a plain script stays here:     promoted  │  │    │ trainer stepped
-           │                  │  torchrun's behaviour)                    ▼  │    │
-           │                  │                            ⟲ promoted  RECOVERING ┘
-           │                  │                              again        │  │
-           │                  │                     a restart record      │  ▼
-           └──workers stopped─┴──────────────── RESTARTING ◀──────────────┴──┘
+        STOPPED ──start──▶ STARTING ──every active called leto.init()──▶ RUNNING
+                           (a plain script stays here)                   │    ▲
+                                                                 promoted│    │ every promoted
+                                                                         ▼    │ trainer stepped
+                                                promoted again ⟲ RECOVERING ──┘
+        RUNNING, RECOVERING ──a restart record──▶ RESTARTING
+        any phase ──workers stopped──▶ STOPPED
 
-    Every phase may go to STOPPED (workers stopped: a group restart, the job's end).
+    Workers stop for a group restart or at the job's end.
     A trainer's death seen early (:class:`Detection`) is not a phase: it happens in RUNNING
     or RECOVERING and ends in the decision that moves the phase on.
     """
