@@ -83,7 +83,7 @@ def _deterministic() -> list[str]:
 def run_leto(
     tmp: Path,
     steps: int,
-    kills: list[tuple[int, int, str]],
+    kills: list[tuple[int, int, str]] | list[tuple[int, int, str, str]],
     nproc: int,
     consistency: str,
     extra: tuple[str, ...] = (),
@@ -106,8 +106,8 @@ def run_leto(
         *_deterministic(),
         *extra,
     ]
-    for rank, step, phase in kills:
-        cmd += ["--inject-fault", f"rank={rank},step={step},phase={phase}"]
+    for rank, step, phase, *more in kills:
+        cmd += ["--inject-fault", ",".join([f"rank={rank},step={step},phase={phase}", *more])]
     cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
     proc = subprocess.run(
         cmd, check=False, env=_env(**env), cwd=tmp, capture_output=True, text=True
@@ -257,6 +257,7 @@ def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]
         e
         for e in events
         if e["kind"] == "step_done"
+        and "phases_s" in e  # a step finished in recovery has none
         and e["step"] >= 5
         and e.get("rank", 0) == 0
         and e["t"] - e["iter_s"] > t0
@@ -290,6 +291,56 @@ def print_phases(timed: dict[str, dict[str, float]]) -> None:
             + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()),
             flush=True,
         )
+
+
+def ablate(args: argparse.Namespace) -> None:
+    """Diagnostic: where leto-run's steady step goes. The same job unsynchronised (median
+    step, steps >= 5 after the shadows settled) as torchrun with fused AdamW, leto-run,
+    leto-run without shadows, and without shadows nor lent activation memory; then
+    leto-run and torchrun synchronised at every phase boundary."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        no_lend = tmp / "no-lend.yaml"
+        no_lend.write_text("leto:\n  lend_activation_memory: false\n")
+        restart = ("--recovery", "restart")
+        runs = {
+            "leto-run": (),
+            "leto-run, no shadows": restart,
+            "leto-run, no shadows, no lending": (*restart, "--config", str(no_lend)),
+        }
+        iters = {
+            "torchrun": after_shadows_settled(
+                run_torchrun(
+                    tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc
+                )
+            )[0]
+        }
+        for name, extra in runs.items():
+            events = run_leto(tmp, args.steps, [], args.nproc, args.consistency, extra)
+            iters[name] = after_shadows_settled(events)[0]
+        for name, value in iters.items():
+            ratio = value / iters["torchrun"]
+            print(f"{name:<36} {value * 1e3:7.1f} ms  {ratio:.3f}x torchrun", flush=True)
+        phases = {
+            "leto-run": median_phases(
+                run_leto(tmp, args.steps, [], args.nproc, args.consistency, LETO_PHASE_TIMES="1"),
+                settled=True,
+            ),
+            "torchrun": torchrun_phases(tmp, args),
+        }
+        print_phases(phases)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "kernels": KERNELS["mode"],
+                "iteration_s": iters,
+                "phases_s": phases,
+            },
+            indent=2,
+        )
+    )
 
 
 def iteration_only(args: argparse.Namespace) -> None:
@@ -378,6 +429,74 @@ def iteration_only(args: argparse.Namespace) -> None:
     Path(args.json).write_text(json.dumps(result, indent=2))
 
 
+def recoveries_by_phase(args: argparse.Namespace) -> None:
+    """leto-run alone: ``--kills-per-phase`` kills in each of forward, backward and the
+    update, each once the shadow is ready; the recovery's p50 and phases per kill phase."""
+    phases = ("forward", "backward", "update")
+    n = args.kills_per_phase
+    kills = [
+        (args.nproc - 1, 20 + 8 * (i * len(phases) + k), phase, "shadow_ready_steps_before=3")
+        for i in range(n)
+        for k, phase in enumerate(phases)
+    ]
+    steps = kills[-1][1] + 12
+    env = {"LETO_PHASE_TIMES": "1"} if args.phase_times else {}
+    with tempfile.TemporaryDirectory() as d:
+        events = run_leto(Path(d), steps, kills, args.nproc, args.consistency, **env)
+    recs = [r for r in summary.recoveries(events) if r.total_s is not None]
+    iters = sorted(
+        e["iter_s"]
+        for e in events
+        if e["kind"] == "step_done" and not e.get("finished_in_recovery")
+    )
+    print(
+        f"kernels: {KERNELS['mode']}; {len(recs)} recoveries of {len(kills)} kills; "
+        f"median step {statistics.median(iters) * 1e3:.1f} ms"
+    )
+    by_phase: dict[str, list] = {}
+    for (_, step, phase, _), r in zip(kills, recs, strict=False):
+        by_phase.setdefault(phase, []).append(r)
+        print(
+            f"  {phase:<9} step {step:>4}: "
+            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r.phases.items())
+            + f" → {r.total_s * 1e3:.0f} ms"
+        )
+    if args.phase_times:  # each promoted trainer's first step by phase, against the median
+        done = [e for e in events if e["kind"] == "step_done" and "phases_s" in e]
+        steady = median_phases(events)
+        print("steady (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in steady.items()))
+        promoted = [e for e in events if e["kind"] == "promoted"]
+        for p in promoted:
+            first = next((e for e in done if e["rank"] == p["rank"] and e["t"] > p["t"]), None)
+            if first is not None:
+                print(
+                    f"  first step after promotion at {first['step']} (ms): "
+                    + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in first["phases_s"].items())
+                    + f", total {first['iter_s'] * 1e3:.1f}"
+                )
+    for phase, rs in by_phase.items():
+        p50 = statistics.median(r.total_s for r in rs)
+        first = statistics.median(r.phases.get("first step", 0.0) for r in rs)
+        print(
+            f"{phase:<9} p50 {p50 * 1e3:.0f} ms over {len(rs)} kills (first step p50 {first * 1e3:.0f} ms)"
+        )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "kernels": KERNELS["mode"],
+                "kills": kills,
+                "recoveries": [
+                    {"step": r.step, "total_s": r.total_s, "phases_s": r.phases} for r in recs
+                ],
+                "median_step_s": statistics.median(iters),
+            },
+            indent=1,
+        )
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", default=str(REPO / "bench/results/recovery_gpu.json"))
@@ -417,6 +536,19 @@ def main() -> None:
         help="PyTorch's default kernels (what users run) or deterministic ones, in every job",
     )
     p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="diagnostic: leto-run's steady step with and without shadows and lending, and by "
+        "phase, against torchrun",
+    )
+    p.add_argument(
+        "--kills-per-phase",
+        type=int,
+        default=0,
+        help="leto-run alone: this many kills in each of forward, backward and the update "
+        "(each once the shadow is ready); recovery p50 by kill phase",
+    )
+    p.add_argument(
         "--iteration-only",
         action="store_true",
         help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call",
@@ -436,6 +568,12 @@ def main() -> None:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
     if args.iteration_only:
         iteration_only(args)
+        return
+    if args.kills_per_phase:
+        recoveries_by_phase(args)
+        return
+    if args.ablate:
+        ablate(args)
         return
     t_start = time.time()
     with tempfile.TemporaryDirectory() as d:

@@ -69,6 +69,12 @@ def shadows(generation: int, node: int) -> str:
     return f"shadows/{generation}/{node}"
 
 
+def forward_spec(rank: int) -> str:
+    """Set by an active trainer at its first forward: the shapes its shadow replays
+    (``leto.preinit.replay``)."""
+    return f"forward_spec/{rank}"
+
+
 def fatal(rank: int) -> str:
     """Set by a trainer whose hardware or retained state is unusable (a fatal failure)."""
     return f"fatal/{rank}"

@@ -36,6 +36,10 @@ import triton.language as tl
 
 BLOCK = 1024
 """Elements per program; also the granularity of the restore (one flag per block)."""
+NUM_WARPS = 4
+VECTOR = 4
+"""float32 elements per 16-byte access: a piece whose offsets and length are multiples of
+it is launched with ``ALIGN = VECTOR`` (vector loads and stores), any other with 1."""
 
 
 @triton.jit(
@@ -76,8 +80,19 @@ def _adamw_undo_kernel(
     bc2_sqrt,
     eps,
     WD_MODE: tl.constexpr,
+    ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
+    if ALIGN > 1:  # every offset and n are multiples of ALIGN (the caller checked): 16-byte
+        # vector loads and stores need the compiler to know it, which it infers from these
+        p_off = p_off // ALIGN * ALIGN
+        m_off = m_off // ALIGN * ALIGN
+        v_off = v_off // ALIGN * ALIGN
+        g_off = g_off // ALIGN * ALIGN
+        up_off = up_off // ALIGN * ALIGN
+        um_off = um_off // ALIGN * ALIGN
+        uv_off = uv_off // ALIGN * ALIGN
+        n = n // ALIGN * ALIGN
     pid = tl.program_id(0)
     idx = tl.cast(pid, tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     ok = idx < n
@@ -197,7 +212,8 @@ def _launch_args(
         bc2**0.5,
         eps,
     ]
-    return args, {"WD_MODE": wd_mode, "BLOCK_SIZE": BLOCK, "num_warps": 4}
+    align = VECTOR if all(x % VECTOR == 0 for x in (*offsets, n)) else 1
+    return args, {"WD_MODE": wd_mode, "ALIGN": align, "BLOCK_SIZE": BLOCK, "num_warps": NUM_WARPS}
 
 
 _INTS = slice(4, 14)
@@ -209,7 +225,8 @@ def warm_up(device: torch.device, calls: Iterable[dict[str, Any]]) -> int:
 
     Each call is the keyword arguments of :func:`adamw_undo` minus the four tensors
     (``offsets``, ``n``, ``flag_base``, ``token``, the hyper-parameters, ``step``). Triton
-    keys a launch by its constexprs (``WD_MODE`` from the weight decay) and by the width
+    keys a launch by its constexprs (``WD_MODE`` from the weight decay, ``ALIGN`` from the
+    offsets' and length's divisibility) and by the width
     of every integer argument even where it does not specialise the value (i32 below
     2**31, i64 above: the flag token ``(step << 23) + chunk + 1`` passes 2**31 at step 256,
     element offsets in a state region beyond 8 GiB do too). One launch per distinct key,
@@ -226,7 +243,7 @@ def warm_up(device: torch.device, calls: Iterable[dict[str, Any]]) -> int:
     seen: set[tuple[object, ...]] = set()
     for call in calls:
         args, meta = _launch_args(tensors, **call)
-        key = (*(mangle_type(a) for a in args[_INTS]), meta["WD_MODE"])
+        key = (*(mangle_type(a) for a in args[_INTS]), meta["WD_MODE"], meta["ALIGN"])
         if key in seen:
             continue
         seen.add(key)

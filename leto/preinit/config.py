@@ -31,6 +31,11 @@ class PreinitConfig:
     warm_kernels: bool = True
     """A level-3 shadow compiles and loads the Triton kernels its recovery and first update
     launch (``leto.preinit.warmup``) before it waits; off: they compile at first use."""
+    replay_forward: bool | None = None
+    """A level-3 shadow runs one throwaway forward and backward of a scratch copy of its
+    model with the active trainer's input shapes (``leto.preinit.replay``), so a promoted
+    trainer's first step finds GEMM choices, loaded kernels and autograd paths paid for;
+    unset: on CUDA only (on CPU there is little to pay and the cores are shared)."""
     shadow_deaths_limit: int = 3
     """Shadow generations that may die in a row before any became ready; then the agent
     stops relaunching them and the next failure takes the group-restart path."""

@@ -34,8 +34,8 @@ import torch
 
 from leto import contract
 from leto.events import Kind
-from leto.preinit import board
-from leto.preinit.levels import ShadowLevel, aggregate
+from leto.preinit import board, replay
+from leto.preinit.levels import DeviceMemory, ShadowLevel, aggregate
 
 if TYPE_CHECKING:
     from leto.trainer.context import Context
@@ -76,29 +76,35 @@ def warm_model(
     fn: Callable[[], object],
     *,
     name: str,
-    transient_bytes: int = 0,
+    transient_bytes: int | Callable[[DeviceMemory], int] = 0,
     agree: Callable[[bool], bool] | None = None,
     config: ModelWarmupConfig | None = None,
 ) -> ModelWarmupResult | None:
     """Run ``fn`` in this shadow if its level and the actives' memory allow; None in an active.
 
     ``fn`` builds and runs whatever it warms (throwaway modules on ``ctx.device``); it must
-    not touch the model being retained. ``transient_bytes``: its device memory at peak.
+    not touch the model being retained. ``transient_bytes``: its device memory at peak, or
+    how to compute it from the actives' memory report (0 without one).
     ``agree``: when ``fn`` runs collectives (tensor parallelism), turns this shadow's go/no-go
     into its group's (all or none), so no shadow waits in a collective for a peer that skipped.
     """
     if not ctx.is_shadow:
         return None
     config = config or ModelWarmupConfig()
-    result = _decide(ctx, transient_bytes, config)
+    result, transient = _decide(ctx, transient_bytes, config)
     if agree is not None and not agree(result is None) and result is None:
         result = ModelWarmupResult(
             ran=False,
             reason="a peer in its collectives' group skips it",
-            transient_bytes=transient_bytes,
+            transient_bytes=transient,
         )
     if result is None:
-        result = _run(ctx, fn, transient_bytes)
+        result = _run(ctx, fn, transient)
+    _emit(ctx, name, result)
+    return result
+
+
+def _emit(ctx: Context, name: str, result: ModelWarmupResult) -> None:
     ctx.events.emit(
         Kind.MODEL_WARMED,
         rank=ctx.rank,
@@ -117,39 +123,40 @@ def warm_model(
         result.reason,
         result.warm_s,
     )
-    return result
 
 
 def _decide(
-    ctx: Context, transient_bytes: int, config: ModelWarmupConfig
-) -> ModelWarmupResult | None:
-    """A skip with its reason, or None: go ahead."""
+    ctx: Context, transient: int | Callable[[DeviceMemory], int], config: ModelWarmupConfig
+) -> tuple[ModelWarmupResult | None, int]:
+    """A skip with its reason, or None: go ahead; and the transient bytes resolved."""
+    estimate = transient if isinstance(transient, int) else 0
     level = ctx.env.shadow_level
     if level < config.min_level:
         return ModelWarmupResult(
             ran=False,
             reason=f"shadow level {level} < {config.min_level}: memory is short",
-            transient_bytes=transient_bytes,
-        )
+            transient_bytes=estimate,
+        ), estimate
     report = _wait_for_report(ctx, config.report_wait_s)
     if isinstance(report, str):
-        return ModelWarmupResult(ran=False, reason=report, transient_bytes=transient_bytes)
+        return ModelWarmupResult(ran=False, reason=report, transient_bytes=estimate), estimate
     if ctx.store.check([_promote_key(ctx)]):  # the first iteration will pay it now anyway
         return ModelWarmupResult(
-            ran=False, reason="already promoted", transient_bytes=transient_bytes
-        )
+            ran=False, reason="already promoted", transient_bytes=estimate
+        ), estimate
     if report is None:  # no memory figures (CPU without emulation): nothing to respect
-        return None
+        return None, estimate
     device = aggregate([report])[0]
-    needed = transient_bytes + ctx.env.preinit.margin_bytes
+    estimate = transient if isinstance(transient, int) else transient(device)
+    needed = estimate + ctx.env.preinit.margin_bytes
     if device.headroom_bytes < needed:
         return ModelWarmupResult(
             ran=False,
-            transient_bytes=transient_bytes,
-            reason=f"headroom {device.headroom_bytes} B < warm-up {transient_bytes} B + margin "
+            transient_bytes=estimate,
+            reason=f"headroom {device.headroom_bytes} B < warm-up {estimate} B + margin "
             f"{ctx.env.preinit.margin_bytes} B",
-        )
-    return None
+        ), estimate
+    return None, estimate
 
 
 def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, int] | str | None:
@@ -167,6 +174,29 @@ def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, i
         time.sleep(_POLL_S)
     words = tuple(hb.word(i) for i in board.MEM_WORDS)
     return None if words[1] == 0 else words  # type: ignore[return-value]
+
+
+def warm_forward(ctx: Context, model: torch.nn.Module) -> ModelWarmupResult | None:
+    """A shadow's forward replay (``leto.preinit.replay``) under :func:`warm_model`'s rules;
+    None (and no event) where it does not apply: an active trainer, CPU unless asked, an
+    integration's model (its own warm-up, collectives in its forward), a sharded model."""
+    if not ctx.is_shadow:
+        return None
+    if replay.skip_reason(ctx, model) is not None:
+        return None
+    config = ModelWarmupConfig()
+    spec = replay.wait_for_spec(ctx, config.report_wait_s)
+    if isinstance(spec, str):
+        result = ModelWarmupResult(ran=False, reason=spec)
+        _emit(ctx, replay.NAME, result)
+        return result
+    return warm_model(
+        ctx,
+        lambda: replay.replay(model, spec, ctx.device),
+        name=replay.NAME,
+        transient_bytes=replay.transient_bytes(model),
+        config=config,
+    )
 
 
 def _promote_key(ctx: Context) -> str:

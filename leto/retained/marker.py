@@ -126,6 +126,11 @@ class Marker:
         if self._device is not None:
             self._words.copy_(self._memory)
 
+    @property
+    def stream_ordered(self) -> bool:
+        """Writes land in the current stream's order (the device view), not at once."""
+        return self._device is not None
+
     def _set(self, index: int, value: int) -> None:
         self._words[index] = value
         if self._device is not None:

@@ -45,6 +45,8 @@ from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStat
 from leto.events import Kind, last_event
 from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
+from leto.preinit.model_warmup import warm_forward
+from leto.preinit.replay import ForwardRecorder
 from leto.preinit.warmup import warm_shadow
 from leto.retained.layout import GradPlacement, Layout
 from leto.retained.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
@@ -149,6 +151,7 @@ class RetainedState:
                 self.mapped_ahead_step = self.marker.step
         if wait_for_promotion is not None:
             warm_shadow(ctx, self.layout, optimizer)  # level 3: the Triton kernels of a recovery
+            warm_forward(ctx, model)  # level 3: the model's first step (leto.preinit.replay)
             wait_for_promotion()
         t0 = time.perf_counter()
         if not mapped_ahead:
@@ -186,6 +189,10 @@ class RetainedState:
         self._step_started = 0.0
         self._phases = PhaseTimes(self.device, 0.0, enabled=False)
         self._install_fault_hooks()
+        self._rng_host: torch.Tensor | None = None
+        """The RNG slot's bytes on the host while known (set at each commit)."""
+        self._rng_next_host = self._rng_host
+        self._barrier_word = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     # -- placement ---------------------------------------------------------------------------
     def _map_regions(self) -> None:
@@ -508,11 +515,13 @@ class RetainedState:
         """Yield the steps still to run; resumes exactly where the job was interrupted."""
         self._total = total
         self.extras.discover()  # the LR schedulers: a shadow's script builds them after retain()
+        self._rng_host = None  # a resume or a checkpoint may write the RNG slot: read it once
         if self.reattached:
             step = self._resume()
         else:  # a checkpoint's capture (loaded by retain) or, on a fresh job, nothing yet
             step = self.marker.step
             self.extras.resume(step)
+        self._publish_forward_shapes()
         if self.device.type == "cuda":
             # What the model's device build cached is dead weight now that it lives in retained
             # memory; the peak in step_done (device_peak_bytes) counts from here, the steps only.
@@ -531,6 +540,24 @@ class RetainedState:
             torch.cuda.current_stream(self.device).synchronize()
         self.ctx.finished()  # no more heartbeats: the hang watch leaves this trainer alone
 
+    def _step_rng(self) -> torch.Tensor:
+        """The RNG state this step starts from, on the host: the copy kept when the last
+        commit installed it, else read from the retained slot (at a process's first step, or
+        after a resume: one device read)."""
+        if self._rng_host is None:
+            self._rng_host = self._rng.cpu()
+        return self._rng_host
+
+    def _publish_forward_shapes(self) -> None:
+        """The shapes of the model's first call, for the shadows' forward replay
+        (``leto.preinit.replay``), once per group attempt."""
+        setting = self.ctx.env.preinit.replay_forward
+        if setting is False or (setting is None and self.device.type != "cuda"):
+            return
+        key = contract.forward_spec(self.ctx.rank)
+        if not self.ctx.store.check([key]):
+            ForwardRecorder(self.model, lambda text: self.ctx.store.set(key, text))
+
     def _begin(self, step: int) -> None:
         if self.marker.step != step or self.marker.phase != Phase.IDLE:
             raise ProtocolError(
@@ -540,7 +567,7 @@ class RetainedState:
         self._step_started = time.perf_counter()
         self._phases = PhaseTimes(self.device, self._step_started, enabled=self.ctx.env.phase_times)
         self.ctx.injector.step = step
-        set_rng_blob(self._rng, self.device)
+        set_rng_blob(self._step_rng(), self.device)
         self._zero_grads()
         if self.buffer_undo is not None:  # forward writes running statistics: a re-run starts here
             self.buffer_undo.save(step)
@@ -628,7 +655,7 @@ class RetainedState:
 
     def _restart_compute(self) -> None:
         """Back to the start of this step's compute phase (its RNG, buffers, zero gradients)."""
-        set_rng_blob(self._rng, self.device)
+        set_rng_blob(self._step_rng(), self.device)
         if self.buffer_undo is not None:
             self.buffer_undo.restart()
         self._zero_grads()
@@ -649,7 +676,8 @@ class RetainedState:
         self._phases.mark("allreduce")
         if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
             self.ctx.grad_sync.clip_(self.params, max_grad_norm)
-        self._rng_next.copy_(rng_blob(self.device))
+        self._rng_next_host = rng_blob(self.device)
+        self._rng_next.copy_(_staged(self._rng_next_host, self.device), non_blocking=True)
         self._phases.mark("clip")
         self._encode_grads()  # final gradients stay recoverable until the update commits
         self._phases.mark("encode_grads")
@@ -660,12 +688,13 @@ class RetainedState:
             self._refuse_buffer_updates()
         self.extras.before_commit(step)  # what a finishing recovery restores (leto.trainer.extras)
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
-        self.memory.fence()
+        if not self.marker.stream_ordered:
+            self.memory.fence()
         self.marker.advance(Phase.GRADS_READY)
-        # Once any rank passes this barrier, every rank's gradients of this step are final.
-        dist.barrier()
+        self._commit_barrier()
         self._phases.mark("barrier")
         self._update(step)
+        self._rng_host = self._rng_next_host  # what the commit installed in the RNG slot
         self._phases.mark("update")
         self._committed_this_step = True
         self.ctx.preinit.report()  # memory after the step, before the agent may read it
@@ -689,6 +718,20 @@ class RetainedState:
             self.ctx.store.set(contract.stepped(self.ctx.env.generation, self.ctx.rank), "1")
             self._announced = True
         self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
+
+    def _commit_barrier(self) -> None:
+        """Once any rank passes it, every rank's GRADS_READY of this step has landed (so its
+        gradients are final). NCCL with a stream-ordered marker: a one-word all-reduce on the
+        current stream, which no rank's later marker write can pass, and which leaves the
+        host free to queue the update; otherwise the device work is waited for and the ranks
+        meet in a barrier. Alone in the world there is no one to wait for."""
+        if self.ctx.world_size == 1:
+            return
+        if self.marker.stream_ordered and dist.get_backend() == "nccl":
+            dist.all_reduce(self._barrier_word, op=dist.ReduceOp.MAX)
+            return
+        self.memory.fence()
+        dist.barrier()
 
     def _device_peak_bytes(self) -> int:
         """This trainer's peak device footprint over its steps so far: its retained regions
@@ -913,6 +956,12 @@ def rng_blob(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         parts.append(torch.cuda.get_rng_state(device))
     return torch.cat(parts)
+
+
+def _staged(blob: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``blob`` where a non-blocking copy to ``device`` may read it later: page-locked on
+    CUDA (the caching host allocator keeps the block until that copy has run)."""
+    return blob.pin_memory() if device.type == "cuda" else blob
 
 
 def set_rng_blob(blob: torch.Tensor, device: torch.device) -> None:

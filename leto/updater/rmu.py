@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import struct
 from collections.abc import Mapping
 
 import torch
@@ -159,6 +160,9 @@ class ResumableUpdater:
                 s.view(regions[name]).view(-1)
                 for s, name in zip(layout.grads, layout.grad_region, strict=True)
             ]
+        self._host_step: list[float] | None = None
+        """The step counters on the host, kept in step with the device after a whole update
+        (None: read them, once, at the next update)."""
         self._counters = [
             (i, o[key].view(state))
             for i, o in enumerate(layout.optim)
@@ -268,6 +272,7 @@ class ResumableUpdater:
     def prepare(self) -> None:
         """After a failure: undo a torn chunk and resync the scratch parity buffer, so the
         data matches ``Q[sel]`` (call before rebuilding lost pages from it)."""
+        self._host_step = None  # restored or rebuilt counters: read them again
         phase = self.marker.phase
         if phase == Phase.CHUNK_SAVED:
             if self.fused is not None:
@@ -342,8 +347,8 @@ class ResumableUpdater:
                 AdamWHyper.from_group(g, self.optimizer, lr)
                 for g, lr in zip(self.optimizer.param_groups, lrs, strict=True)
             ]
-            # host copy of the step counters (one device sync per update, not one per piece)
-            self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
+            if self._host_step is None or first != 0 or saved:  # a process's first, or a resume
+                self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
         for j in range(first, len(self.chunks)):
             self._chunk(self.chunks[j], hypers, saved=saved and j == first)
         self._flush(step)
@@ -394,7 +399,7 @@ class ResumableUpdater:
         if owners:  # one launch for the chunk's step counters, not one per parameter
             torch._foreach_add_([self._step[i] for i in owners], 1.0)
             for i in owners:
-                self._host_step[i] += 1.0  # the same float32 increment
+                self._host_step[i] = _f32_add_one(self._host_step[i])
         if self.fused is not None:
             self.fused.apply(chunk.index, self.marker.step, hypers, self._group_of, self._host_step)
             if chunk.installs_rng:
@@ -648,3 +653,8 @@ def _scribble(
     gen = torch.Generator().manual_seed(seed)
     for off, n in spans:
         t[off : off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+
+
+def _f32_add_one(x: float) -> float:
+    """``x + 1`` rounded to float32: the device counter's increment, on the host."""
+    return struct.unpack("<f", struct.pack("<f", x + 1.0))[0]

@@ -1,0 +1,234 @@
+"""Forward replay: a shadow runs its model's first step before any failure, on scratch memory.
+
+A promoted trainer is a fresh process: its first iteration pays what a process pays once —
+cuBLAS's algorithm choice for every GEMM shape, CUDA modules loaded at a kernel's first
+launch, attention backend selection, autograd's device threads, the clip's foreach norms.
+The kernel warm-up (``leto.preinit.warmup``) covers Leto's own kernels; this covers the
+model's, for any ``nn.Module``:
+
+* the active trainer records the shapes of its model's first call (:class:`ForwardRecorder`,
+  a forward pre-hook removed after one call) and publishes them in the store
+  (``contract.forward_spec``);
+* its level-3 shadow, whose model is still on the meta device, builds a scratch copy
+  (``copy.deepcopy`` + ``to_empty``; small normal weights, zero buffers), calls it with
+  inputs of those shapes (zeros; masks all true) under the recorded autocast, backpropagates
+  the sum of its floating outputs and clips the gradients (:func:`replay`), through
+  ``leto.preinit.model_warmup.warm_model``'s rules: level 3, within the headroom the
+  actives leave, skipped once a promotion is pending, the RNG forked.
+
+Nothing retained is read or written: the copy is made from the meta model before binding.
+Inputs that are not tensors, JSON scalars, lists, tuples or string-keyed dicts, models
+that are not all on the meta device and sharded (``DTensor``) models are not replayed; the
+``model_warmed`` event says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leto import contract
+from leto.preinit.levels import DeviceMemory
+
+if TYPE_CHECKING:
+    from leto.trainer.context import Context
+
+NAME = "forward replay"
+"""The ``name`` of this warm-up's ``model_warmed`` event."""
+
+_POLL_S = 0.02
+
+
+class Unsupported(Exception):
+    """A call this module cannot describe or replay (the message says what)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardSpec:
+    """The shapes of one call of a model: its arguments as a tree, and its autocast dtype."""
+
+    args: list[Any]
+    kwargs: dict[str, Any]
+    autocast: str | None
+    """The autocast dtype (``"bfloat16"``) active for the inputs' device type, or None."""
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ForwardSpec:
+        tensors = [t for t in _leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)]
+        device_type = tensors[0].device.type if tensors else "cpu"
+        autocast = None
+        if torch.is_autocast_enabled(device_type):
+            autocast = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+        return cls(
+            args=[_encode(a) for a in args],
+            kwargs={k: _encode(v) for k, v in kwargs.items()},
+            autocast=autocast,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({"args": self.args, "kwargs": self.kwargs, "autocast": self.autocast})
+
+    @classmethod
+    def from_json(cls, text: str) -> ForwardSpec:
+        raw = json.loads(text)
+        if "unsupported" in raw:
+            raise Unsupported(raw["unsupported"])
+        return cls(args=raw["args"], kwargs=raw["kwargs"], autocast=raw["autocast"])
+
+    def inputs(self, device: torch.device) -> tuple[list[Any], dict[str, Any]]:
+        """Arguments of these shapes on ``device``: zeros, boolean masks all true."""
+        return [_decode(a, device) for a in self.args], {
+            k: _decode(v, device) for k, v in self.kwargs.items()
+        }
+
+
+def _encode(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
+            raise Unsupported(f"a {type(x).__name__} ({x.layout}) argument")
+        dtype = str(x.dtype).removeprefix("torch.")
+        return {"tensor": list(x.shape), "dtype": dtype, "grad": x.requires_grad}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return {"value": x}
+    if isinstance(x, (list, tuple)):
+        return {"list" if isinstance(x, list) else "tuple": [_encode(v) for v in x]}
+    if isinstance(x, dict) and all(isinstance(k, str) for k in x):
+        return {"dict": {k: _encode(v) for k, v in x.items()}}
+    raise Unsupported(f"a {type(x).__name__} argument")
+
+
+def _decode(node: Mapping[str, Any], device: torch.device) -> Any:
+    if "tensor" in node:
+        dtype = getattr(torch, node["dtype"])
+        make = torch.ones if dtype == torch.bool else torch.zeros
+        return make(node["tensor"], dtype=dtype, device=device).requires_grad_(node["grad"])
+    if "value" in node:
+        return node["value"]
+    if "list" in node:
+        return [_decode(v, device) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(_decode(v, device) for v in node["tuple"])
+    return {k: _decode(v, device) for k, v in node["dict"].items()}
+
+
+def _leaves(x: Any) -> Iterator[Any]:
+    """Tensors and scalars of nested lists, tuples and mappings (a Hugging Face
+    ``ModelOutput`` is an ``OrderedDict``)."""
+    if isinstance(x, Mapping):
+        for v in x.values():
+            yield from _leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _leaves(v)
+    else:
+        yield x
+
+
+class ForwardRecorder:
+    """Publishes the shapes of ``model``'s first call, then removes itself."""
+
+    def __init__(self, model: torch.nn.Module, publish: Callable[[str], None]) -> None:
+        self._publish = publish
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.remove()
+        try:
+            text = ForwardSpec.of(args, kwargs).to_json()
+        except Unsupported as e:
+            text = json.dumps({"unsupported": str(e)})
+        self._publish(text)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """What one replay ran."""
+
+    parameters: int
+    """Parameters that received a gradient (and went through the clip)."""
+    backward: bool
+    """The model returned a floating tensor with a gradient, so backward ran."""
+
+
+def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
+    """One forward, backward and clip of a scratch copy of the meta-device ``model``."""
+    scratch = copy.deepcopy(model).to_empty(device=device)
+    with torch.no_grad():
+        for p in scratch.parameters():
+            if p.is_floating_point():
+                p.normal_(0.0, 0.02)
+            else:
+                p.zero_()
+        for b in scratch.buffers():
+            b.zero_()
+    args, kwargs = spec.inputs(device)
+    dtype = getattr(torch, spec.autocast) if spec.autocast else None
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        out = scratch(*args, **kwargs)
+    losses = [
+        t.float().sum()
+        for t in _leaves(out)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if losses:
+        torch.stack(losses).sum().backward()
+    params = [p for p in scratch.parameters() if p.grad is not None]
+    if params:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+    return ReplayResult(parameters=len(params), backward=bool(losses))
+
+
+def skip_reason(ctx: Context, model: torch.nn.Module) -> str | None:
+    """Why this shadow does not replay its model's forward, or None."""
+    sync = ctx.grad_sync
+    if sync.group is not None or sync.reduce is not None or sync.collectives_in_backward:
+        return "an integration's gradient sync: its forward may run collectives"
+    setting = ctx.env.preinit.replay_forward
+    if setting is False:
+        return "preinit.replay_forward: false"
+    if setting is None and ctx.device.type != "cuda":
+        return "off on CPU (preinit.replay_forward unset)"
+    tensors = [*model.parameters(), *model.buffers()]
+    if not all(t.is_meta for t in tensors):
+        return "the shadow's model is not on the meta device"
+    if any(type(p) is not torch.nn.Parameter for p in model.parameters()):
+        return "sharded parameters (DTensor): the forward would run collectives"
+    return None
+
+
+def scratch_bytes(model: torch.nn.Module) -> int:
+    """Device bytes of the copy's parameters, their gradients and its buffers."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 2 * params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def transient_bytes(model: torch.nn.Module) -> Callable[[DeviceMemory], int]:
+    """The replay's device memory at peak: the copy plus the active's allocator peak
+    (its activations and temporaries: the replay runs the same step)."""
+    fixed = scratch_bytes(model)
+    return lambda device: fixed + device.peak_bytes // max(1, device.ranks)
+
+
+def wait_for_spec(ctx: Context, wait_s: float) -> ForwardSpec | str:
+    """The active's published call shapes, or why there are none (promotion, timeout)."""
+    key, promote = contract.forward_spec(ctx.rank), contract.promote(ctx.env.generation, ctx.rank)
+    deadline = time.monotonic() + wait_s
+    while not ctx.store.check([key]):
+        if ctx.store.check([promote]):
+            return "promoted before the active trainer's first forward"
+        if time.monotonic() > deadline:
+            return f"no forward shapes from the active trainer in {wait_s:.0f} s"
+        time.sleep(_POLL_S)
+    try:
+        return ForwardSpec.from_json(ctx.store.get(key).decode())
+    except Unsupported as e:
+        return f"the model's call cannot be replayed: {e}"

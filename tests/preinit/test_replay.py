@@ -1,0 +1,84 @@
+"""The forward replay: what the active records of its model's first call, and what the
+shadow's scratch copy runs from it (in process, on CPU). A real job is
+tests/launcher/test_replay_recovery.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from leto.preinit.replay import ForwardRecorder, ForwardSpec, Unsupported, replay
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from train_gpt import GPT
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, idx, scale=None, *, mask=None, extra=()):
+        h = self.lin(self.emb(idx))
+        if mask is not None:
+            h = h.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return {"logits": h * (1.0 if scale is None else scale), "aux": [h.mean()]}
+
+
+def test_a_call_round_trips_through_json_with_its_autocast():
+    idx = torch.randint(0, 16, (2, 5))
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        spec = ForwardSpec.of((idx, 0.5), {"mask": mask, "extra": (None, True, [3, "x"])})
+    back = ForwardSpec.from_json(spec.to_json())
+    assert back == spec and back.autocast == "bfloat16"
+    args, kwargs = back.inputs(torch.device("cpu"))
+    assert args[0].shape == (2, 5) and args[0].dtype == torch.long and not args[0].any()
+    assert args[1] == 0.5
+    assert kwargs["mask"].dtype == torch.bool and kwargs["mask"].all(), "masks replay all true"
+    assert kwargs["extra"] == (None, True, [3, "x"])
+    assert ForwardSpec.of((idx,), {}).autocast is None
+
+
+def test_the_recorder_publishes_the_first_call_once_and_removes_itself():
+    net, published = _Net(), []
+    ForwardRecorder(net, published.append)
+    net(torch.zeros(1, 3, dtype=torch.long))
+    net(torch.zeros(4, 7, dtype=torch.long))
+    assert len(published) == 1 and not net._forward_pre_hooks
+    assert ForwardSpec.from_json(published[0]).args[0]["tensor"] == [1, 3]
+
+
+def test_an_argument_it_cannot_describe_is_published_as_unsupported():
+    net, published = _Net(), []
+    ForwardRecorder(net, published.append)
+    net(torch.zeros(1, 3, dtype=torch.long), scale=torch.tensor(2.0), extra=(object(),))
+    assert "object" in json.loads(published[0])["unsupported"]
+    with pytest.raises(Unsupported, match="object"):
+        ForwardSpec.from_json(published[0])
+
+
+def test_the_replay_runs_a_scratch_copy_and_leaves_the_meta_model_alone():
+    with torch.device("meta"):
+        model = GPT(vocab=32, dim=16, layers=2, heads=2, seq=8, dropout=0.1)
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    spec = ForwardSpec.of((idx, idx), {})
+    result = replay(model, spec, torch.device("cpu"))
+    params = list(model.parameters())
+    assert result.backward and result.parameters == len(params)
+    assert all(p.is_meta and p.grad is None for p in params), "the model itself is untouched"
+    assert all(b.is_meta for b in model.buffers())
+
+
+def test_a_model_without_a_differentiable_output_still_runs_forward():
+    with torch.device("meta"):
+        net = torch.nn.Embedding(4, 2)
+    spec = ForwardSpec.of((torch.zeros(3, dtype=torch.long),), {})
+    with torch.no_grad():
+        result = replay(net, spec, torch.device("cpu"))
+    assert not result.backward and result.parameters == 0
