@@ -31,6 +31,16 @@ from leto.erasure.config import ErasureConfig
 from leto.errors import ProtocolError
 from leto.preinit.config import PreinitConfig
 
+Role = Literal["active", "shadow"]
+ROLE_ACTIVE: Role = "active"
+"""A trainer that trains (generation g)."""
+ROLE_SHADOW: Role = "shadow"
+"""A trainer that pre-initialises and waits to be promoted (generation g+1)."""
+
+ENV_POOL_SOCKET = "LETO_POOL_SOCKET"
+"""The node's state manager socket (set by the agent for every trainer)."""
+ENV_CHECKPOINT = "LETO_CHECKPOINT"
+"""JSON of ``leto.config.CheckpointConfig``, or empty (no checkpoint configured)."""
 ENV_JOB_TOKEN = "LETO_JOB_TOKEN"
 """The job's token, as the agent hands it to its trainers."""
 ENV_JOB_SECRET = "LETO_JOB_SECRET"
@@ -47,6 +57,24 @@ def new_token() -> str:
 def store_prefix(restart_count: int, token: str) -> str:
     """The key space the agent and its trainers share for one group attempt."""
     return f"/leto/{token}/attempt_{restart_count}/"
+
+
+def worker_store_port(restart_count: int) -> str:
+    """In the rendezvous store: the port of group attempt ``restart_count``'s worker store,
+    published by the leader agent that hosts it."""
+    return f"leto/worker_store/{restart_count}"
+
+
+def epoch(generation: int) -> str:
+    """The one recovery record of the move out of generation ``generation - 1``
+    (``leto.epoch``)."""
+    return f"epoch/{generation}"
+
+
+def pg_prefix(generation: int, launch: int) -> str:
+    """Where one launch of a generation builds its process group: a relaunched shadow
+    generation (after a reclaim) must not meet the keys of the launch it replaces."""
+    return f"gen{generation}{f'.{launch}' if launch else ''}/pg/"
 
 
 def promote(generation: int, rank: int) -> str:
@@ -99,7 +127,7 @@ ENV_DETERMINISTIC = "LETO_DETERMINISTIC"
 class GenerationEnv:
     """The settings an agent hands one generation of trainers (``LETO_*`` variables)."""
 
-    role: Literal["active", "shadow"]
+    role: Role
     generation: int
     pool_socket: str
     """The node's state manager."""
@@ -124,7 +152,7 @@ class GenerationEnv:
         return {
             "LETO_ROLE": self.role,
             "LETO_GENERATION": str(self.generation),
-            "LETO_POOL_SOCKET": self.pool_socket,
+            ENV_POOL_SOCKET: self.pool_socket,
             "LETO_SHADOW_LEVEL": str(self.shadow_level),
             "LETO_SHADOW_LAUNCH": str(self.shadow_launch),
             "LETO_CONSISTENCY": self.consistency,
@@ -147,7 +175,7 @@ class GenerationEnv:
             return {
                 "role": env["LETO_ROLE"],
                 "generation": int(env["LETO_GENERATION"]),
-                "pool_socket": env["LETO_POOL_SOCKET"],
+                "pool_socket": env[ENV_POOL_SOCKET],
                 "shadow_level": int(env.get("LETO_SHADOW_LEVEL", "3")),
                 "shadow_launch": int(env.get("LETO_SHADOW_LAUNCH", "0")),
                 "consistency": env.get("LETO_CONSISTENCY", "rmu"),

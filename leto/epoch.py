@@ -1,8 +1,9 @@
 """The recovery epoch: how every node's agent learns of a failure and answers it alike.
 
 For each transition out of trainer generation ``g`` there is exactly one record, the key
-``epoch/{g+1}`` in the job's store (the per-attempt worker store every agent shares; it
-works the same under c10d, static or etcd rendezvous, and needs no ``num_nodes_waiting``).
+``epoch/{g+1}`` (``leto.contract.epoch``) in the job's store (the per-attempt worker store
+every agent shares; it works the same under c10d, static or etcd rendezvous, and needs no
+``num_nodes_waiting``).
 The agent that sees a failure first publishes it with ``compare_set``; a node that sees a
 failure of its own at the same time gets the first record back, so all nodes act on one
 decision:
@@ -26,6 +27,7 @@ from typing import Literal, TypeVar
 
 import torch.distributed as dist
 
+from leto import contract
 from leto.errors import StoreLostError
 
 logger = logging.getLogger(__name__)
@@ -62,19 +64,15 @@ class EpochBoard:
         self._store = store
         self._where = where
 
-    @staticmethod
-    def key(epoch: int) -> str:
-        return f"epoch/{epoch}"
-
     def publish(self, record: EpochRecord) -> EpochRecord:
         """Publish ``record`` unless one exists for its epoch; returns the record that won."""
         payload = json.dumps(asdict(record))
-        got = self._call(lambda: self._store.compare_set(self.key(record.epoch), "", payload))
+        got = self._call(lambda: self._store.compare_set(contract.epoch(record.epoch), "", payload))
         return _decode(got)
 
     def poll(self, epoch: int) -> EpochRecord | None:
         """The record for ``epoch`` if one has been published (never blocks)."""
-        key = self.key(epoch)
+        key = contract.epoch(epoch)
         if not self._call(lambda: self._store.check([key])):
             return None
         return _decode(self._call(lambda: self._store.get(key)))

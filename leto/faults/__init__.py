@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from leto.config import PHASES, FaultSpec
+from leto.contract import ENV_POOL_SOCKET
 from leto.erasure.config import ErasureConfig
 from leto.errors import ConfigError
 from leto.events import EventLog, Kind
@@ -25,7 +26,6 @@ from leto.pool.client import PoolClient
 
 ENV_FAULTS = "LETO_FAULTS"
 ENV_FAULTS_FIRED = "LETO_FAULTS_FIRED"  # ids that fired in an earlier group attempt
-ENV_POOL_SOCKET = "LETO_POOL_SOCKET"  # the node's state manager (set by the agent)
 
 
 def encode(faults: list[FaultSpec]) -> str:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from leto import contract, kernels
 from leto.config import default_rmu_chunk_bytes
+from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import DeviceUnhealthyError, check_device
 from leto.errors import LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind
@@ -52,8 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROLE_ACTIVE, ROLE_SHADOW = "active", "shadow"
-ENV_CHECKPOINT = "LETO_CHECKPOINT"  # JSON of leto.config.CheckpointConfig, or empty
 _WAIT_SLICE = timedelta(seconds=60)
 
 
