@@ -9,7 +9,7 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
   ``PContext``, so logs, redirects and tee behave exactly as torchrun's;
 * failure handling in ``_monitor_workers`` (the decision in ``leto_run/policy.py``, the
   classification and hang verdicts in ``leto_run/failures.py``, the runtime state in
-  ``leto_run/agent_state.py``), job-wide through the recovery epoch
+  ``leto_run/agent_state.py``, the shadows in ``leto_run/shadows.py``), job-wide through the recovery epoch
   (``leto.epoch``): the agent that sees a failure classifies it (``leto.health``: HOF =
   killed by a signal or hung; FF = reported fatal by the trainer, or a dead state
   manager; ERROR = the script raised) and publishes one record per generation in the
@@ -40,7 +40,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -56,24 +56,24 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest
 
 from leto import contract, faults, kernels
 from leto.config import LetoConfig
+from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, EventTail, Kind
 from leto.health import ENV_HEARTBEAT, FailureClass, HangWatch, HeartbeatBoard
 from leto.pool.process import StateManagerProcess
-from leto.preinit.controller import PreinitController, ShadowState
-from leto.preinit.levels import LevelChoice, ShadowLevel
+from leto.preinit.controller import PreinitController
+from leto.preinit.levels import ShadowLevel
 from leto.summary import Summary
-from leto.trainer.context import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto_run.agent_state import (
     Attempt,
     Phase,
     Recovery,
-    ShadowGeneration,
     detect_kill,
 )
 from leto_run.failures import classify, kill_hung, log_group_restart, stop_for_restart
 from leto_run.policy import Action, FailureFacts, decide
+from leto_run.shadows import Shadows, pids_of
 from leto_run.warm_start import ForkServer, warm_spawns
 
 logger = logging.getLogger(__name__)
@@ -123,15 +123,6 @@ COLD_LAUNCH = 1 << 16
 store prefix), distinct from the relaunches of the shadow generation it replaces."""
 
 
-def _pids_of(worker_group: WorkerGroup, pcontext: PContext) -> dict[str, list[int]]:
-    """A generation's processes for its event: ``pids[i]`` is global rank ``ranks[i]``'s."""
-    pids = pcontext.pids()
-    return {
-        "pids": [pids[w.local_rank] for w in worker_group.workers],
-        "ranks": [w.global_rank for w in worker_group.workers],
-    }
-
-
 class LetoAgent(LocalElasticAgent):
     """A LocalElasticAgent whose worker group survives trainer failures in place.
 
@@ -176,6 +167,13 @@ class LetoAgent(LocalElasticAgent):
         self._erased: set[int] = set()
         """Faults whose page losses were injected."""
         self._restart_reason = ""
+        self._shadows = Shadows(
+            spawn=self._spawn_shadow_generation,
+            events=events,
+            shadow_level=leto.shadow_level,
+            deaths_limit=leto.preinit.shadow_deaths_limit,
+        )
+        """This node's shadows (spawn, watch, reclaim, relaunch) of the current attempt."""
         self.forkserver: ForkServer | None = None
         """Set by launch: group restarts start their workers from it (warm restarts)."""
         self.recoveries = 0
@@ -200,7 +198,7 @@ class LetoAgent(LocalElasticAgent):
     def _spawn(
         self,
         worker_group: WorkerGroup,
-        role: str,
+        role: contract.Role,
         generation: int,
         level: int | None = None,
         launch: int = 0,
@@ -252,6 +250,11 @@ class LetoAgent(LocalElasticAgent):
             if role == ROLE_SHADOW:
                 self._pcontext = active
 
+    def _spawn_shadow_generation(
+        self, worker_group: WorkerGroup, gen: int, level: ShadowLevel, launch: int
+    ) -> PContext:
+        return self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
+
     # -- template methods of the elastic agent -----------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """torch's rendezvous, then a fresh worker store for this group attempt.
@@ -263,7 +266,7 @@ class LetoAgent(LocalElasticAgent):
         workers get it as MASTER_PORT. Old attempts' stores are closed with them.
         """
         super()._rendezvous(worker_group)
-        key = f"leto/worker_store/{self._restart_count()}"
+        key = contract.worker_store_port(self._restart_count())
         rdzv_store = worker_group.store
         if worker_group.group_world_size > 1 and not os.environ.get(contract.ENV_JOB_SECRET):
             # Every node needs the same token: the leader's (see leto.contract).
@@ -309,7 +312,7 @@ class LetoAgent(LocalElasticAgent):
         self._events.emit(
             Kind.WORKERS_STARTED,
             restart=self._restart_count(),
-            **_pids_of(worker_group, pcontext),
+            **pids_of(worker_group, pcontext),
             warm=self.forkserver is not None and self._restart_count() > 0,
         )
         return pcontext.pids()
@@ -319,7 +322,8 @@ class LetoAgent(LocalElasticAgent):
         self._watch_state_manager()
         self._watch_registration(worker_group)
         self._watch_recovery(worker_group)
-        self._watch_preinit(worker_group)
+        if self._phase.uses_leto:
+            self._shadows.answer_oom(attempt, worker_group)
         if self._phase.uses_leto:
             record = attempt.epochs.poll(attempt.generation + 1)
             if record is not None:  # another node saw a failure: do as it decided
@@ -327,12 +331,12 @@ class LetoAgent(LocalElasticAgent):
             if attempt.detection is None and self._pcontext is not None:
                 kill_hung(attempt.hangs, worker_group, self._events, attempt.generation)
         self._detect_killed_active()
-        self._watch_shadows(worker_group)
+        self._shadows.watch(attempt, worker_group)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and self._phase.uses_leto:
             return self._decide(worker_group, result)
         if result.state == WorkerState.SUCCEEDED:
-            self._retire_shadows()
+            self._shadows.retire(self._attempt)
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
@@ -359,13 +363,13 @@ class LetoAgent(LocalElasticAgent):
         self._note_fired_faults()
         if self._attempt is not None:
             self._attempt.actives_stopped()
-        self._retire_shadows()
+        self._shadows.retire(self._attempt)
         super()._stop_workers(worker_group)
 
     def _shutdown(
         self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any
     ) -> None:
-        self._retire_shadows(death_sig)
+        self._shadows.retire(self._attempt, death_sig)
         self._to(Phase.STOPPED)
         super()._shutdown(death_sig, *args, **kwargs)
 
@@ -374,7 +378,7 @@ class LetoAgent(LocalElasticAgent):
         try:
             return super().run(role)
         finally:
-            self._retire_shadows()
+            self._shadows.retire(self._attempt)
             if self._attempt is not None:
                 self._attempt.actives_stopped()
             if self._sm is not None:
@@ -547,9 +551,9 @@ class LetoAgent(LocalElasticAgent):
         self._inject_erasures()
         level = attempt.preinit.choose("recovery")  # the last actives' peak (reports outlive them)
         if record.cold or attempt.shadows is None:
-            self._retire_shadows()
-            self._spawn_shadows(
-                worker_group, dataclasses.replace(level, reason="cold"), launch=COLD_LAUNCH
+            self._shadows.retire(self._attempt)
+            self._shadows.spawn(
+                attempt, worker_group, dataclasses.replace(level, reason="cold"), COLD_LAUNCH
             )
         shadows = attempt.shadows
         assert shadows is not None
@@ -584,7 +588,7 @@ class LetoAgent(LocalElasticAgent):
             cold=record.cold,
         )
         self._to(Phase.RECOVERING)
-        self._spawn_shadows(worker_group, level)
+        self._shadows.spawn(attempt, worker_group, level)
 
     def _watch_recovery(self, worker_group: WorkerGroup) -> None:
         """When every promoted trainer has stepped once, the recovery is done: its phases
@@ -596,7 +600,7 @@ class LetoAgent(LocalElasticAgent):
             return
         recovery = attempt.recovery
         assert recovery is not None
-        if attempt.store.check(self._local_keys(worker_group, "stepped", recovery.gen)):
+        if attempt.store.check(self._local_keys(worker_group, contract.stepped, recovery.gen)):
             attempt.recovery = None
             self._to(Phase.RUNNING)
             attempt.failures_in_a_row = 0
@@ -611,14 +615,17 @@ class LetoAgent(LocalElasticAgent):
                 phases_s={} if rec is None else rec.phases,
                 total_s=None if rec is None else rec.total_s,
             )
-            self._raise_shadow_level(worker_group)
+            self._shadows.raise_level(attempt, worker_group)
 
     # -- the rest of the monitoring pass ------------------------------------------------------
     def _restart_count(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
-    def _local_keys(self, worker_group: WorkerGroup, what: str, generation: int) -> list[str]:
-        key = {"registered": contract.registered, "stepped": contract.stepped}[what]
+    @staticmethod
+    def _local_keys(
+        worker_group: WorkerGroup, key: Callable[[int, int], str], generation: int
+    ) -> list[str]:
+        """``key(generation, rank)`` of every local rank (``contract.registered``, ...)."""
         return [key(generation, w.global_rank) for w in worker_group.workers]
 
     def _watch_state_manager(self) -> None:
@@ -640,9 +647,9 @@ class LetoAgent(LocalElasticAgent):
         """Spawn shadows once every local active has joined through ``leto.init()``."""
         if self._phase is not Phase.STARTING or self._leto.recovery != "in_place":
             return
-        if self._current.store.check(self._local_keys(worker_group, "registered", 0)):
+        if self._current.store.check(self._local_keys(worker_group, contract.registered, 0)):
             self._to(Phase.RUNNING)
-            self._spawn_shadows(worker_group)
+            self._shadows.spawn(self._current, worker_group)
 
     def _read_events(self) -> None:
         """Feed the summary what was appended to the events file since the last call."""
@@ -676,171 +683,3 @@ class LetoAgent(LocalElasticAgent):
                     faults.erase_pages(pool, fault, i, erasure, self._events)
         finally:
             pool.close()
-
-    # -- shadows: spawn, watch, reclaim, relaunch; every teardown is ShadowGeneration.retire --
-    def _spawn_shadows(
-        self,
-        worker_group: WorkerGroup,
-        choice: LevelChoice | None = None,
-        launch: int | None = None,
-    ) -> None:
-        """Spawn the next generation's shadows at ``choice``'s level (default: the configured
-        one), as launch ``launch`` (default: the next of this generation)."""
-        attempt = self._current
-        gen = attempt.generation + 1
-        choice = choice or LevelChoice(
-            level=ShadowLevel(self._leto.shadow_level), reason="configured"
-        )
-        level = choice.level
-        if launch is None:
-            launch = attempt.launches.get(gen, -1) + 1
-        attempt.launches[gen] = launch
-        attempt.no_shadows_reason = ""
-        self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
-        pcontext = self._spawn(worker_group, ROLE_SHADOW, gen, level=int(level), launch=launch)
-        attempt.shadows = ShadowGeneration(gen=gen, level=level, launch=launch, pcontext=pcontext)
-        attempt.preinit.spawned(level)
-        self._events.emit(
-            Kind.SHADOWS_SPAWNED,
-            gen=gen,
-            **_pids_of(worker_group, pcontext),
-            level=int(level),
-            launch=launch,
-        )
-        attempt.store.set(contract.shadows(gen, worker_group.group_rank), "1")
-
-    def _retire_shadows(self, death_sig: signal.Signals = signal.SIGKILL) -> None:
-        """Stop this node's shadows, if any, for a reason other than a reclaim."""
-        attempt = self._attempt
-        if attempt is None:
-            return
-        if attempt.shadows is not None:
-            attempt.shadows.retire(death_sig)
-            attempt.shadows = None
-        attempt.preinit.closed()
-
-    def _watch_shadows(self, worker_group: WorkerGroup) -> None:
-        """A shadow that died before promotion (crash, OOM kill, SIGKILL): retract its
-        generation's readiness and relaunch it at the same level, unless shadows keep dying
-        (``preinit.shadow_deaths_limit`` in a row before becoming ready): then none, and the next
-        failure restarts the group. The whole local generation goes: at L3 its shadows share
-        a process group that a dead member breaks."""
-        attempt = self._current
-        ctrl, shadows = attempt.preinit, attempt.shadows
-        if shadows is None or ctrl.state is not ShadowState.LIVE or attempt.detection is not None:
-            return
-        dead = shadows.dead()
-        if dead is None:
-            if attempt.shadow_deaths and ctrl.ready():
-                attempt.shadow_deaths = 0  # a replacement made it: in-place recovery is back
-            return
-        local_rank, end = dead
-        gen, level = shadows.gen, int(shadows.level)
-        attempt.store.delete_key(contract.shadows(gen, worker_group.group_rank))  # not ready
-        attempt.shadows = None
-        pids = shadows.retire()
-        ctrl.closed()  # clears the ready words on the board
-        attempt.shadow_deaths += 1
-        rank = worker_group.workers[local_rank].global_rank
-        self._events.emit(
-            Kind.SHADOW_DIED,
-            gen=gen,
-            rank=rank,
-            level=level,
-            pid=pids[local_rank],
-            signal=end.signal,
-            exitcode=end.exitcode,
-            deaths=attempt.shadow_deaths,
-        )
-        logger.warning(
-            "rank %d's shadow (gen %d, level %d, pid %d) died before promotion (%s)",
-            rank,
-            gen,
-            level,
-            pids[local_rank],
-            f"signal {end.signal}" if end.signal is not None else f"exit code {end.exitcode}",
-        )
-        why = ""
-        if worker_group.group_world_size > 1:
-            # As after a reclaim: the shadows of every node share one process group.
-            why = "multi-node job: a node's shadows cannot be relaunched alone"
-        elif attempt.shadow_deaths >= self._leto.preinit.shadow_deaths_limit:
-            why = f"shadows died {attempt.shadow_deaths} times in a row before becoming ready"
-        if why:
-            attempt.no_shadows_reason = f"rank {rank}'s shadow died; not relaunched ({why})"
-            ctrl.gave_up()
-            self._events.emit(
-                Kind.SHADOWS_GIVEN_UP,
-                gen=gen,
-                rank=rank,
-                level=level,
-                deaths=attempt.shadow_deaths,
-                reason=why,
-            )
-            logger.error("%s: the next failure restarts the group", attempt.no_shadows_reason)
-            return
-        self._spawn_shadows(
-            worker_group, LevelChoice(level=ShadowLevel(level), reason="shadow_died")
-        )
-
-    def _raise_shadow_level(self, worker_group: WorkerGroup) -> None:
-        """The replacements were spawned at promotion, at the level the previous actives'
-        peak allowed; the fresh actives have now reported theirs (a transient peak, e.g. an
-        OOM's, is gone): relaunch the shadows higher when a higher level fits. Single node
-        only (a node's shadows cannot join the others' group alone)."""
-        attempt = self._current
-        ctrl = attempt.preinit
-        if ctrl.state is not ShadowState.LIVE or worker_group.group_world_size > 1:
-            return
-        choice = ctrl.choose("recovery")
-        if choice.level <= ctrl.level:
-            return
-        self._retire_shadows()
-        attempt.store.delete_key(contract.shadows(attempt.generation + 1, worker_group.group_rank))
-        self._spawn_shadows(worker_group, choice)
-
-    def _watch_preinit(self, worker_group: WorkerGroup) -> None:
-        """Answer actives' OOMs by reclaiming the shadows; relaunch them when it is known
-        what fits (every active committed the retried step and reported its memory)."""
-        attempt = self._current
-        ctrl = attempt.preinit
-        if not self._phase.uses_leto or attempt.detection is not None:
-            return  # during a failure the actives are being stopped anyway
-        slots = ctrl.requests()
-        if slots:
-            self._reclaim_shadows(worker_group, slots)
-        if ctrl.relaunch_due():
-            if worker_group.group_world_size > 1:
-                # The shadows of every node share one process group; relaunching this node's
-                # alone would not join it. Until the next recovery a HOF restarts the group.
-                logger.warning(
-                    "shadows reclaimed on a multi-node job: not relaunched until the next recovery"
-                )
-                ctrl.closed()
-                return
-            self._spawn_shadows(worker_group, ctrl.choose("oom"))
-
-    def _reclaim_shadows(self, worker_group: WorkerGroup, slots: list[int]) -> None:
-        """SIGKILL this node's shadows, reap them, then answer the waiting trainers."""
-        attempt = self._current
-        ctrl, shadows = attempt.preinit, attempt.shadows
-        ranks = [worker_group.workers[s].global_rank for s in slots]
-        level = 0
-        if shadows is not None and ctrl.state is ShadowState.LIVE:
-            level, t0 = int(shadows.level), time.time()
-            attempt.shadows = None
-            pids = shadows.retire()
-            ctrl.reclaimed()
-            attempt.store.delete_key(
-                contract.shadows(shadows.gen, worker_group.group_rank)
-            )  # not ready for a HOF
-            self._events.emit(
-                Kind.SHADOW_RECLAIMED,
-                gen=shadows.gen,
-                level=level,
-                ranks=ranks,
-                pids=list(pids.values()),
-                reclaim_s=time.time() - t0,
-                reclaims=ctrl.reclaims,
-            )
-        ctrl.answer(slots, level)
