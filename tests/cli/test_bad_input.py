@@ -32,6 +32,48 @@ TYPO_SCENARIO = (
 
 # name: (files to write next to train.py, argv, texts the one error line must contain)
 CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
+    # the job file and the script
+    "malformed-yaml": (
+        {"job.yaml": "launch:\n  nproc_per_node: [2\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml:3:1: malformed YAML",),
+    ),
+    "yaml-not-mapping": (
+        {"job.yaml": "just text\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml: expected a mapping",),
+    ),
+    "missing-config": (
+        {},
+        ["--config", "nope.yaml", "train.py"],
+        ("config file 'nope.yaml' does not exist",),
+    ),
+    "missing-script": (
+        {},
+        ["--nproc-per-node", "2", "nope.py"],
+        ("training script 'nope.py' does not exist",),
+    ),
+    "missing-script-from-yaml": (
+        {"job.yaml": "script: gone.py\n"},
+        ["--config", "job.yaml"],
+        ("training script 'gone.py' does not exist",),
+    ),
+    "no-script": ({}, [], ("no training script",)),
+    "wrong-type-launch": (
+        {"job.yaml": "launch: {max_restarts: two}\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml: launch.max_restarts: expected int, got 'two'",),
+    ),
+    "wrong-type-leto": (
+        {"job.yaml": "leto: {digest: maybe}\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml: leto.digest: expected true or false",),
+    ),
+    "wrong-type-faults": (
+        {"job.yaml": "leto: {faults: [{rank: a, step: 1}]}\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml: leto.faults[0].rank: expected int",),
+    ),
     # torchrun's values, named as given: flag as typed, PET_* variable or job file key
     "nproc-zero": ({}, ["--nproc-per-node", "0", "train.py"], ("--nproc-per-node:", ">= 1")),
     "nproc-negative": ({}, ["--nproc_per_node", "-1", "train.py"], ("--nproc_per_node:", "-1")),
@@ -42,7 +84,19 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
         ("job.yaml: launch.nproc_per_node:", ">= 1"),
     ),
     "max-restarts-negative": ({}, ["--max-restarts", "-1", "train.py"], ("--max-restarts:",)),
+    "max-restarts-word": ({}, ["--max-restarts", "x", "train.py"], ("--max-restarts", "'x'")),
     "nnodes-zero": ({}, ["--nnodes", "0", "train.py"], ("--nnodes '0'",)),
+    "nnodes-three-parts": ({}, ["--nnodes", "1:2:3", "train.py"], ("--nnodes '1:2:3'", "MIN:MAX")),
+    "consistency-not-a-choice": (
+        {},
+        ["--consistency", "magic", "train.py"],
+        ("--consistency", "'magic'"),
+    ),
+    "unknown-flag": (
+        {},
+        ["--nproc-per-nod", "2", "--bogus", "train.py"],
+        ("unrecognized arguments: --bogus",),
+    ),
     # the events file: the agent would open it only after the launch
     "events-missing-dir": (
         {},
@@ -90,6 +144,11 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
         ["--config", "job.yaml", "train.py"],
         ("job.yaml: leto.faults[0]: step is missing",),
     ),
+    "fault-not-key-value": (
+        {},
+        ["--inject-fault", "rank1", "train.py"],
+        ("--inject-fault 'rank1':", "key=value"),
+    ),
     "fault-unknown-key": (
         {},
         ["--inject-fault", "rnak=0,step=2", "train.py"],
@@ -104,6 +163,11 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
         {},
         ["--inject-fault", "rank=0,step=1,phase=fwd", "train.py"],
         ("phase: 'fwd' is not one of",),
+    ),
+    "fault-unknown-phase": (
+        {},
+        ["--inject-fault", "rank=0,step=1,phase=x", "train.py"],
+        ("--inject-fault 'rank=0,step=1,phase=x':", "phase: 'x' is not one of"),
     ),
     "fault-key-twice": (
         {},
@@ -153,6 +217,11 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
         ["--config", "job.yaml", "train.py"],
         ("job.yaml: leto: unknown key 'hang_timeout'; did you mean 'hang_timeout_s'?",),
     ),
+    "unknown-leto-key-misspelt": (
+        {"job.yaml": "leto: {consistancy: rmu}\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml: leto: unknown key 'consistancy'; did you mean 'consistency'?",),
+    ),
     "unknown-nested-key": (
         {"job.yaml": "leto: {checkpoint: {dir: ck, intervall: 5}}\n"},
         ["--config", "job.yaml", "train.py"],
@@ -163,6 +232,11 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
         ["--config", "job.yaml", "train.py"],
         ("job.yaml: launch: unknown key 'nproc-per-node'; did you mean 'nproc_per_node'?",),
     ),
+    "unknown-launch-key-unlike-any": (
+        {"job.yaml": "launch: {nprocs: 2}\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml: launch: unknown key 'nprocs'", "e.g. nproc_per_node"),
+    ),
     "leto-key-under-launch": (
         {"job.yaml": "launch: {hang_timeout_s: 5}\n"},
         ["--config", "job.yaml", "train.py"],
@@ -172,6 +246,11 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
         {"job.yaml": "scirpt: train.py\n"},
         ["--config", "job.yaml"],
         ("unknown top-level key 'scirpt' (did you mean 'script'?)",),
+    ),
+    "unknown-top-level-key-dropped-letter": (
+        {"job.yaml": "scrpt: train.py\n"},
+        ["--config", "job.yaml"],
+        ("job.yaml: unknown top-level key 'scrpt' (did you mean 'script'?)",),
     ),
     # the simulator, in the launcher's style
     "sim-scenario-not-utf8": (
@@ -203,11 +282,19 @@ CASES: dict[str, tuple[dict[str, str | bytes], list[str], tuple[str, ...]]] = {
     ),
 }
 
-# The cases that also run as real processes.
+# The cases that also run as real processes: one per kind of bad input.
 SUBPROCESS_CASES = (
     "nproc-zero",
     "events-missing-dir",
     "job-file-not-utf8",
+    "malformed-yaml",
+    "unknown-top-level-key",
+    "unknown-launch-key",
+    "unknown-leto-key",
+    "wrong-type-launch",
+    "missing-config",
+    "missing-script",
+    "fault-not-key-value",
     "sim-scenario-not-utf8",
     "sim-plots-under-a-file",
     "fault-rank-beyond-the-job",

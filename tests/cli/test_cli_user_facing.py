@@ -1,9 +1,5 @@
-"""leto-run as a user meets it: --help, one-line errors for bad input, the ``sim`` rule.
-
-Every bad-input case runs in-process through ``main``; the kinds the launcher issue names
-also run as real ``leto-run`` processes (concurrently: each one imports torch), where a
-traceback would show. None launches a worker: each fails before the agent is imported.
-"""
+"""leto-run as a user meets it: --help and the ``sim`` rule. Bad input (one-line errors,
+exit code 2) is tests/cli/test_bad_input.py's table."""
 
 from __future__ import annotations
 
@@ -17,103 +13,6 @@ import pytest
 from leto_run import cli
 
 LETO_RUN = Path(sys.executable).with_name("leto-run")
-
-# name: (job file text or None, argv, text the one-line error must contain)
-BAD_INPUT: dict[str, tuple[str | None, list[str], str]] = {
-    "malformed-yaml": ("launch:\n  nproc_per_node: [2\n", ["--config", "job.yaml"], "job.yaml:"),
-    "yaml-not-mapping": ("just text\n", ["--config", "job.yaml"], "expected a mapping"),
-    "unknown-top-level-key": ("scrpt: train.py\n", ["--config", "job.yaml"], "'scrpt'"),
-    "unknown-launch-key": ("launch: {nprocs: 2}\n", ["--config", "job.yaml"], "'nprocs'"),
-    "unknown-leto-key": ("leto: {consistancy: rmu}\n", ["--config", "job.yaml"], "'consistancy'"),
-    "wrong-type-launch": ("launch: {max_restarts: two}\n", ["--config", "job.yaml"], "restarts"),
-    "wrong-type-leto": ("leto: {digest: maybe}\n", ["--config", "job.yaml"], "leto.digest"),
-    "wrong-type-faults": (
-        "leto: {faults: [{rank: a, step: 1}]}\n",
-        ["--config", "job.yaml"],
-        "faults[0].rank",
-    ),
-    "missing-config": (None, ["--config", "nope.yaml", "train.py"], "'nope.yaml' does not exist"),
-    "missing-script": (None, ["--nproc-per-node", "2", "nope.py"], "'nope.py' does not exist"),
-    "missing-script-from-yaml": ("script: gone.py\n", ["--config", "job.yaml"], "'gone.py'"),
-    "no-script": (None, [], "no training script"),
-    "bad-fault-syntax": (None, ["--inject-fault", "rank1", "train.py"], "--inject-fault"),
-    "bad-fault-phase": (None, ["--inject-fault", "rank=0,step=1,phase=x", "train.py"], "phase"),
-    "bad-flag-value": (None, ["--max-restarts", "x", "train.py"], "--max-restarts"),
-    "bad-choice": (None, ["--consistency", "magic", "train.py"], "--consistency"),
-    "bad-nnodes": (None, ["--nnodes", "1:2:3", "train.py"], "--nnodes"),
-    "unknown-flag": (None, ["--nproc-per-nod", "2", "--bogus", "train.py"], "--bogus"),
-}
-
-
-# One per kind of bad input the launcher issue lists, run as real processes.
-SUBPROCESS_CASES = (
-    "malformed-yaml",
-    "unknown-top-level-key",
-    "unknown-launch-key",
-    "unknown-leto-key",
-    "wrong-type-launch",
-    "missing-config",
-    "missing-script",
-    "bad-fault-syntax",
-)
-
-
-def job_dir(path: Path, job: str | None) -> Path:
-    """A working directory with a train.py (that must never run) and the job file, if any."""
-    (path / "train.py").write_text("raise SystemExit('must not run')\n")
-    if job is not None:
-        (path / "job.yaml").write_text(job)
-    return path
-
-
-def assert_one_line_error(returncode: int | str | None, stderr: str, expected: str) -> None:
-    assert returncode not in (0, None)
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("leto-run: error: ") and expected in lines[0], lines[0]
-
-
-@pytest.mark.parametrize("name", BAD_INPUT)
-def test_bad_input_in_process(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    job, argv, expected = BAD_INPUT[name]
-    monkeypatch.chdir(job_dir(tmp_path, job))
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(argv)
-    assert_one_line_error(exit_.value.code, capsys.readouterr().err, expected)
-
-
-@pytest.fixture(scope="module")
-def bad_input_results(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> dict[str, subprocess.CompletedProcess]:
-    """Run the SUBPROCESS_CASES at once, each in its own directory."""
-    procs = {}
-    for name in SUBPROCESS_CASES:
-        job, argv, _ = BAD_INPUT[name]
-        cwd = job_dir(tmp_path_factory.mktemp(name), job)
-        procs[name] = subprocess.Popen(
-            [str(LETO_RUN), *argv],
-            cwd=cwd,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-    results = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    return results
-
-
-@pytest.mark.parametrize("name", SUBPROCESS_CASES)
-def test_bad_input_is_one_line_without_traceback(
-    name: str, bad_input_results: dict[str, subprocess.CompletedProcess]
-) -> None:
-    result = bad_input_results[name]
-    assert "Traceback" not in result.stderr + result.stdout
-    assert_one_line_error(result.returncode, result.stderr, BAD_INPUT[name][2])
 
 
 def run_leto(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
