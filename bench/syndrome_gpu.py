@@ -5,9 +5,9 @@ lengths k it times the fold of every chunk of the group (CUDA events, eager call
 updater makes them) through the public ``ProtectionGroup.update_pages``:
 
 * ``generic``: the parity-form group (``gf16_mac``: a 16x16 GF(2) product per page and
-  parity page), in place: what the updater did before;
+  parity page), in place: the baseline;
 * ``syndrome``: the syndrome-form group (``gf16_syndrome``: Horner in fixed constants),
-  in place and out of place (reads Q[sel], writes Q[1-sel]: what the updater does now).
+  in place and out of place (reads Q[sel], writes Q[1-sel]: the updater's default fold).
 
 "vs copy" is the rate for the bytes a fold must move (``2 k`` data pages + ``2 H1`` parity
 ranges) over the read+write rate of a device copy of the group measured in the same run.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 KEYS = ("block", "num_warps", "acc")
 DEFAULT = (64, 2, 8)
-"""``gf16_syndrome.TUNING`` since session 6: halves, one column per thread, two warps."""
+"""``gf16_syndrome.TUNING``: halves, one column per thread, two warps."""
 SWEEP = (DEFAULT, (32, 1, 8), (32, 1, 4), (64, 2, 4))
 """Launch shapes of the kernel as it is. Session 6 (2026-12-01) swept the kernel's earlier
 forms and options (``bench/results/s6_syndrome_sweep*.log``, commits c3e6254..); what won

@@ -1,9 +1,9 @@
 """Kernel warm-up: a level-3 shadow compiles and loads its Triton kernels before any failure.
 
-Without it, a promoted trainer pays for Triton at first use: the rebuild of lost pages took
-7.0 s the first time in a process on an H200 against 0.58-0.90 s after (BENCHMARKS.md,
-"Device-page localisation on GPU"), and a resumed fused update pays the first launch of
-its AdamW kernel. Triton caches a compiled kernel per *specialisation*: its constexprs,
+Without it, a promoted trainer pays for Triton at first use: its first rebuild of lost
+pages in a process costs several times a later one (BENCHMARKS.md, "Device-page
+localisation on GPU"), and a resumed fused update pays the first launch of its AdamW
+kernel. Triton caches a compiled kernel per *specialisation*: its constexprs,
 ``num_warps``, the dtype of every pointer and the width (i32 / i64) of every integer,
 whether each pointer and each specialised integer is divisible by 16, and whether such an
 integer equals 1. So the warm-up launches exactly the specialisations the real calls will
