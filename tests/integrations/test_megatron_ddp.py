@@ -25,8 +25,8 @@ import torch
 from leto.errors import ConfigError
 from leto.events import Kind
 from leto.retained.layout import GradPlacement, Layout
-from leto.trainer.grad_sync import GradSync
 from tests.launcher.harness import REPO, digests, run_leto
+from tests.trainer.local import local_context
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 MODEL = [
@@ -82,20 +82,19 @@ def _params(opt) -> list[torch.nn.Parameter]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def _retained(lm, model, opt, placement: GradPlacement, fill: float):
-    """The gradient side of a ``RetainedState`` over plain tensors (no pool): the regions
-    ``placement`` plans, filled with ``fill``, and ``check_main_grads``."""
-    from leto.trainer.state import RetainedState
+@pytest.fixture
+def ctx(monkeypatch):
+    """A real trainer context on this world of one (a state manager, no agent)."""
+    with local_context(monkeypatch) as ctx:
+        yield ctx
 
-    state = object.__new__(RetainedState)
-    state.params = _params(opt)
-    state.layout = Layout.plan(state.params, [], opt, grads=placement)
-    state.grad_regions = {
-        name: torch.full((n // 4,), fill).view(torch.uint8) for name, n in placement.regions
-    }
-    state._grad_view_list = None  # as RetainedState._map_regions leaves it (built once)
-    state._seen_grad_list = None
-    state.shards = None  # not FSDP2
+
+def _retained(ctx, model, opt, placement: GradPlacement, fill: float):
+    """``ctx.retain`` with the gradient regions ``placement`` plans, filled with ``fill``
+    (a reattaching trainer's final gradients, which DDP must not zero)."""
+    state = ctx.retain(model, opt, grads=placement)
+    for region in state.grad_regions.values():
+        region.view(torch.float32).fill_(fill)
     return state
 
 
@@ -176,16 +175,15 @@ def _opt():
     return OptimizerConfig(optimizer="adam", lr=1e-3)
 
 
-def test_ddp_builds_on_the_retained_regions_and_fills_them(lm):
+def test_ddp_builds_on_the_retained_regions_and_fills_them(lm, ctx):
     from leto.integrations import megatron_ddp
 
     model = _gpt(lm)
     opt = lm.adamw(model, _opt())
     config = _ddp_config(overlap_grad_reduce=True, bucket_size=BUCKET)
     state = _retained(
-        lm, model, opt, megatron_ddp.grad_placement(model, _params(opt), config), fill=7.0
+        ctx, model, opt, megatron_ddp.grad_placement(model, _params(opt), config), fill=7.0
     )
-    ctx = SimpleNamespace(rank=0, grad_sync=GradSync())
     ddp = megatron_ddp.build_ddp(ctx, state, model, config)
     (region,) = state.grad_regions.values()
     grads = region.view(torch.float32)
@@ -227,7 +225,7 @@ def test_ddp_builds_on_the_retained_regions_and_fills_them(lm):
     )
 
 
-def test_a_different_buffer_layout_fails_loudly(lm):
+def test_a_different_buffer_layout_fails_loudly(lm, ctx):
     from leto.errors import ProtocolError
     from leto.integrations import megatron_ddp
 
@@ -241,11 +239,11 @@ def test_a_different_buffer_layout_fails_loudly(lm):
         regions=((name, nbytes + 64),),
         slots=tuple((r, off + 64) for r, off in placement.slots),
     )
-    state = _retained(lm, model, opt, shifted, fill=0.0)
+    state = _retained(ctx, model, opt, shifted, fill=0.0)
     with pytest.raises(
         ProtocolError, match="planned gradient buffers|not the retained gradient views"
     ):
-        megatron_ddp.build_ddp(SimpleNamespace(rank=0, grad_sync=GradSync()), state, model, config)
+        megatron_ddp.build_ddp(ctx, state, model, config)
 
 
 def test_unsupported_configs_are_refused(lm):

@@ -1,0 +1,55 @@
+"""A real trainer ``Context`` in this process, on a world of one: a real state manager, an
+in-memory store, no agent. For tests that drive ``RetainedState`` through its public API
+without spawning trainers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from leto.contract import ENV_CHECKPOINT
+from leto.events import ENV_EVENTS_FILE
+from leto.faults import ENV_FAULTS, ENV_FAULTS_FIRED
+from leto.health import ENV_HEARTBEAT
+from leto.pool.process import StateManagerProcess
+from leto.trainer.context import Context, TrainerEnv
+
+
+@contextlib.contextmanager
+def local_context(
+    monkeypatch: pytest.MonkeyPatch, heartbeat_file: str = "", **env: object
+) -> Iterator[Context]:
+    """A rank-0 active's ``Context`` (``env`` overrides ``TrainerEnv`` fields); with
+    ``heartbeat_file`` its heartbeat and OOM guard are on that board."""
+    for name in (ENV_EVENTS_FILE, ENV_FAULTS, ENV_FAULTS_FIRED, ENV_CHECKPOINT):
+        monkeypatch.delenv(name, raising=False)
+    if heartbeat_file:
+        monkeypatch.setenv(ENV_HEARTBEAT, heartbeat_file)
+    else:
+        monkeypatch.delenv(ENV_HEARTBEAT, raising=False)
+    sm = StateManagerProcess.start()
+    try:
+        trainer_env = TrainerEnv(
+            role="active",
+            generation=0,
+            pool_socket=sm.socket_path,
+            job_token="test",
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            restart_count=0,
+            master_addr="127.0.0.1",
+            master_port=0,
+        )
+        store = dist.HashStore()
+        ctx = Context(dataclasses.replace(trainer_env, **env), store, store)
+        try:
+            yield ctx
+        finally:
+            ctx.pool.close()
+    finally:
+        sm.stop()
