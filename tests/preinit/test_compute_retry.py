@@ -1,9 +1,8 @@
 """``RetainedState.compute``: an OOM is retried after a reclaim, except under model parallelism.
 
-The decision is local to ``compute`` (the rest of ``RetainedState`` is not involved), so the
-state is a minimal stand-in holding what ``compute`` reads: the marker's step, the context
-(rank, gradient seam, the trainer's real ``OomGuard`` on a real heartbeat board) and the
-restart hook. The agent's side is a real ``PreinitController`` answering from a thread.
+The state is a real ``RetainedState`` of a small model (``ctx.retain`` on an in-process
+``Context`` whose ``OomGuard`` is on a real heartbeat board, tests/trainer/local.py); the
+agent's side is a real ``PreinitController`` answering from a thread.
 
 A model-parallel forward runs collectives (Megatron's tensor-parallel all-reduces): the other
 ranks do not retry with the OOMing one, so a retry would pair its collectives with theirs
@@ -28,8 +27,7 @@ from leto.preinit.controller import PreinitController, ShadowState
 from leto.preinit.guard import OomGuard
 from leto.trainer.grad_sync import GradSync
 from leto.trainer.state import RetainedState
-
-STEP = 5
+from tests.trainer.local import local_context
 
 
 @pytest.fixture
@@ -39,12 +37,29 @@ def board():
     b.close()
 
 
+@pytest.fixture
+def ctx(board, monkeypatch):
+    with local_context(
+        monkeypatch, heartbeat_file=board.path, preinit=PreinitConfig(reclaim_timeout_s=2)
+    ) as ctx:
+        yield ctx
+
+
+def _retained(ctx, grad_sync: GradSync) -> RetainedState:
+    """A small model retained under ``grad_sync`` (what an integration sets before retain)."""
+    ctx.grad_sync = grad_sync
+    model = torch.nn.Linear(4, 2)
+    return ctx.retain(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def _state(board: HeartbeatBoard, grad_sync: GradSync) -> SimpleNamespace:
+    """What ``compute`` reads, for the lender test only: a real state lends only on CUDA
+    (``RetainedState`` has no public seam for the lender yet)."""
     guard = OomGuard(
         Heartbeat(board.path, 0), None, PreinitConfig(reclaim_timeout_s=2), EventLog(None, "t0"), 0
     )
     state = SimpleNamespace(
-        marker=SimpleNamespace(step=STEP),
+        marker=SimpleNamespace(step=5),
         device=torch.device("cpu"),
         restarts=0,
         ctx=SimpleNamespace(rank=0, preinit=guard, grad_sync=grad_sync),
@@ -79,36 +94,37 @@ def _answer_reclaims(ctrl: PreinitController, stop: threading.Event) -> None:
         time.sleep(0.001)
 
 
-def test_data_parallel_oom_reclaims_the_shadows_and_retries(board) -> None:
+def test_data_parallel_oom_reclaims_the_shadows_and_retries(board, ctx) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
     ctrl.spawned(ShadowLevel.L3)
-    state, fn, stop = _state(board, GradSync()), _OomOnce(), threading.Event()
+    state, fn, stop = _retained(ctx, GradSync()), _OomOnce(), threading.Event()
+    for region in state.grad_regions.values():
+        region.fill_(1)  # a retry starts from zeroed gradients
     agent = threading.Thread(target=_answer_reclaims, args=(ctrl, stop))
     agent.start()
     try:
-        loss = RetainedState.compute(state, fn)  # type: ignore[arg-type]
+        loss = state.compute(fn)
     finally:
         stop.set()
         agent.join(5)
-    assert float(loss) == 1.5 and fn.calls == 2 and state.restarts == 1
+    assert float(loss) == 1.5 and fn.calls == 2
+    assert all(bool((r == 0).all()) for r in state.grad_regions.values())
     assert ctrl.reclaims == 1 and ctrl.state is ShadowState.RECLAIMED
 
 
-def test_model_parallel_oom_propagates_and_leaves_the_shadows(board) -> None:
+def test_model_parallel_oom_propagates_and_leaves_the_shadows(board, ctx) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
     ctrl.spawned(ShadowLevel.L3)
     tensor_parallel = GradSync(group=object())  # type: ignore[arg-type]  # a narrowed data-parallel group
-    state, fn = _state(board, tensor_parallel), _OomOnce()
-    assert (
-        state.ctx.preinit.can_reclaim()
-    )  # shadows hold memory: only model parallelism stops the retry
+    state, fn = _retained(ctx, tensor_parallel), _OomOnce()
+    assert ctx.preinit.can_reclaim()  # shadows hold memory: only model parallelism stops the retry
     with pytest.raises(torch.OutOfMemoryError, match="beside this node's shadows") as raised:
-        RetainedState.compute(state, fn)  # type: ignore[arg-type]
+        state.compute(fn)
     assert not ctrl.requests() and ctrl.reclaims == 0  # nothing was asked of the agent
-    assert fn.calls == 1 and state.restarts == 0
+    assert fn.calls == 1
     notes = getattr(raised.value, "__notes__", [])
     assert any("model-parallel forward runs collectives" in note for note in notes), notes
-    assert ctrl.state is ShadowState.LIVE and state.ctx.preinit.shadow_level() == 3
+    assert ctrl.state is ShadowState.LIVE and ctx.preinit.shadow_level() == 3
 
 
 @pytest.mark.parametrize("asked", [None, True])
