@@ -442,7 +442,11 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
     steps = kills[-1][1] + 12
     env = {"LETO_PHASE_TIMES": "1"} if args.phase_times else {}
     with tempfile.TemporaryDirectory() as d:
-        events = run_leto(Path(d), steps, kills, args.nproc, args.consistency, **env)
+        extra: tuple[str, ...] = ()
+        if args.no_lend:
+            (Path(d) / "no-lend.yaml").write_text("leto:\n  lend_activation_memory: false\n")
+            extra = ("--config", str(Path(d) / "no-lend.yaml"))
+        events = run_leto(Path(d), steps, kills, args.nproc, args.consistency, extra, **env)
     recs = [r for r in summary.recoveries(events) if r.total_s is not None]
     iters = sorted(
         e["iter_s"]
@@ -534,6 +538,11 @@ def main() -> None:
         choices=("default", "deterministic"),
         default="default",
         help="PyTorch's default kernels (what users run) or deterministic ones, in every job",
+    )
+    p.add_argument(
+        "--no-lend",
+        action="store_true",
+        help="with --kills-per-phase: lend_activation_memory: false",
     )
     p.add_argument(
         "--ablate",

@@ -326,6 +326,7 @@ SCHEMA: dict[Kind, EventSpec] = {
             "warm_s": Field(float, "s"),
             "transient_bytes": Field(int, "bytes"),
             "peak_bytes": Field(int, "bytes"),
+            "kept_bytes": Field(int, "bytes"),
             "compiled_graphs": Field(int),
         },
     ),

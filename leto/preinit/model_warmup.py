@@ -67,6 +67,8 @@ class ModelWarmupResult:
     """The caller's estimate of the warm-up's transient device memory."""
     peak_bytes: int = 0
     """Measured on a GPU: the caching allocator's peak during the warm-up, over its start."""
+    kept_bytes: int = 0
+    """On a GPU: free blocks the caching allocator kept afterwards (``keep_cache``)."""
     compiled_graphs: int = 0
     """``torch.compile`` graphs compiled during the warm-up (dynamo's unique graphs)."""
 
@@ -79,6 +81,7 @@ def warm_model(
     transient_bytes: int | Callable[[DeviceMemory], int] = 0,
     agree: Callable[[bool], bool] | None = None,
     config: ModelWarmupConfig | None = None,
+    keep_cache: bool = False,
 ) -> ModelWarmupResult | None:
     """Run ``fn`` in this shadow if its level and the actives' memory allow; None in an active.
 
@@ -87,6 +90,8 @@ def warm_model(
     how to compute it from the actives' memory report (0 without one).
     ``agree``: when ``fn`` runs collectives (tensor parallelism), turns this shadow's go/no-go
     into its group's (all or none), so no shadow waits in a collective for a peer that skipped.
+    ``keep_cache``: the caching allocator keeps the blocks ``fn`` freed (at most its transient,
+    which the headroom covered), for the promoted trainer's first step to reuse.
     """
     if not ctx.is_shadow:
         return None
@@ -99,7 +104,7 @@ def warm_model(
             transient_bytes=transient,
         )
     if result is None:
-        result = _run(ctx, fn, transient)
+        result = _run(ctx, fn, transient, keep_cache)
     _emit(ctx, name, result)
     return result
 
@@ -176,7 +181,9 @@ def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, i
     return None if words[1] == 0 else words  # type: ignore[return-value]
 
 
-def warm_forward(ctx: Context, model: torch.nn.Module) -> ModelWarmupResult | None:
+def warm_forward(
+    ctx: Context, model: torch.nn.Module, *, keep_cache: bool = False
+) -> ModelWarmupResult | None:
     """A shadow's forward replay (``leto.preinit.replay``) under :func:`warm_model`'s rules;
     None (and no event) where it does not apply: an active trainer, CPU unless asked, an
     integration's model (its own warm-up, collectives in its forward), a sharded model."""
@@ -196,6 +203,7 @@ def warm_forward(ctx: Context, model: torch.nn.Module) -> ModelWarmupResult | No
         name=replay.NAME,
         transient_bytes=replay.transient_bytes(model),
         config=config,
+        keep_cache=keep_cache,
     )
 
 
@@ -205,7 +213,9 @@ def _promote_key(ctx: Context) -> str:
     )  # set by the agent (Context._wait_for_promotion)
 
 
-def _run(ctx: Context, fn: Callable[[], object], transient_bytes: int) -> ModelWarmupResult:
+def _run(
+    ctx: Context, fn: Callable[[], object], transient_bytes: int, keep_cache: bool
+) -> ModelWarmupResult:
     from torch._dynamo.utils import counters
 
     device = ctx.device
@@ -216,7 +226,7 @@ def _run(ctx: Context, fn: Callable[[], object], transient_bytes: int) -> ModelW
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
-    ran, reason, peak = True, "ok", 0
+    ran, reason, peak, kept = True, "ok", 0, 0
     with torch.random.fork_rng(devices=[device] if cuda else []):
         try:
             fn()
@@ -226,12 +236,15 @@ def _run(ctx: Context, fn: Callable[[], object], transient_bytes: int) -> ModelW
             ran, reason = False, f"out of memory: {str(e).splitlines()[0]}"
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base
-        torch.cuda.empty_cache()  # back to the level's footprint
+        if not (keep_cache and ran):
+            torch.cuda.empty_cache()  # back to the level's footprint
+        kept = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return ModelWarmupResult(
         ran=ran,
         reason=reason,
         warm_s=time.perf_counter() - t0,
         transient_bytes=transient_bytes,
         peak_bytes=peak,
+        kept_bytes=kept,
         compiled_graphs=counters["stats"]["unique_graphs"] - graphs,
     )

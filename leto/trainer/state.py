@@ -143,6 +143,8 @@ class RetainedState:
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
         mapped_ahead = wait_for_promotion is None or ctx.ready_to_map_ahead()
+        self._replay_kept = False
+        """This shadow's forward replay left its blocks cached for the first step."""
         self.mapped_ahead_step: int | None = None
         """The marker's step when this shadow mapped the regions ahead of its promotion."""
         if mapped_ahead:
@@ -151,7 +153,11 @@ class RetainedState:
                 self.mapped_ahead_step = self.marker.step
         if wait_for_promotion is not None:
             warm_shadow(ctx, self.layout, optimizer)  # level 3: the Triton kernels of a recovery
-            warm_forward(ctx, model)  # level 3: the model's first step (leto.preinit.replay)
+            # level 3: the model's first step (leto.preinit.replay). Its freed blocks are
+            # kept for the first step's activations unless lending was asked for: the lending
+            # pool would grow afresh, so a trainer whose shadow kept them does not lend.
+            replayed = warm_forward(ctx, model, keep_cache=ctx.env.lend_activations is not True)
+            self._replay_kept = replayed is not None and replayed.kept_bytes > 0
             wait_for_promotion()
         t0 = time.perf_counter()
         if not mapped_ahead:
@@ -172,6 +178,13 @@ class RetainedState:
                 f"rank {rank}: no retained state to reattach to, but the model was built on "
                 "the meta device; build it for real (ctx.init_device() does this)"
             )
+        if self._replay_kept and self._lend:
+            logger.info(
+                "[rank %d] not lending the undo buffer: the forward replay's blocks serve the "
+                "compute phase",
+                rank,
+            )
+            self._lend, self._lent = False, {}
         self._bind()
         self._attach_extras(stateful, stateful_bytes)  # before the marker records the regions
         self._rng = self.layout.rng.view(self.state_bytes)
@@ -258,9 +271,7 @@ class RetainedState:
                 for name in ("state", *grad_nbytes)
             }
         )
-        self._lend = (
-            self.rmu and self.device.type == "cuda" and self.ctx.env.lend_activations is not False
-        )
+        self._lend = self._lends()
         if self.ctx.env.lend_activations and not self._lend:  # rmu is checked with the job file
             logger.info(
                 "leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)",
@@ -524,8 +535,10 @@ class RetainedState:
         self._publish_forward_shapes()
         if self.device.type == "cuda":
             # What the model's device build cached is dead weight now that it lives in retained
-            # memory; the peak in step_done (device_peak_bytes) counts from here, the steps only.
-            torch.cuda.empty_cache()
+            # memory (a promoted shadow's cache is its forward replay's: the first step's); the
+            # peak in step_done (device_peak_bytes) counts from here, the steps only.
+            if not self.reattached:
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         while step < total:
             self._begin(step)
@@ -539,6 +552,15 @@ class RetainedState:
             self.updater.join()
             torch.cuda.current_stream(self.device).synchronize()
         self.ctx.finished()  # no more heartbeats: the hang watch leaves this trainer alone
+
+    def _lends(self) -> bool:
+        """The compute phase allocates from memory lent by the undo buffer (on CUDA, rmu)."""
+        env = self.ctx.env
+        return (
+            env.consistency == "rmu"
+            and self.device.type == "cuda"
+            and env.lend_activations is not False
+        )
 
     def _step_rng(self) -> torch.Tensor:
         """The RNG state this step starts from, on the host: the copy kept when the last
