@@ -20,7 +20,7 @@ step through the update marker (see ``leto.trainer.marker``):
 A promoted trainer resumes with one collective: if any rank began (or finished) step
 t's update, every rank finishes it — from its last committed chunk (rmu) or from the
 snapshot (snapshot) — and training continues at t+1; otherwise every rank re-runs step t
-from its forward pass.
+from its forward pass (the decision: ``leto.trainer.resume.decide_resume``).
 """
 
 from __future__ import annotations
@@ -49,12 +49,13 @@ from leto.preinit.model_warmup import warm_forward
 from leto.preinit.replay import ForwardRecorder
 from leto.preinit.warmup import warm_shadow
 from leto.retained.layout import GradPlacement, Layout
-from leto.retained.marker import MARKER_BYTES, UPDATE_PHASES, Marker, Phase
+from leto.retained.marker import MARKER_BYTES, Marker, Phase
 from leto.retained.optim_state import StateSlots
 from leto.trainer.buffers import BufferUndo, own_view, refuse_buffer_updates
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
 from leto.trainer.grad_sync import GradSync
 from leto.trainer.memory import RegionMemory
+from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.sharding import FsdpShards, has_dtensor_params, local
 from leto.trainer.timing import PhaseTimes
 from leto.updater.fused import resolve_fused
@@ -874,48 +875,21 @@ class RetainedState:
         gathered = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, mine)
         points = [(int(t[0]), Phase(int(t[1]))) for t in gathered]
-        low = min(s for s, _ in points)
-        if max(s for s, _ in points) > low + 1:
-            raise UnrecoverableStateError(f"ranks are more than one step apart: {points}")
-        finish = any(s == low + 1 or (s == low and ph in UPDATE_PHASES) for s, ph in points)
+        decision = decide_resume(points, self.ctx.rank)
         step, phase = self.marker.step, self.marker.phase
         action = "none"
         t_finish = time.perf_counter()
-        if finish and step == low:  # the update reads the hyperparameters of its own step
-            self.extras.load_pre(step)
-        if finish and step == low and self.updater is not None:
-            if phase not in UPDATE_PHASES and phase != Phase.GRADS_READY:
-                raise UnrecoverableStateError(
-                    f"rank {self.ctx.rank} must finish step {step}'s update but its gradients were never final"
-                )
-            try:
-                action = self.updater.resume(step)
-            except UnrecoverableStateError as e:
-                self.ctx.events.emit(
-                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region="state", error=str(e)
-                )
-                raise
-        elif finish and step == low:
-            if phase == Phase.UPDATING:
-                assert self.snapshot_bytes is not None
-                self.state_bytes.copy_(self.snapshot_bytes)  # idempotent: the snapshot is intact
-                action = "restore+finish"
-                self._apply_optimizer(step)
-            elif phase == Phase.GRADS_READY:
-                action = "finish"
-                self._update(step)
-            else:
-                raise UnrecoverableStateError(
-                    f"rank {self.ctx.rank} must finish step {step}'s update but its gradients were never final"
-                )
-        elif not finish and phase == Phase.GRADS_READY:
-            self.marker.advance(Phase.IDLE)
+        if decision.action == ResumeAction.FINISH:
+            self.extras.load_pre(step)  # the update reads the hyperparameters of its own step
+            action = self._finish_update(step, phase)
+        elif decision.action == ResumeAction.RERUN:
             action = "rerun"
-        elif not finish:
-            action = "rerun"
-        resume_at = low + 1 if finish else low
+            if phase == Phase.GRADS_READY:  # its gradients are computed again
+                self.marker.advance(Phase.IDLE)
+        resume_at = decision.step
         self._report_unreported(
-            resume_at - 1, time.perf_counter() - t_finish if finish and step == low else 0.0
+            resume_at - 1,
+            time.perf_counter() - t_finish if decision.action == ResumeAction.FINISH else 0.0,
         )
         # Step resume_at's forward may have begun on this rank: its buffers back to its start.
         buffers = self.buffer_undo is not None and self.buffer_undo.restore(resume_at)
@@ -937,6 +911,29 @@ class RetainedState:
         if self.ctx.env.digest:
             self.emit_digest()
         return resume_at
+
+    def _finish_update(self, step: int, phase: Phase) -> str:
+        """Finish step ``step``'s interrupted update on this rank; returns how (the
+        ``resumed`` event's ``action``)."""
+        if self.updater is not None:
+            try:
+                return self.updater.resume(step)
+            except UnrecoverableStateError as e:
+                self.ctx.events.emit(
+                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region="state", error=str(e)
+                )
+                raise
+        if phase == Phase.UPDATING:
+            assert self.snapshot_bytes is not None
+            self.state_bytes.copy_(self.snapshot_bytes)  # idempotent: the snapshot is intact
+            self._apply_optimizer(step)
+            return "restore+finish"
+        if phase == Phase.GRADS_READY:
+            self._update(step)
+            return "finish"
+        raise UnrecoverableStateError(  # an RMU phase in a snapshot marker
+            f"rank {self.ctx.rank} must finish step {step}'s update but its gradients were never final"
+        )
 
     def _report_unreported(self, step: int, iter_s: float) -> None:
         """Write the ``step_done`` of ``step``, the last one committed on this rank, unless
