@@ -19,6 +19,9 @@ Rules, so that the warm-up can neither change the run nor cost the actives memor
   returned (``torch.cuda.empty_cache``), so the shadow keeps its level's footprint;
 * a promotion that arrives meanwhile wins: the shadow skips the warm-up.
 
+A warm-up that raises is reported and skipped, never fatal (the first iteration then pays
+what it would have warmed), unless the device context is broken: that shadow must die.
+
 Every decision is one ``model_warmed`` event (``ran``, ``reason``, seconds, bytes).
 """
 
@@ -234,6 +237,11 @@ def _run(
                 torch.cuda.synchronize(device)
         except torch.OutOfMemoryError as e:  # the actives' demand grew meanwhile: they win
             ran, reason = False, f"out of memory: {str(e).splitlines()[0]}"
+        except Exception as e:  # noqa: BLE001 - reported; the shadow stays promotable
+            if cuda:  # unless the error broke the device context: then this raises, and the
+                torch.cuda.synchronize(device)  # shadow dies rather than be promoted broken
+            first = str(e).splitlines()[0] if str(e) else ""
+            ran, reason = False, f"failed: {type(e).__name__}: {first}"[:300]
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base
         if not (keep_cache and ran):

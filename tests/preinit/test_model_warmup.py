@@ -153,3 +153,16 @@ def test_it_waits_for_the_first_report_and_yields_to_a_promotion(tmp_path):
     ctx, hb_board = _shadow(tmp_path, 3)  # no report, no promotion: gives up
     result = warm_model(ctx, work, name="test", config=ModelWarmupConfig(report_wait_s=0.1))
     assert work.calls == 1 and not result.ran and result.reason.startswith("no memory report")
+
+
+def test_a_warm_up_that_raises_is_reported_not_fatal(tmp_path):
+    ctx, hb_board = _shadow(tmp_path, 3)
+    _report(hb_board, total=0, free=0, reserved=0, peak=0)
+
+    def broken() -> None:
+        raise IndexError("index 0 is out of bounds for dimension 0 with size 0")
+
+    result = warm_model(ctx, broken, name="test", transient_bytes=MIB)
+    assert not result.ran and result.reason.startswith("failed: IndexError: index 0"), result
+    [event] = _warmed(tmp_path)
+    assert not event["ran"] and event["reason"] == result.reason
