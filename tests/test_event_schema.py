@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -25,7 +24,7 @@ from leto.events import (
     validate,
 )
 from leto.summary import Summary
-from leto.trainer.state import RetainedState
+from leto.trainer.state import report_unreported
 from tests.launcher.harness import run_leto
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "EVENTS.md"
@@ -148,8 +147,7 @@ def test_a_promoted_trainer_reports_the_step_its_predecessor_did_not(
     if last_reported is not None:
         log.emit(Kind.STEP_DONE, rank=1, step=last_reported, iter_s=0.1, loss=2.5)
     EventLog(path, source="trainer0").emit(Kind.STEP_DONE, rank=0, step=4, iter_s=0.1)
-    state = SimpleNamespace(ctx=SimpleNamespace(events=log, rank=1), _total=STEPS)
-    RetainedState._report_unreported(state, 4, 0.25)  # type: ignore[arg-type]
+    report_unreported(log, rank=1, step=4, total=STEPS, iter_s=0.25)
     new = [e for e in read_events(path) if e.get("finished_in_recovery")]
     assert [e["step"] for e in new] == written
     for e in new:

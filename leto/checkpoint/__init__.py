@@ -167,7 +167,7 @@ class Checkpointer:
         ctx = state.ctx
 
         def loaded(step: int) -> None:
-            state._encode("state")  # the RMU updates parity incrementally: it must match the load
+            state.encode("state")  # the RMU updates parity incrementally: it must match the load
             state.marker.initialise(state.layout.digest, step=step)
             state.extras.reload()  # steps() restores the objects from the loaded records
             if ctx.env.digest:

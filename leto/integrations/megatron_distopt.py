@@ -425,7 +425,7 @@ def build_ddp(
     place_meta_params(model_params, plan, state.mirror_regions)
     ddp = ddp_on_buffers(model, ddp_config, pending, what="parameter and gradient buffers")
     check_against_megatron(ddp, plan, model_params)
-    grads = state._grad_views()
+    grads = state.grad_views()
     for main, grad in zip(state.params, grads, strict=True):
         main.main_grad = grad
     state.check_main_grads()

@@ -42,7 +42,7 @@ from leto import contract
 from leto.erasure import padded_bytes
 from leto.erasure.protection import ProtectedRegion
 from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStateError
-from leto.events import Kind, last_event
+from leto.events import EventLog, Kind, last_event
 from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit.model_warmup import warm_forward
@@ -191,7 +191,7 @@ class RetainedState:
         self._rng = self.layout.rng.view(self.state_bytes)
         if not self.reattached:
             self._rng.copy_(rng_blob(self.device))
-            self._encode("state")
+            self.encode("state")
             identity = self.memory.identity_record()
             self.marker.initialise(self.layout.digest, identity=identity)
             self.memory.seal(identity)
@@ -305,7 +305,7 @@ class RetainedState:
         fresh = not self.reattached
         shards = self.shards
         for i, (p, pslot, grad) in enumerate(
-            zip(self.params, self.layout.params, self._grad_views(), strict=True)
+            zip(self.params, self.layout.params, self.grad_views(), strict=True)
         ):
             data = own_view(self.state_bytes, pslot)
             if shards is not None:  # FSDP2: the shard's DTensor over its padded slot
@@ -365,9 +365,10 @@ class RetainedState:
                 "out of the model"
             )
 
-    def _grad_views(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view of its retained region (built once: a few
-        hundred views cost milliseconds of host time per step on a 1 B model)."""
+    def grad_views(self) -> list[torch.Tensor]:
+        """Each optimizer parameter's gradient as a view of its retained region, in
+        ``params`` order: where an integration binds its gradients (``main_grad``). Built
+        once: a few hundred views cost milliseconds of host time per step on a 1 B model."""
         if self._grad_view_list is None:
             self._grad_view_list = [
                 slot.view(self.grad_regions[name])
@@ -379,7 +380,7 @@ class RetainedState:
         """Each parameter's gradient as torch sees it: its retained view, or for an FSDP2
         shard the ``DTensor`` over it (built once)."""
         if self._seen_grad_list is None:
-            self._seen_grad_list = [self.seen(i, g) for i, g in enumerate(self._grad_views())]
+            self._seen_grad_list = [self.seen(i, g) for i, g in enumerate(self.grad_views())]
         return self._seen_grad_list
 
     def seen(self, i: int, view: torch.Tensor) -> torch.Tensor:
@@ -387,13 +388,16 @@ class RetainedState:
         for an FSDP2 shard its ``DTensor`` (``FsdpShards.seen``), else the view itself."""
         return view if self.shards is None else self.shards.seen(i, view)
 
-    def _encode(self, name: str) -> None:
+    def encode(self, name: str) -> None:
+        """Recompute retained region ``name``'s parity from its contents (nothing for an
+        unprotected region): after something other than the update protocol wrote it, a
+        checkpoint load for one, the parity must match again before the next update."""
         if name in self.protected:
             self.protected[name].encode()
 
     def _encode_grads(self) -> None:
         for name in self.grad_regions:
-            self._encode(name)
+            self.encode(name)
 
     def _rebuild_lost_pages(self) -> None:
         """Localise failed pages of every protected region and rebuild what is needed.
@@ -694,7 +698,7 @@ class RetainedState:
         self.ctx.injector.point("sync")
         self._allreduce_grads()
         if self.layout.main_grad:  # clipping and the update read .grad
-            for p, grad in zip(self.params, self._grad_views(), strict=True):
+            for p, grad in zip(self.params, self.grad_views(), strict=True):
                 p.grad = grad
         self._phases.mark("allreduce")
         if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
@@ -802,7 +806,7 @@ class RetainedState:
             range(len(self.params))
         )  # state torch created lazily, into its slots
         self._rng.copy_(self._rng_next)
-        self._encode("state")
+        self.encode("state")
         self.ctx.injector.point("update")
         self.memory.fence()
         self.marker.advance(Phase.IDLE, step + 1)
@@ -887,9 +891,14 @@ class RetainedState:
             if phase == Phase.GRADS_READY:  # its gradients are computed again
                 self.marker.advance(Phase.IDLE)
         resume_at = decision.step
-        self._report_unreported(
-            resume_at - 1,
-            time.perf_counter() - t_finish if decision.action == ResumeAction.FINISH else 0.0,
+        report_unreported(
+            self.ctx.events,
+            rank=self.ctx.rank,
+            step=resume_at - 1,
+            total=self._total,
+            iter_s=time.perf_counter() - t_finish
+            if decision.action == ResumeAction.FINISH
+            else 0.0,
         )
         # Step resume_at's forward may have begun on this rank: its buffers back to its start.
         buffers = self.buffer_undo is not None and self.buffer_undo.restore(resume_at)
@@ -935,27 +944,6 @@ class RetainedState:
             f"rank {self.ctx.rank} must finish step {step}'s update but its gradients were never final"
         )
 
-    def _report_unreported(self, step: int, iter_s: float) -> None:
-        """Write the ``step_done`` of ``step``, the last one committed on this rank, unless
-        this rank's last ``step_done`` in the events file already covers it: the promoted
-        trainer finished it here (``iter_s``: that work), or its predecessor was killed
-        between committing it and saying so. Its loss died with the predecessor."""
-        path = self.ctx.events.path
-        if step < 0 or path is None:
-            return
-        src = self.ctx.events.source
-        last = last_event(path, lambda e: e.get("kind") == "step_done" and e.get("src") == src)
-        if last is None or last.get("step", -1) < step:
-            self.ctx.events.emit(
-                Kind.STEP_DONE,
-                rank=self.ctx.rank,
-                step=step,
-                total=self._total,
-                iter_s=iter_s,
-                loss=None,
-                finished_in_recovery=True,
-            )
-
     def emit_digest(self) -> str:
         """Digest of the state region (with a sharded optimizer: and of the full parameters)
         and of the stateful objects at the last commit (``RetainedExtras.commit_digest``)."""
@@ -967,6 +955,30 @@ class RetainedState:
         digest = hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
         self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
         return digest
+
+
+def report_unreported(
+    events: EventLog, *, rank: int, step: int, total: int | None, iter_s: float
+) -> None:
+    """Write the ``step_done`` of ``step``, the last step committed on ``rank``, unless that
+    rank's last ``step_done`` in the events file already covers it: a promoted trainer
+    finished it (``iter_s``: that work), or its predecessor was killed between committing
+    it and saying so. Its loss died with the predecessor."""
+    path = events.path
+    if step < 0 or path is None:
+        return
+    src = events.source
+    last = last_event(path, lambda e: e.get("kind") == "step_done" and e.get("src") == src)
+    if last is None or last.get("step", -1) < step:
+        events.emit(
+            Kind.STEP_DONE,
+            rank=rank,
+            step=step,
+            total=total,
+            iter_s=iter_s,
+            loss=None,
+            finished_in_recovery=True,
+        )
 
 
 def rng_blob(device: torch.device) -> torch.Tensor:
