@@ -15,19 +15,21 @@ The trainer API is small::
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["Context", "RetainedState", "init"]
 
+_LAZY = {
+    "Context": "leto.trainer.context",
+    "init": "leto.trainer.context",
+    "RetainedState": "leto.trainer.state",
+}
+"""Each export's module, imported at first access: the state manager imports leto.pool.*
+and must never pull in torch, and every module below the trainer imports this package."""
+
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the state manager imports leto.pool.* and must never pull in torch.
-    if name in ("Context", "init"):
-        from leto.trainer import context
-
-        return getattr(context, name)
-    if name == "RetainedState":
-        from leto.trainer.state import RetainedState
-
-        return RetainedState
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'leto' has no attribute {name!r}")

@@ -472,7 +472,7 @@ def warm_up_shadow(
         seq_length=seq_length,
     )
     return warm_model(
-        ctx,
+        ctx.shadow_site(),
         lambda: run_throwaway(
             ctx.device,
             cut,

@@ -41,7 +41,7 @@ from leto.preinit import board, replay
 from leto.preinit.levels import DeviceMemory, ShadowLevel, aggregate
 
 if TYPE_CHECKING:
-    from leto.trainer.context import Context
+    from leto.preinit.site import ShadowSite
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ModelWarmupResult:
 
 
 def warm_model(
-    ctx: Context,
+    site: ShadowSite,
     fn: Callable[[], object],
     *,
     name: str,
@@ -88,7 +88,7 @@ def warm_model(
 ) -> ModelWarmupResult | None:
     """Run ``fn`` in this shadow if its level and the actives' memory allow; None in an active.
 
-    ``fn`` builds and runs whatever it warms (throwaway modules on ``ctx.device``); it must
+    ``fn`` builds and runs whatever it warms (throwaway modules on ``site.device``); it must
     not touch the model being retained. ``transient_bytes``: its device memory at peak, or
     how to compute it from the actives' memory report (0 without one).
     ``agree``: when ``fn`` runs collectives (tensor parallelism), turns this shadow's go/no-go
@@ -96,10 +96,10 @@ def warm_model(
     ``keep_cache``: the caching allocator keeps the blocks ``fn`` freed (at most its transient,
     which the headroom covered), for the promoted trainer's first step to reuse.
     """
-    if not ctx.is_shadow:
+    if not site.is_shadow:
         return None
     config = config or ModelWarmupConfig()
-    result, transient = _decide(ctx, transient_bytes, config)
+    result, transient = _decide(site, transient_bytes, config)
     if agree is not None and not agree(result is None) and result is None:
         result = ModelWarmupResult(
             ran=False,
@@ -107,25 +107,25 @@ def warm_model(
             transient_bytes=transient,
         )
     if result is None:
-        result = _run(ctx, fn, transient, keep_cache)
-    _emit(ctx, name, result)
+        result = _run(site, fn, transient, keep_cache)
+    _emit(site, name, result)
     return result
 
 
-def _emit(ctx: Context, name: str, result: ModelWarmupResult) -> None:
-    ctx.events.emit(
+def _emit(site: ShadowSite, name: str, result: ModelWarmupResult) -> None:
+    site.events.emit(
         Kind.MODEL_WARMED,
-        rank=ctx.rank,
-        gen=ctx.env.generation,
-        level=ctx.env.shadow_level,
+        rank=site.rank,
+        gen=site.env.generation,
+        level=site.env.shadow_level,
         name=name,
         **dataclasses.asdict(result),
     )
     log = logger.info if result.ran else logger.warning
     log(
         "[rank %d shadow gen %d] warm-up %s %s: %s (%.2f s)",
-        ctx.rank,
-        ctx.env.generation,
+        site.rank,
+        site.env.generation,
         name,
         "ran" if result.ran else "skipped",
         result.reason,
@@ -134,21 +134,21 @@ def _emit(ctx: Context, name: str, result: ModelWarmupResult) -> None:
 
 
 def _decide(
-    ctx: Context, transient: int | Callable[[DeviceMemory], int], config: ModelWarmupConfig
+    site: ShadowSite, transient: int | Callable[[DeviceMemory], int], config: ModelWarmupConfig
 ) -> tuple[ModelWarmupResult | None, int]:
     """A skip with its reason, or None: go ahead; and the transient bytes resolved."""
     estimate = transient if isinstance(transient, int) else 0
-    level = ctx.env.shadow_level
+    level = site.env.shadow_level
     if level < config.min_level:
         return ModelWarmupResult(
             ran=False,
             reason=f"shadow level {level} < {config.min_level}: memory is short",
             transient_bytes=estimate,
         ), estimate
-    report = _wait_for_report(ctx, config.report_wait_s)
+    report = _wait_for_report(site, config.report_wait_s)
     if isinstance(report, str):
         return ModelWarmupResult(ran=False, reason=report, transient_bytes=estimate), estimate
-    if ctx.store.check([_promote_key(ctx)]):  # the first iteration will pay it now anyway
+    if site.store.check([_promote_key(site)]):  # the first iteration will pay it now anyway
         return ModelWarmupResult(
             ran=False, reason="already promoted", transient_bytes=estimate
         ), estimate
@@ -156,26 +156,28 @@ def _decide(
         return None, estimate
     device = aggregate([report])[0]
     estimate = transient if isinstance(transient, int) else transient(device)
-    needed = estimate + ctx.env.preinit.margin_bytes
+    needed = estimate + site.env.preinit.margin_bytes
     if device.headroom_bytes < needed:
         return ModelWarmupResult(
             ran=False,
             transient_bytes=estimate,
             reason=f"headroom {device.headroom_bytes} B < warm-up {estimate} B + margin "
-            f"{ctx.env.preinit.margin_bytes} B",
+            f"{site.env.preinit.margin_bytes} B",
         ), estimate
     return None, estimate
 
 
-def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, int] | str | None:
+def _wait_for_report(
+    site: ShadowSite, wait_s: float
+) -> tuple[int, int, int, int, int] | str | None:
     """The active's newest memory report (None: it reports none), or why there is none."""
-    hb = ctx.heartbeat
+    hb = site.heartbeat
     if hb is None:
         return None  # not under leto-run's agent
-    key = _promote_key(ctx)
+    key = _promote_key(site)
     deadline = time.monotonic() + wait_s
     while hb.word(board.MEM_SEQ) == 0:
-        if ctx.store.check([key]):
+        if site.store.check([key]):
             return "promoted before the active trainer reported its memory"
         if time.monotonic() > deadline:
             return f"no memory report from the active trainer in {wait_s:.0f} s"
@@ -185,24 +187,24 @@ def _wait_for_report(ctx: Context, wait_s: float) -> tuple[int, int, int, int, i
 
 
 def warm_forward(
-    ctx: Context, model: torch.nn.Module, *, keep_cache: bool = False
+    site: ShadowSite, model: torch.nn.Module, *, keep_cache: bool = False
 ) -> ModelWarmupResult | None:
     """A shadow's forward replay (``leto.preinit.replay``) under :func:`warm_model`'s rules;
     None (and no event) where it does not apply: an active trainer, CPU unless asked, an
     integration's model (its own warm-up, collectives in its forward), a sharded model."""
-    if not ctx.is_shadow:
+    if not site.is_shadow:
         return None
-    if replay.skip_reason(ctx, model) is not None:
+    if replay.skip_reason(site, model) is not None:
         return None
     config = ModelWarmupConfig()
-    spec = replay.wait_for_spec(ctx, config.report_wait_s)
+    spec = replay.wait_for_spec(site, config.report_wait_s)
     if isinstance(spec, str):
         result = ModelWarmupResult(ran=False, reason=spec)
-        _emit(ctx, replay.NAME, result)
+        _emit(site, replay.NAME, result)
         return result
     return warm_model(
-        ctx,
-        lambda: replay.replay(model, spec, ctx.device),
+        site,
+        lambda: replay.replay(model, spec, site.device),
         name=replay.NAME,
         transient_bytes=replay.transient_bytes(model),
         config=config,
@@ -210,18 +212,18 @@ def warm_forward(
     )
 
 
-def _promote_key(ctx: Context) -> str:
+def _promote_key(site: ShadowSite) -> str:
     return contract.promote(
-        ctx.env.generation, ctx.rank
+        site.env.generation, site.rank
     )  # set by the agent (Context._wait_for_promotion)
 
 
 def _run(
-    ctx: Context, fn: Callable[[], object], transient_bytes: int, keep_cache: bool
+    site: ShadowSite, fn: Callable[[], object], transient_bytes: int, keep_cache: bool
 ) -> ModelWarmupResult:
     from torch._dynamo.utils import counters
 
-    device = ctx.device
+    device = site.device
     cuda = device.type == "cuda"
     graphs = counters["stats"]["unique_graphs"]
     if cuda:

@@ -37,7 +37,7 @@ from leto import contract
 from leto.preinit.levels import DeviceMemory
 
 if TYPE_CHECKING:
-    from leto.trainer.context import Context
+    from leto.preinit.site import ShadowSite
 
 NAME = "forward replay"
 """The ``name`` of this warm-up's ``model_warmed`` event."""
@@ -187,15 +187,14 @@ def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> R
     return ReplayResult(parameters=len(params), backward=bool(losses))
 
 
-def skip_reason(ctx: Context, model: torch.nn.Module) -> str | None:
+def skip_reason(site: ShadowSite, model: torch.nn.Module) -> str | None:
     """Why this shadow does not replay its model's forward, or None."""
-    sync = ctx.grad_sync
-    if sync.group is not None or sync.reduce is not None or sync.collectives_in_backward:
+    if site.forward_collectives:
         return "an integration's gradient sync: its forward may run collectives"
-    setting = ctx.env.preinit.replay_forward
+    setting = site.env.preinit.replay_forward
     if setting is False:
         return "preinit.replay_forward: false"
-    if setting is None and ctx.device.type != "cuda":
+    if setting is None and site.device.type != "cuda":
         return "off on CPU (preinit.replay_forward unset)"
     tensors = [*model.parameters(), *model.buffers()]
     if not all(t.is_meta for t in tensors):
@@ -218,17 +217,20 @@ def transient_bytes(model: torch.nn.Module) -> Callable[[DeviceMemory], int]:
     return lambda device: fixed + device.peak_bytes // max(1, device.ranks)
 
 
-def wait_for_spec(ctx: Context, wait_s: float) -> ForwardSpec | str:
+def wait_for_spec(site: ShadowSite, wait_s: float) -> ForwardSpec | str:
     """The active's published call shapes, or why there are none (promotion, timeout)."""
-    key, promote = contract.forward_spec(ctx.rank), contract.promote(ctx.env.generation, ctx.rank)
+    key, promote = (
+        contract.forward_spec(site.rank),
+        contract.promote(site.env.generation, site.rank),
+    )
     deadline = time.monotonic() + wait_s
-    while not ctx.store.check([key]):
-        if ctx.store.check([promote]):
+    while not site.store.check([key]):
+        if site.store.check([promote]):
             return "promoted before the active trainer's first forward"
         if time.monotonic() > deadline:
             return f"no forward shapes from the active trainer in {wait_s:.0f} s"
         time.sleep(_POLL_S)
     try:
-        return ForwardSpec.from_json(ctx.store.get(key).decode())
+        return ForwardSpec.from_json(site.store.get(key).decode())
     except Unsupported as e:
         return f"the model's call cannot be replayed: {e}"

@@ -47,8 +47,8 @@ from leto.erasure.bitslice import TILE_BYTES
 from leto.events import Kind
 
 if TYPE_CHECKING:
+    from leto.preinit.site import ShadowSite
     from leto.retained.layout import Layout
-    from leto.trainer.context import Context
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ def skip_reason(device: torch.device, level: int, enabled: bool) -> str | None:
 
 
 def warm_shadow(
-    ctx: Context, layout: Layout, optimizer: torch.optim.Optimizer
+    site: ShadowSite, layout: Layout, optimizer: torch.optim.Optimizer
 ) -> WarmupReport | None:
     """The shadow's warm-up before it waits for promotion; emits ``kernels_warmed``.
 
@@ -299,36 +299,36 @@ def warm_shadow(
     """
     from leto.updater.fused import resolve_fused
 
-    env = ctx.env
-    fields: dict[str, Any] = {"rank": env.rank, "gen": env.generation, "level": env.shadow_level}
-    reason = skip_reason(ctx.device, env.shadow_level, env.preinit.warm_kernels)
+    env = site.env
+    fields: dict[str, Any] = {"rank": site.rank, "gen": env.generation, "level": env.shadow_level}
+    reason = skip_reason(site.device, env.shadow_level, env.preinit.warm_kernels)
     if reason is not None:
-        logger.info("[rank %d] kernel warm-up skipped: %s", env.rank, reason)
-        ctx.events.emit(Kind.KERNELS_WARMED, **fields, ran=False, reason=reason)
+        logger.info("[rank %d] kernel warm-up skipped: %s", site.rank, reason)
+        site.events.emit(Kind.KERNELS_WARMED, **fields, ran=False, reason=reason)
         return None
     try:
         rmu = env.consistency == "rmu"
         target = WarmupTarget.plan(
-            device=ctx.device,
+            device=site.device,
             layout=layout,
             optimizer=optimizer,
             erasure=env.erasure,
             rmu=rmu,
             chunk_bytes=env.rmu_chunk_bytes,
-            fused=rmu and resolve_fused(env.rmu_fused, ctx.device, layout),
+            fused=rmu and resolve_fused(env.rmu_fused, site.device, layout),
         )
         report = warm_up(target)
     except Exception as e:  # noqa: BLE001 - the shadow stays promotable; the error is reported
-        logger.warning("[rank %d] kernel warm-up failed: %s", env.rank, e)
-        ctx.events.emit(
+        logger.warning("[rank %d] kernel warm-up failed: %s", site.rank, e)
+        site.events.emit(
             Kind.KERNELS_WARMED,
             **fields,
             ran=False,
             reason=f"failed: {type(e).__name__}: {e}"[:300],
         )
         return None
-    logger.info("[rank %d] kernels warmed in %.2f s: %s", env.rank, report.seconds, report.calls)
-    ctx.events.emit(
+    logger.info("[rank %d] kernels warmed in %.2f s: %s", site.rank, report.seconds, report.calls)
+    site.events.emit(
         Kind.KERNELS_WARMED,
         **fields,
         ran=True,

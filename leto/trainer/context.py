@@ -23,7 +23,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -35,15 +34,16 @@ from leto import contract, kernels
 from leto.config import default_rmu_chunk_bytes
 from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import DeviceUnhealthyError, check_device
-from leto.errors import LetoError, ProtocolError, UnrecoverableStateError
+from leto.errors import ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
 from leto.health import Heartbeat
 from leto.pool.client import PoolClient
 from leto.preinit.guard import OomGuard
 from leto.preinit.probe import probe_for
+from leto.preinit.site import ShadowSite
+from leto.trainer.env import TrainerEnv
 from leto.trainer.grad_sync import GradSync
-from leto.trainer.timing import phase_times_enabled
 
 if TYPE_CHECKING:
     from leto.checkpoint import Checkpointer
@@ -54,48 +54,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _WAIT_SLICE = timedelta(seconds=60)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerEnv(contract.GenerationEnv):
-    """What a trainer is told through its environment: its agent's
-    :class:`~leto.contract.GenerationEnv` plus torch's own variables."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    restart_count: int
-    master_addr: str
-    master_port: int
-    phase_times: bool = False
-    """``LETO_PHASE_TIMES=1``: each step's phases in ``step_done`` (``leto.trainer.timing``)."""
-
-    @property
-    def holds_device(self) -> bool:
-        """False for an L1 shadow: it must not create a CUDA context before promotion."""
-        return self.role != ROLE_SHADOW or self.shadow_level >= 2
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> TrainerEnv:
-        env = os.environ if env is None else env
-        if "LETO_POOL_SOCKET" not in env:
-            raise LetoError("leto.init() must run under leto-run (LETO_POOL_SOCKET is not set)")
-        try:
-            torch_env = {
-                "rank": int(env["RANK"]),
-                "local_rank": int(env["LOCAL_RANK"]),
-                "world_size": int(env["WORLD_SIZE"]),
-                "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                "master_addr": env["MASTER_ADDR"],
-                "master_port": int(env["MASTER_PORT"]),
-            }
-        except KeyError as e:
-            raise ProtocolError(f"leto-run did not set {e.args[0]} for this trainer") from None
-        return cls(
-            **contract.GenerationEnv.fields_from_environ(env),
-            **torch_env,  # type: ignore[arg-type]
-            phase_times=phase_times_enabled(),
-        )
 
 
 class Context:
@@ -154,6 +112,19 @@ class Context:
     @property
     def is_shadow(self) -> bool:
         return self.env.role == ROLE_SHADOW and self.promoted_at is None
+
+    def shadow_site(self) -> ShadowSite:
+        """This trainer's facts for the shadow warm-ups (``leto.preinit``), as they are now."""
+        return ShadowSite(
+            rank=self.rank,
+            env=self.env,
+            store=self.store,
+            events=self.events,
+            heartbeat=self.heartbeat,
+            is_shadow=self.is_shadow,
+            device=self.device,
+            forward_collectives=self.grad_sync.from_integration,
+        )
 
     @property
     def resuming(self) -> bool:

@@ -49,6 +49,12 @@ class GradSync:
     """Backward launches collectives (bucketed all-reduces overlapping it): a rank cannot
     re-run its backward alone, so an out-of-memory error there is not retried."""
 
+    @property
+    def from_integration(self) -> bool:
+        """An integration set its own group, reduction or overlapped backward: its model's
+        forward may run collectives too."""
+        return self.group is not None or self.reduce is not None or self.collectives_in_backward
+
     def size(self) -> int:
         """Ranks that average their gradients (1: nothing to reduce)."""
         return dist.get_world_size(self.group)

@@ -153,11 +153,12 @@ class RetainedState:
             if wait_for_promotion is not None and self.marker.is_valid():
                 self.mapped_ahead_step = self.marker.step
         if wait_for_promotion is not None:
-            warm_shadow(ctx, self.layout, optimizer)  # level 3: the Triton kernels of a recovery
+            site = ctx.shadow_site()
+            warm_shadow(site, self.layout, optimizer)  # level 3: the Triton kernels of a recovery
             # level 3: the model's first step (leto.preinit.replay). Its freed blocks are
             # kept for the first step's activations unless lending was asked for: the lending
             # pool would grow afresh, so a trainer whose shadow kept them does not lend.
-            replayed = warm_forward(ctx, model, keep_cache=ctx.env.lend_activations is not True)
+            replayed = warm_forward(site, model, keep_cache=ctx.env.lend_activations is not True)
             self._replay_kept = replayed is not None and replayed.kept_bytes > 0
             wait_for_promotion()
         t0 = time.perf_counter()

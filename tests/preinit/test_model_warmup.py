@@ -16,46 +16,38 @@ import torch
 import torch.distributed as dist
 
 from leto import contract
+from leto.contract import GenerationEnv
 from leto.events import EventLog, Kind, read_events
 from leto.health import Heartbeat, HeartbeatBoard
 from leto.preinit import PreinitConfig, board
 from leto.preinit.model_warmup import ModelWarmupConfig, warm_model
+from leto.preinit.site import ShadowSite
 
 MIB = 1 << 20
 
 
-@dataclasses.dataclass
-class _Env:
-    shadow_level: int
-    generation: int = 1
-    preinit: PreinitConfig = dataclasses.field(
-        default_factory=lambda: PreinitConfig(margin_bytes=4 * MIB)
-    )
-
-
-@dataclasses.dataclass
-class _Shadow:
-    """What ``warm_model`` reads of a ``leto.Context``."""
-
-    env: _Env
-    heartbeat: Heartbeat
-    store: dist.Store
-    events: EventLog
-    is_shadow: bool = True
-    rank: int = 0
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-
-
-def _shadow(tmp_path, level: int, *, active: bool = False) -> tuple[_Shadow, HeartbeatBoard]:
+def _shadow(tmp_path, level: int, *, active: bool = False) -> tuple[ShadowSite, HeartbeatBoard]:
     hb_board = HeartbeatBoard(1)
-    ctx = _Shadow(
-        env=_Env(shadow_level=level),
+    site = ShadowSite(
+        rank=0,
+        device=torch.device("cpu"),
+        env=_env(level),
         heartbeat=Heartbeat(hb_board.path, 0),
         store=dist.HashStore(),
         events=EventLog(tmp_path / "events.jsonl", "trainer0"),
         is_shadow=not active,
     )
-    return ctx, hb_board
+    return site, hb_board
+
+
+def _env(level: int) -> GenerationEnv:
+    return GenerationEnv(
+        role=contract.ROLE_SHADOW,
+        generation=1,
+        pool_socket="",
+        shadow_level=level,
+        preinit=PreinitConfig(margin_bytes=4 * MIB),
+    )
 
 
 def _report(hb_board: HeartbeatBoard, *, total: int, free: int, reserved: int, peak: int) -> None:
@@ -120,7 +112,7 @@ def test_a_group_of_shadows_warms_up_all_or_none(tmp_path):
     assert votes == [True] and work.calls == 0 and not result.ran and "peer" in result.reason
     result = warm_model(ctx, work, name="test", agree=lambda go: votes.append(go) or True)
     assert votes == [True, True] and work.calls == 1 and result.ran
-    ctx.env.shadow_level = 2
+    ctx = dataclasses.replace(ctx, env=_env(2))
     result = warm_model(ctx, work, name="test", agree=lambda go: votes.append(go) or True)
     assert votes == [True, True, False] and work.calls == 1 and "level 2" in result.reason
 

@@ -16,7 +16,8 @@ from leto.events import ENV_EVENTS_FILE
 from leto.faults import ENV_FAULTS, ENV_FAULTS_FIRED
 from leto.health import ENV_HEARTBEAT
 from leto.pool.process import StateManagerProcess
-from leto.trainer.context import Context, TrainerEnv
+from leto.trainer.context import Context
+from leto.trainer.env import TrainerEnv
 
 
 @contextlib.contextmanager
