@@ -44,13 +44,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from leto.errors import ProtocolError
 from leto.events import EventLog, Kind
 from leto.sim.closed_form import young_interval_iters
 
 if TYPE_CHECKING:
     from leto.config import CheckpointConfig
-    from leto.trainer.state import RetainedState
 
 logger = logging.getLogger(__name__)
 
@@ -62,30 +60,6 @@ def young_interval_steps(cost_s: float, iteration_s: float, config: CheckpointCo
     """Young's interval for the FF rate, in whole steps (at least 1)."""
     steps = young_interval_iters(cost_s, config.ff_mttf_s, max(iteration_s, 1e-9))
     return 1 if steps < 1 else (1 << 62 if math.isinf(steps) else round(steps))
-
-
-def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
-    """The retained state as DCP keys → views of retained memory (no copy)."""
-    region = state.state_bytes
-    pnames = {id(p): n for n, p in state.model.named_parameters(remove_duplicate=False)}
-    bnames = {id(b): n for n, b in state.model.named_buffers(remove_duplicate=False)}
-    views: dict[str, torch.Tensor] = {}
-    for i, (p, pslot, oslots) in enumerate(
-        zip(state.params, state.layout.params, state.layout.optim, strict=True)
-    ):
-        name = pnames.get(id(p))
-        if name is None:
-            raise ProtocolError(
-                "the optimizer holds a parameter that is not in the model; cannot name it"
-            )
-        views[f"model.{name}"] = state.seen(i, pslot.view(region))  # an FSDP2 shard: its DTensor
-        for key, slot in oslots.items():
-            views[f"optim.{name}.{key}"] = state.seen(i, slot.view(region))
-    for b, slot in zip(state.buffers, state.layout.buffers, strict=True):
-        views[f"buffer.rank{state.ctx.rank}.{bnames[id(b)]}"] = slot.view(region)
-    views[f"rng.rank{state.ctx.rank}"] = state.layout.rng.view(region)
-    views[f"extras.rank{state.ctx.rank}"] = state.extras.store.region
-    return views
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -160,30 +134,6 @@ class Checkpointer:
         self._last_commit: float | None = None
         self._iter_s: float | None = None
         atexit.register(self.close)  # a script that leaves its loop early still completes
-
-    @classmethod
-    def for_state(cls, config: CheckpointConfig, state: RetainedState) -> Checkpointer:
-        """The checkpointer of a trainer's retained state (``Context.retain``)."""
-        ctx = state.ctx
-
-        def loaded(step: int) -> None:
-            state.encode("state")  # the RMU updates parity incrementally: it must match the load
-            state.marker.initialise(state.layout.digest, step=step)
-            state.extras.reload()  # steps() restores the objects from the loaded records
-            if ctx.env.digest:
-                state.emit_digest()
-
-        return cls(
-            config,
-            named_views(state),
-            rank=ctx.rank,
-            group=dist.new_group(backend="gloo"),
-            events=ctx.events,
-            generation=ctx.env.generation,
-            restart_count=ctx.env.restart_count,
-            collective_device=ctx.collective_device,
-            on_loaded=loaded,
-        )
 
     def path(self, step: int) -> Path:
         return self.root / f"{_PREFIX}{step:09d}"

@@ -194,9 +194,9 @@ class Context:
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()
         if config is not None:
-            from leto.checkpoint import Checkpointer
+            from leto.trainer.checkpointing import checkpointer_for
 
-            self.checkpointer = Checkpointer.for_state(config, state)
+            self.checkpointer = checkpointer_for(config, state)
             if not state.reattached:
                 self.checkpointer.restore()
         return state

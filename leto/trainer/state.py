@@ -62,7 +62,7 @@ from leto.updater.fused import resolve_fused
 from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
 
 if TYPE_CHECKING:
-    from leto.trainer.context import Context
+    from leto.trainer.handle import TrainerHandle
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RetainedState:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: TrainerHandle,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         wait_for_promotion: Callable[[], None] | None = None,
