@@ -406,9 +406,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         context_s=round(now - t_store, 3),
         deterministic=torch.are_deterministic_algorithms_enabled(),
     )
-    # A relaunched shadow generation (after a reclaim) must not meet the killed one's keys.
-    launch = f".{env.shadow_launch}" if env.shadow_launch else ""
-    pg_store = dist.PrefixStore(f"gen{env.generation}{launch}/pg/", base)
+    pg_store = dist.PrefixStore(contract.pg_prefix(env.generation, env.shadow_launch), base)
     backend = _pick_backend(backend, ctx)
     if backend == "nccl":
         ctx.collective_device = ctx.device

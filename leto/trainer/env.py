@@ -34,8 +34,10 @@ class TrainerEnv(contract.GenerationEnv):
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> TrainerEnv:
         env = os.environ if env is None else env
-        if "LETO_POOL_SOCKET" not in env:
-            raise LetoError("leto.init() must run under leto-run (LETO_POOL_SOCKET is not set)")
+        if contract.ENV_POOL_SOCKET not in env:
+            raise LetoError(
+                f"leto.init() must run under leto-run ({contract.ENV_POOL_SOCKET} is not set)"
+            )
         try:
             torch_env = {
                 "rank": int(env["RANK"]),
