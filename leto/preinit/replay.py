@@ -187,15 +187,23 @@ def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> R
     return ReplayResult(parameters=len(params), backward=bool(losses))
 
 
+def setting_reason(setting: bool | None, device: torch.device) -> str | None:
+    """Why ``preinit.replay_forward`` turns the replay off on ``device``, or None (on). The
+    active publishes its shapes under the same rule its shadows replay them."""
+    if setting is False:
+        return "preinit.replay_forward: false"
+    if setting is None and device.type != "cuda":
+        return "off on CPU (preinit.replay_forward unset)"
+    return None
+
+
 def skip_reason(site: ShadowSite, model: torch.nn.Module) -> str | None:
     """Why this shadow does not replay its model's forward, or None."""
     if site.forward_collectives:
         return "an integration's gradient sync: its forward may run collectives"
-    setting = site.env.preinit.replay_forward
-    if setting is False:
-        return "preinit.replay_forward: false"
-    if setting is None and site.device.type != "cuda":
-        return "off on CPU (preinit.replay_forward unset)"
+    reason = setting_reason(site.env.preinit.replay_forward, site.device)
+    if reason is not None:
+        return reason
     tensors = [*model.parameters(), *model.buffers()]
     if not all(t.is_meta for t in tensors):
         return "the shadow's model is not on the meta device"

@@ -45,8 +45,8 @@ from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStat
 from leto.events import EventLog, Kind, last_event
 from leto.pool.lend import ActivationLender
 from leto.pool.pagemap import plan_chunk_bytes
+from leto.preinit import replay
 from leto.preinit.model_warmup import warm_forward
-from leto.preinit.replay import ForwardRecorder
 from leto.preinit.warmup import warm_shadow
 from leto.retained.layout import GradPlacement, Layout
 from leto.retained.marker import MARKER_BYTES, Marker, Phase
@@ -579,12 +579,11 @@ class RetainedState:
     def _publish_forward_shapes(self) -> None:
         """The shapes of the model's first call, for the shadows' forward replay
         (``leto.preinit.replay``), once per group attempt."""
-        setting = self.ctx.env.preinit.replay_forward
-        if setting is False or (setting is None and self.device.type != "cuda"):
+        if replay.setting_reason(self.ctx.env.preinit.replay_forward, self.device) is not None:
             return
         key = contract.forward_spec(self.ctx.rank)
         if not self.ctx.store.check([key]):
-            ForwardRecorder(self.model, lambda text: self.ctx.store.set(key, text))
+            replay.ForwardRecorder(self.model, lambda text: self.ctx.store.set(key, text))
 
     def _begin(self, step: int) -> None:
         if self.marker.step != step or self.marker.phase != Phase.IDLE:
