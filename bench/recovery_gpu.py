@@ -293,6 +293,20 @@ def print_phases(timed: dict[str, dict[str, float]]) -> None:
         )
 
 
+def no_lend_args(tmp: Path) -> tuple[str, ...]:
+    """leto-run's arguments for a job with ``lend_activation_memory: false``."""
+    job = tmp / "no-lend.yaml"
+    job.write_text("leto:\n  lend_activation_memory: false\n")
+    return ("--config", str(job))
+
+
+def write_result(path: str, fields: dict) -> None:
+    """``fields`` as JSON at ``path``, with the date and the kernel mode."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "kernels": KERNELS["mode"], **fields}
+    Path(path).write_text(json.dumps(result, indent=2))
+
+
 def ablate(args: argparse.Namespace) -> None:
     """Diagnostic: where leto-run's steady step goes. The same job unsynchronised (median
     step, steps >= 5 after the shadows settled) as torchrun with fused AdamW, leto-run,
@@ -300,13 +314,11 @@ def ablate(args: argparse.Namespace) -> None:
     leto-run and torchrun synchronised at every phase boundary."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        no_lend = tmp / "no-lend.yaml"
-        no_lend.write_text("leto:\n  lend_activation_memory: false\n")
         restart = ("--recovery", "restart")
         runs = {
             "leto-run": (),
             "leto-run, no shadows": restart,
-            "leto-run, no shadows, no lending": (*restart, "--config", str(no_lend)),
+            "leto-run, no shadows, no lending": (*restart, *no_lend_args(tmp)),
         }
         iters = {
             "torchrun": after_shadows_settled(
@@ -329,18 +341,7 @@ def ablate(args: argparse.Namespace) -> None:
             "torchrun": torchrun_phases(tmp, args),
         }
         print_phases(phases)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "date": time.strftime("%Y-%m-%d"),
-                "kernels": KERNELS["mode"],
-                "iteration_s": iters,
-                "phases_s": phases,
-            },
-            indent=2,
-        )
-    )
+    write_result(args.json, {"iteration_s": iters, "phases_s": phases})
 
 
 def iteration_only(args: argparse.Namespace) -> None:
@@ -372,17 +373,7 @@ def iteration_only(args: argparse.Namespace) -> None:
                 "torchrun": torchrun_phases(tmp, args),
             }
             print_phases(timed)
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(
-                json.dumps(
-                    {
-                        "date": time.strftime("%Y-%m-%d"),
-                        "kernels": KERNELS["mode"],
-                        "phases_s": timed,
-                    },
-                    indent=2,
-                )
-            )
+            write_result(args.json, {"phases_s": timed})
             return
         leto_events = run_leto(tmp, args.steps, [], args.nproc, args.consistency)
         leto_all = steady(leto_events)
@@ -442,10 +433,7 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
     steps = kills[-1][1] + 12
     env = {"LETO_PHASE_TIMES": "1"} if args.phase_times else {}
     with tempfile.TemporaryDirectory() as d:
-        extra: tuple[str, ...] = ()
-        if args.no_lend:
-            (Path(d) / "no-lend.yaml").write_text("leto:\n  lend_activation_memory: false\n")
-            extra = ("--config", str(Path(d) / "no-lend.yaml"))
+        extra = no_lend_args(Path(d)) if args.no_lend else ()
         events = run_leto(Path(d), steps, kills, args.nproc, args.consistency, extra, **env)
     recs = [r for r in summary.recoveries(events) if r.total_s is not None]
     iters = sorted(
@@ -484,20 +472,15 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
         print(
             f"{phase:<9} p50 {p50 * 1e3:.0f} ms over {len(rs)} kills (first step p50 {first * 1e3:.0f} ms)"
         )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "date": time.strftime("%Y-%m-%d"),
-                "kernels": KERNELS["mode"],
-                "kills": kills,
-                "recoveries": [
-                    {"step": r.step, "total_s": r.total_s, "phases_s": r.phases} for r in recs
-                ],
-                "median_step_s": statistics.median(iters),
-            },
-            indent=1,
-        )
+    write_result(
+        args.json,
+        {
+            "kills": kills,
+            "recoveries": [
+                {"step": r.step, "total_s": r.total_s, "phases_s": r.phases} for r in recs
+            ],
+            "median_step_s": statistics.median(iters),
+        },
     )
 
 
