@@ -617,7 +617,7 @@ def adamw(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> Layout:
     """The retained layout ``retain_megatron`` will allocate (works on a meta-device model)."""
-    from leto.trainer.state import rng_blob
+    from leto.trainer.rng import rng_blob
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return Layout.plan(params, list(model.buffers()), optimizer, rng_bytes=rng_blob(device).numel())

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
     """The retained state as DCP keys → views of retained memory (no copy)."""
     region = state.state_bytes
-    rank = state.ctx.rank
+    rank = state.services.rank
     pnames = {id(p): n for n, p in state.model.named_parameters(remove_duplicate=False)}
     bnames = {id(b): n for n, b in state.model.named_buffers(remove_duplicate=False)}
     views: dict[str, torch.Tensor] = {}
@@ -46,23 +46,23 @@ def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
 
 def checkpointer_for(config: CheckpointConfig, state: RetainedState) -> Checkpointer:
     """The checkpointer of a trainer's retained state (``Context.retain``)."""
-    ctx = state.ctx
+    services = state.services
 
     def loaded(step: int) -> None:
         state.encode("state")  # the RMU updates parity incrementally: it must match the load
         state.marker.initialise(state.layout.digest, step=step)
         state.extras.reload()  # steps() restores the objects from the loaded records
-        if ctx.env.digest:
+        if services.env.digest:
             state.emit_digest()
 
     return Checkpointer(
         config,
         named_views(state),
-        rank=ctx.rank,
+        rank=services.rank,
         group=dist.new_group(backend="gloo"),
-        events=ctx.events,
-        generation=ctx.env.generation,
-        restart_count=ctx.env.restart_count,
-        collective_device=ctx.collective_device,
+        events=services.events,
+        generation=services.env.generation,
+        restart_count=services.env.restart_count,
+        collective_device=services.collective_device,
         on_loaded=loaded,
     )

@@ -44,6 +44,7 @@ from leto.preinit.probe import probe_for
 from leto.preinit.site import ShadowSite
 from leto.trainer.env import TrainerEnv
 from leto.trainer.grad_sync import GradSync
+from leto.trainer.services import TrainerServices
 
 if TYPE_CHECKING:
     from leto.checkpoint import Checkpointer
@@ -126,6 +127,26 @@ class Context:
             forward_collectives=self.grad_sync.from_integration,
         )
 
+    def services(self) -> TrainerServices:
+        """What this trainer's retained state uses of it (``leto.trainer.services``)."""
+        return TrainerServices(
+            rank=self.rank,
+            world_size=self.world_size,
+            env=self.env,
+            device=self.device,
+            collective_device=self.collective_device,
+            store=self.store,
+            events=self.events,
+            pool=self.pool,
+            injector=self.injector,
+            preinit=self.preinit,
+            grad_sync=lambda: self.grad_sync,
+            shadow_site=self.shadow_site,
+            ready_to_map_ahead=self.ready_to_map_ahead,
+            committed=self.committed,
+            finished=self.finished,
+        )
+
     @property
     def resuming(self) -> bool:
         """True when this trainer will reattach to retained state (shadows always do)."""
@@ -178,16 +199,29 @@ class Context:
         counter), retained with each step (``leto.trainer.extras``); ``stateful_bytes``: the
         size of each of their two record slots (default 1 MiB).
         """
+        from leto.trainer import placement
         from leto.trainer.state import RetainedState
 
         wait = self._wait_for_promotion if self.is_shadow else None
-        state = RetainedState(
-            self,
+        if wait is not None and not self.env.holds_device:  # L1: before anything touches the device
+            wait()
+            wait = None
+        plan = placement.plan(
             model,
             optimizer,
-            wait_for_promotion=wait,
+            env=self.env,
+            device=self.device,
+            world_size=self.world_size,
+            grad_sync=self.grad_sync,
             grads=grads,
             mirror=mirror,
+        )
+        if plan.shards is not None:  # FSDP2 reduces its gradients in backward
+            self.grad_sync = plan.shards.grad_sync()
+        state = RetainedState(
+            self.services(),
+            plan,
+            wait_for_promotion=wait,
             stateful=stateful,
             stateful_bytes=stateful_bytes,
         )

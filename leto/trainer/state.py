@@ -48,21 +48,21 @@ from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit import replay
 from leto.preinit.model_warmup import warm_forward
 from leto.preinit.warmup import warm_shadow
-from leto.retained.layout import GradPlacement, Layout
 from leto.retained.marker import MARKER_BYTES, Marker, Phase
 from leto.retained.optim_state import StateSlots
-from leto.trainer.buffers import BufferUndo, own_view, refuse_buffer_updates
+from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
-from leto.trainer.grad_sync import GradSync
 from leto.trainer.memory import RegionMemory
 from leto.trainer.resume import ResumeAction, decide_resume
-from leto.trainer.sharding import FsdpShards, has_dtensor_params, local
+from leto.trainer.rng import rng_blob, set_rng_blob, staged
+from leto.trainer.sharding import local
 from leto.trainer.timing import PhaseTimes
 from leto.updater.fused import resolve_fused
 from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
 
 if TYPE_CHECKING:
-    from leto.trainer.handle import TrainerHandle
+    from leto.trainer.placement import Plan
+    from leto.trainer.services import TrainerServices
 
 logger = logging.getLogger(__name__)
 
@@ -79,71 +79,41 @@ class RetainedState:
 
     def __init__(
         self,
-        ctx: TrainerHandle,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        services: TrainerServices,
+        plan: Plan,
         wait_for_promotion: Callable[[], None] | None = None,
-        grads: GradPlacement | None = None,
-        mirror: tuple[tuple[str, int], ...] = (),
         stateful: Mapping[str, Any] | None = None,
         stateful_bytes: int | None = None,
     ) -> None:
-        """A shadow passes ``wait_for_promotion``: it maps every retained region first (when
-        they exist: mapping reads nothing) and waits, so promotion costs no mapping work.
-        An L1 shadow waits before anything that could touch its device.
+        """``plan``: what is retained and where (``leto.trainer.placement.plan``, which says
+        what an integration's ``grads`` and ``mirror`` are). A shadow passes
+        ``wait_for_promotion``: it maps every retained region first (when they exist:
+        mapping reads nothing) and waits, so promotion costs no mapping work; an L1 shadow
+        has waited before planning (``Context.retain``).
 
-        ``grads``: an integration's gradient buffers (Megatron's DDP) as retained regions;
-        the integration then fills them (``param.main_grad``) and ``ctx.grad_sync`` reduces
-        and zeroes them (``GradSync.reduce``, ``GradSync.zero``).
-
-        ``mirror``: (name, bytes) of the integration's full parameter buffers when the
-        optimizer's parameters are this rank's shards of them (Megatron's distributed
-        optimizer): mapped here, unprotected, refilled by ``GradSync.gather`` after every
-        committed update and at every resume (lost pages included).
+        An integration's gradient buffers (``plan.layout.main_grad``) are filled by the
+        integration (``param.main_grad``) and reduced and zeroed by its ``GradSync``
+        (``GradSync.reduce``, ``GradSync.zero``); a sharded optimizer's full parameter
+        buffers (``plan.layout.mirror_regions``) are mapped here, unprotected, and refilled
+        by ``GradSync.gather`` after every committed update and at every resume (lost pages
+        included).
 
         ``stateful``: objects with ``state_dict()`` / ``load_state_dict()`` retained with each
-        step by name (``leto.trainer.extras``; LR schedulers on ``optimizer`` are found
+        step by name (``leto.trainer.extras``; LR schedulers on the optimizer are found
         without one); ``stateful_bytes``: the bytes of one of their two record slots."""
-        if wait_for_promotion is not None and not ctx.env.holds_device:
-            wait_for_promotion()
-            wait_for_promotion = None
-        self.ctx = ctx
-        self.model = model
-        self.optimizer = optimizer
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        if len({id(p) for p in self.params}) != len(self.params):
-            raise ProtocolError("a parameter appears twice in the optimizer's groups")
-        self.buffers = [b for b in model.buffers()]
-        self.device = ctx.device if self.params[0].is_meta else self.params[0].device
-        self.shards: FsdpShards | None = None
+        self.services = services
+        self.model = plan.model
+        self.optimizer = optimizer = plan.optimizer
+        self.params = plan.params
+        self.buffers = plan.buffers
+        self.device = plan.device
+        self.shards = plan.shards
         """FSDP2's shards among the parameters (``leto.trainer.sharding``), or None."""
-        if has_dtensor_params(self.params):
-            self.shards = FsdpShards.find(model, optimizer, self.params, ctx.world_size)
-            if grads is not None or mirror or ctx.grad_sync != GradSync():
-                raise ConfigError(
-                    "fully_shard reduces its own gradients: no integration's gradient buffers, "
-                    "full-parameter mirror or ctx.grad_sync with it"
-                )
-            ctx.grad_sync = self.shards.grad_sync()
-        self.layout = Layout.plan(
-            self.params if self.shards is None else self.shards.stand_ins(self.params),
-            self.buffers,
-            optimizer,
-            rng_bytes=rng_blob(self.device).numel(),
-            grads=grads,
-            mirror=mirror,
-            sharding="" if self.shards is None else self.shards.description(self.params),
-        )
-        if ctx.env.erasure is not None:
-            refuse_buffer_updates(model)
-        if mirror and ctx.env.consistency != "rmu":
-            raise ConfigError(
-                "a sharded optimizer (Megatron's distributed optimizer) needs consistency: rmu; "
-                "the snapshot path steps torch's optimizer over full parameters"
-            )
+        self.layout = plan.layout
+        model = self.model
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
-        mapped_ahead = wait_for_promotion is None or ctx.ready_to_map_ahead()
+        mapped_ahead = wait_for_promotion is None or services.ready_to_map_ahead()
         self._replay_kept = False
         """This shadow's forward replay left its blocks cached for the first step."""
         self.mapped_ahead_step: int | None = None
@@ -153,12 +123,14 @@ class RetainedState:
             if wait_for_promotion is not None and self.marker.is_valid():
                 self.mapped_ahead_step = self.marker.step
         if wait_for_promotion is not None:
-            site = ctx.shadow_site()
+            site = services.shadow_site()
             warm_shadow(site, self.layout, optimizer)  # level 3: the Triton kernels of a recovery
             # level 3: the model's first step (leto.preinit.replay). Its freed blocks are
             # kept for the first step's activations unless lending was asked for: the lending
             # pool would grow afresh, so a trainer whose shadow kept them does not lend.
-            replayed = warm_forward(site, model, keep_cache=ctx.env.lend_activations is not True)
+            replayed = warm_forward(
+                site, model, keep_cache=services.env.lend_activations is not True
+            )
             self._replay_kept = replayed is not None and replayed.kept_bytes > 0
             wait_for_promotion()
         t0 = time.perf_counter()
@@ -166,14 +138,14 @@ class RetainedState:
             self._map_regions()
         else:  # mapped before the predecessor died: read the marker as it finally landed
             self.marker.reload()
-        rank = ctx.rank
+        rank = services.rank
         self.reattached = self.marker.is_valid()
         self.memory.check_identity(
-            self.marker, self.reattached, ctx.events
+            self.marker, self.reattached, services.events
         )  # no resume on a re-made region
         if self.reattached:
             self.marker.check_layout(self.layout.digest)
-            ctx.injector.recovery_point("attach", self.marker.step)
+            services.injector.recovery_point("attach", self.marker.step)
             self._rebuild_lost_pages()
         elif any(t.is_meta for t in self.params + self.buffers):
             raise UnrecoverableStateError(
@@ -212,7 +184,7 @@ class RetainedState:
     # -- placement ---------------------------------------------------------------------------
     def _map_regions(self) -> None:
         """Allocate or reattach every region of this rank (and its parity regions)."""
-        pool, rank, erasure = self.ctx.pool, self.ctx.rank, self.ctx.env.erasure
+        pool, rank, erasure = self.services.pool, self.services.rank, self.services.env.erasure
         state_nbytes = self.layout.state_bytes
         grad_nbytes = dict(self.layout.grad_regions)
         if erasure is not None:  # protected regions are whole pages
@@ -235,13 +207,13 @@ class RetainedState:
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
             "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
         }
-        self.rmu = self.ctx.env.consistency == "rmu"
+        self.rmu = self.services.env.consistency == "rmu"
         if self.rmu:  # one chunk of undo + two working parity buffers (activation memory on GPU)
-            self.rmu_fused = resolve_fused(self.ctx.env.rmu_fused, self.device, self.layout)
+            self.rmu_fused = resolve_fused(self.services.env.rmu_fused, self.device, self.layout)
             undo_nbytes, parity_nbytes = buffer_bytes(
                 self.layout,
                 state_nbytes,
-                self.ctx.env.rmu_chunk_bytes,
+                self.services.env.rmu_chunk_bytes,
                 erasure,
                 fused=self.rmu_fused,
             )
@@ -274,7 +246,9 @@ class RetainedState:
             }
         )
         self._lend = self._lends()
-        if self.ctx.env.lend_activations and not self._lend:  # rmu is checked with the job file
+        if (
+            self.services.env.lend_activations and not self._lend
+        ):  # rmu is checked with the job file
             logger.info(
                 "leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)",
                 self.device,
@@ -293,8 +267,8 @@ class RetainedState:
                 undo=views["rmu.undo"],
                 parity=views.get("rmu.parity"),
                 protected=self.protected.get("state"),
-                injector=self.ctx.injector,
-                chunk_bytes=self.ctx.env.rmu_chunk_bytes,
+                injector=self.services.injector,
+                chunk_bytes=self.services.env.rmu_chunk_bytes,
                 incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
                 fused=self.rmu_fused,
             )
@@ -352,7 +326,7 @@ class RetainedState:
                 functools.partial(self.memory.lost_chunks, BUFFER_UNDO),
             )
         records = map_records(self.memory, stateful_bytes or DEFAULT_SLOT_BYTES)
-        self.extras = RetainedExtras(records, self.optimizer, stateful, self.ctx.rank)
+        self.extras = RetainedExtras(records, self.optimizer, stateful, self.services.rank)
 
     def _refuse_buffer_updates(self) -> None:
         """Under ``leto.erasure``: a buffer updated in forward would leave the parity behind."""
@@ -420,7 +394,7 @@ class RetainedState:
             if lost := self.memory.lost_chunks(name):
                 logger.info(
                     "[rank %d] %d lost chunks of %s replaced; the gather at resume refills them",
-                    self.ctx.rank,
+                    self.services.rank,
                     len(lost),
                     name,
                 )
@@ -439,7 +413,7 @@ class RetainedState:
             lost = region.localize()
             localize_s += time.perf_counter() - t0
             if lost.count:  # fresh zeroed chunks are mapped now; a kill here is one mid-rebuild
-                self.ctx.injector.recovery_point("rebuild", self.marker.step)
+                self.services.injector.recovery_point("rebuild", self.marker.step)
             report[name] = {
                 "data": len(lost.data),
                 "tier1": len(lost.tier1),
@@ -456,19 +430,19 @@ class RetainedState:
                     self.memory.fence()  # GPU kernels run asynchronously: time them to the end
                     seconds += time.perf_counter() - t0
                 except UnrecoverableStateError as e:
-                    self.ctx.events.emit(
+                    self.services.events.emit(
                         Kind.UNRECOVERABLE,
-                        rank=self.ctx.rank,
+                        rank=self.services.rank,
                         region=name,
                         lost=report[name],
                         error=str(e),
                     )
                     raise
         self.memory.commit_replacements()  # only now: a kill mid-rebuild leaves the losses to the next
-        self.ctx.events.emit(
+        self.services.events.emit(
             Kind.PAGES_REBUILT,
-            rank=self.ctx.rank,
-            gen=self.ctx.env.generation,
+            rank=self.services.rank,
+            gen=self.services.env.generation,
             lost=report,
             rebuild_s=seconds,
             localize_s=localize_s,
@@ -482,11 +456,11 @@ class RetainedState:
         for name, need in needed.items():
             if need and (lost := self.memory.lost_chunks(name)):
                 error = (
-                    f"rank {self.ctx.rank}: {len(lost)} chunks of retained region {name} were lost and "
+                    f"rank {self.services.rank}: {len(lost)} chunks of retained region {name} were lost and "
                     "nothing protects them (leto.erasure is off)"
                 )
-                self.ctx.events.emit(
-                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error
+                self.services.events.emit(
+                    Kind.UNRECOVERABLE, rank=self.services.rank, region=name, error=error
                 )
                 raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
 
@@ -497,19 +471,19 @@ class RetainedState:
         needed = {"rmu.undo": phase == Phase.CHUNK_SAVED, "rmu.parity": True}
         for name, need in needed.items():
             if name in self.memory.regions and self.memory.lost_chunks(name) and need:
-                error = f"rank {self.ctx.rank}: device pages of {name} were lost in the middle of an update ({phase.name})"
-                self.ctx.events.emit(
-                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region=name, error=error
+                error = f"rank {self.services.rank}: device pages of {name} were lost in the middle of an update ({phase.name})"
+                self.services.events.emit(
+                    Kind.UNRECOVERABLE, rank=self.services.rank, region=name, error=error
                 )
                 raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
 
     def _install_fault_hooks(self) -> None:
         """Forward/backward kill points sit in the middle of the model, mid-phase."""
         leaves = [m for m in self.model.modules() if not list(m.children())]
-        if not leaves or not self.ctx.injector.pending:
+        if not leaves or not self.services.injector.pending:
             return
         middle = leaves[len(leaves) // 2]
-        middle.register_forward_pre_hook(lambda *_: self.ctx.injector.point("forward"))
+        middle.register_forward_pre_hook(lambda *_: self.services.injector.point("forward"))
         middle.register_forward_hook(self._arm_backward_point)
 
     def _arm_backward_point(self, module: torch.nn.Module, args: object, output: object) -> None:
@@ -525,7 +499,7 @@ class RetainedState:
             out.register_hook(self._backward_point)
 
     def _backward_point(self, grad: torch.Tensor) -> None:
-        self.ctx.injector.point("backward")
+        self.services.injector.point("backward")
 
     # -- the step loop -----------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
@@ -557,11 +531,11 @@ class RetainedState:
         ):  # the last flush's host copies land
             self.updater.join()
             torch.cuda.current_stream(self.device).synchronize()
-        self.ctx.finished()  # no more heartbeats: the hang watch leaves this trainer alone
+        self.services.finished()  # no more heartbeats: the hang watch leaves this trainer alone
 
     def _lends(self) -> bool:
         """The compute phase allocates from memory lent by the undo buffer (on CUDA, rmu)."""
-        env = self.ctx.env
+        env = self.services.env
         return (
             env.consistency == "rmu"
             and self.device.type == "cuda"
@@ -579,11 +553,11 @@ class RetainedState:
     def _publish_forward_shapes(self) -> None:
         """The shapes of the model's first call, for the shadows' forward replay
         (``leto.preinit.replay``), once per group attempt."""
-        if replay.setting_reason(self.ctx.env.preinit.replay_forward, self.device) is not None:
+        if replay.setting_reason(self.services.env.preinit.replay_forward, self.device) is not None:
             return
-        key = contract.forward_spec(self.ctx.rank)
-        if not self.ctx.store.check([key]):
-            replay.ForwardRecorder(self.model, lambda text: self.ctx.store.set(key, text))
+        key = contract.forward_spec(self.services.rank)
+        if not self.services.store.check([key]):
+            replay.ForwardRecorder(self.model, lambda text: self.services.store.set(key, text))
 
     def _begin(self, step: int) -> None:
         if self.marker.step != step or self.marker.phase != Phase.IDLE:
@@ -592,8 +566,10 @@ class RetainedState:
             )
         self._committed_this_step = False
         self._step_started = time.perf_counter()
-        self._phases = PhaseTimes(self.device, self._step_started, enabled=self.ctx.env.phase_times)
-        self.ctx.injector.step = step
+        self._phases = PhaseTimes(
+            self.device, self._step_started, enabled=self.services.env.phase_times
+        )
+        self.services.injector.step = step
         set_rng_blob(self._step_rng(), self.device)
         self._zero_grads()
         if self.buffer_undo is not None:  # forward writes running statistics: a re-run starts here
@@ -605,8 +581,8 @@ class RetainedState:
         (``GradSync.zero``); ``.grad`` back to its retained view (undoing a
         ``zero_grad(set_to_none=True)``), or to None where the integration's hooks fill
         ``main_grad`` (a ``.grad`` there would be added to it twice)."""
-        if self.ctx.grad_sync.zero is not None:
-            self.ctx.grad_sync.zero()
+        if self.services.grad_sync().zero is not None:
+            self.services.grad_sync().zero()
         else:
             for region in self.grad_regions.values():
                 region.zero_()
@@ -633,10 +609,12 @@ class RetainedState:
             try:
                 self._lender = ActivationLender(self.device, self._lent)
             except LetoError as e:  # no C compiler, a torch without MemPool: lend only if asked to
-                if self.ctx.env.lend_activations:
+                if self.services.env.lend_activations:
                     raise
                 logger.warning(
-                    "[rank %d] not lending the undo buffer to activations: %s", self.ctx.rank, e
+                    "[rank %d] not lending the undo buffer to activations: %s",
+                    self.services.rank,
+                    e,
                 )
                 self._lend = False
         while True:
@@ -646,21 +624,21 @@ class RetainedState:
                 ):
                     return fn()
             except torch.OutOfMemoryError as e:
-                if not self.ctx.preinit.can_reclaim():
+                if not self.services.preinit.can_reclaim():
                     raise
                 # A model-parallel forward runs collectives (a narrowed grad_sync group says
                 # so): the other ranks would not retry with this one, so no retry.
                 if (
-                    self.ctx.grad_sync.group is not None
-                    or self.ctx.grad_sync.collectives_in_backward
+                    self.services.grad_sync().group is not None
+                    or self.services.grad_sync().collectives_in_backward
                 ):
                     what = (
                         "a model-parallel forward runs collectives"
-                        if self.ctx.grad_sync.group is not None
+                        if self.services.grad_sync().group is not None
                         else "an overlapped backward runs bucket all-reduces"
                     )
                     e.add_note(
-                        f"rank {self.ctx.rank} step {step}: not retried after reclaiming the shadows: "
+                        f"rank {self.services.rank} step {step}: not retried after reclaiming the shadows: "
                         f"{what} the other ranks would not repeat"
                     )
                     raise
@@ -672,11 +650,11 @@ class RetainedState:
                 torch.cuda.empty_cache()
             logger.warning(
                 "[rank %d step %d] %s: reclaiming the shadows and retrying",
-                self.ctx.rank,
+                self.services.rank,
                 step,
                 message,
             )
-            if not self.ctx.preinit.reclaim(step):
+            if not self.services.preinit.reclaim(step):
                 raise torch.OutOfMemoryError(f"{message} (no shadows left to reclaim)")
             self._restart_compute()
 
@@ -695,16 +673,16 @@ class RetainedState:
             self._lender.check_returned()
         self._phases.mark("lend_check")
         self._check_grads_bound()
-        self.ctx.injector.point("sync")
+        self.services.injector.point("sync")
         self._allreduce_grads()
         if self.layout.main_grad:  # clipping and the update read .grad
             for p, grad in zip(self.params, self.grad_views(), strict=True):
                 p.grad = grad
         self._phases.mark("allreduce")
         if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
-            self.ctx.grad_sync.clip_(self.params, max_grad_norm)
+            self.services.grad_sync().clip_(self.params, max_grad_norm)
         self._rng_next_host = rng_blob(self.device)
-        self._rng_next.copy_(_staged(self._rng_next_host, self.device), non_blocking=True)
+        self._rng_next.copy_(staged(self._rng_next_host, self.device), non_blocking=True)
         self._phases.mark("clip")
         self._encode_grads()  # final gradients stay recoverable until the update commits
         self._phases.mark("encode_grads")
@@ -724,10 +702,10 @@ class RetainedState:
         self._rng_host = self._rng_next_host  # what the commit installed in the RNG slot
         self._phases.mark("update")
         self._committed_this_step = True
-        self.ctx.preinit.report()  # memory after the step, before the agent may read it
-        self.ctx.events.emit(
+        self.services.preinit.report()  # memory after the step, before the agent may read it
+        self.services.events.emit(
             Kind.STEP_DONE,
-            rank=self.ctx.rank,
+            rank=self.services.rank,
             step=step,
             total=self._total,
             iter_s=time.perf_counter() - self._step_started,
@@ -742,9 +720,11 @@ class RetainedState:
         )
         if not self._announced:  # this generation is training: the agent ends the recovery
             # After step_done, so the agent finds this first step in the events file.
-            self.ctx.store.set(contract.stepped(self.ctx.env.generation, self.ctx.rank), "1")
+            self.services.store.set(
+                contract.stepped(self.services.env.generation, self.services.rank), "1"
+            )
             self._announced = True
-        self.ctx.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
+        self.services.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
 
     def _commit_barrier(self) -> None:
         """Once any rank passes it, every rank's GRADS_READY of this step has landed (so its
@@ -752,7 +732,7 @@ class RetainedState:
         current stream, which no rank's later marker write can pass, and which leaves the
         host free to queue the update; otherwise the device work is waited for and the ranks
         meet in a barrier. Alone in the world there is no one to wait for."""
-        if self.ctx.world_size == 1:
+        if self.services.world_size == 1:
             return
         if self.marker.stream_ordered and dist.get_backend() == "nccl":
             dist.all_reduce(self._barrier_word, op=dist.ReduceOp.MAX)
@@ -785,15 +765,15 @@ class RetainedState:
         step just committed, but outside its transaction. It reads only committed shards and
         writes only the unprotected full parameter buffers, so a kill inside it is repaired
         by the gather every rank runs at resume."""
-        if self.ctx.grad_sync.gather is not None:
-            self.ctx.grad_sync.gather()
+        if self.services.grad_sync().gather is not None:
+            self.services.grad_sync().gather()
         elif self.mirror_regions:
             raise ProtocolError(
                 "a sharded optimizer's full parameter buffers need ctx.grad_sync.gather"
             )
 
     def _committed(self) -> None:
-        if self.ctx.env.digest:
+        if self.services.env.digest:
             self.emit_digest()
 
     def _apply_optimizer(self, step: int) -> None:
@@ -807,7 +787,7 @@ class RetainedState:
         )  # state torch created lazily, into its slots
         self._rng.copy_(self._rng_next)
         self.encode("state")
-        self.ctx.injector.point("update")
+        self.services.injector.point("update")
         self.memory.fence()
         self.marker.advance(Phase.IDLE, step + 1)
         self._committed()
@@ -848,7 +828,7 @@ class RetainedState:
         """Mean over ``ctx.grad_sync``'s group (the world unless an integration set its
         data-parallel group): one flat all-reduce when every gradient has one dtype; or the
         integration's own reduction of its buffers (``GradSync.reduce``)."""
-        sync = self.ctx.grad_sync
+        sync = self.services.grad_sync()
         if sync.reduce is not None:
             sync.reduce()
             return
@@ -856,7 +836,7 @@ class RetainedState:
             raise ProtocolError(
                 "gradients live in an integration's buffers but ctx.grad_sync has no reduce"
             )
-        if self.ctx.world_size == 1 or sync.size() == 1:
+        if self.services.world_size == 1 or sync.size() == 1:
             return
         dtypes = {s.dtype for s in self.layout.grads}
         if len(dtypes) == 1:
@@ -874,12 +854,12 @@ class RetainedState:
         mine = torch.tensor(
             [self.marker.step, int(self.marker.phase)],
             dtype=torch.int64,
-            device=self.ctx.collective_device,
+            device=self.services.collective_device,
         )
-        gathered = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
+        gathered = [torch.empty_like(mine) for _ in range(self.services.world_size)]
         dist.all_gather(gathered, mine)
         points = [(int(t[0]), Phase(int(t[1]))) for t in gathered]
-        decision = decide_resume(points, self.ctx.rank)
+        decision = decide_resume(points, self.services.rank)
         step, phase = self.marker.step, self.marker.phase
         action = "none"
         t_finish = time.perf_counter()
@@ -892,8 +872,8 @@ class RetainedState:
                 self.marker.advance(Phase.IDLE)
         resume_at = decision.step
         report_unreported(
-            self.ctx.events,
-            rank=self.ctx.rank,
+            self.services.events,
+            rank=self.services.rank,
             step=resume_at - 1,
             total=self._total,
             iter_s=time.perf_counter() - t_finish
@@ -903,10 +883,10 @@ class RetainedState:
         # Step resume_at's forward may have begun on this rank: its buffers back to its start.
         buffers = self.buffer_undo is not None and self.buffer_undo.restore(resume_at)
         extras = self.extras.resume(resume_at)
-        self.ctx.events.emit(
+        self.services.events.emit(
             Kind.RESUMED,
-            rank=self.ctx.rank,
-            gen=self.ctx.env.generation,
+            rank=self.services.rank,
+            gen=self.services.env.generation,
             step=resume_at,
             action=action,
             points=[list(p) for p in points],
@@ -917,7 +897,7 @@ class RetainedState:
             buffers_restored=buffers,
         )
         self._gather()  # every rank: the full parameters from every rank's committed shards
-        if self.ctx.env.digest:
+        if self.services.env.digest:
             self.emit_digest()
         return resume_at
 
@@ -928,8 +908,8 @@ class RetainedState:
             try:
                 return self.updater.resume(step)
             except UnrecoverableStateError as e:
-                self.ctx.events.emit(
-                    Kind.UNRECOVERABLE, rank=self.ctx.rank, region="state", error=str(e)
+                self.services.events.emit(
+                    Kind.UNRECOVERABLE, rank=self.services.rank, region="state", error=str(e)
                 )
                 raise
         if phase == Phase.UPDATING:
@@ -941,7 +921,7 @@ class RetainedState:
             self._update(step)
             return "finish"
         raise UnrecoverableStateError(  # an RMU phase in a snapshot marker
-            f"rank {self.ctx.rank} must finish step {step}'s update but its gradients were never final"
+            f"rank {self.services.rank} must finish step {step}'s update but its gradients were never final"
         )
 
     def emit_digest(self) -> str:
@@ -953,7 +933,9 @@ class RetainedState:
             self.extras.commit_digest,
         ]
         digest = hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
-        self.ctx.events.emit(Kind.DIGEST, rank=self.ctx.rank, step=self.marker.step, digest=digest)
+        self.services.events.emit(
+            Kind.DIGEST, rank=self.services.rank, step=self.marker.step, digest=digest
+        )
         return digest
 
 
@@ -979,25 +961,3 @@ def report_unreported(
             loss=None,
             finished_in_recovery=True,
         )
-
-
-def rng_blob(device: torch.device) -> torch.Tensor:
-    """Every RNG state a step consumes (CPU, and the CUDA device's), as one byte tensor."""
-    parts = [torch.get_rng_state()]
-    if device.type == "cuda":
-        parts.append(torch.cuda.get_rng_state(device))
-    return torch.cat(parts)
-
-
-def _staged(blob: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``blob`` where a non-blocking copy to ``device`` may read it later: page-locked on
-    CUDA (the caching host allocator keeps the block until that copy has run)."""
-    return blob.pin_memory() if device.type == "cuda" else blob
-
-
-def set_rng_blob(blob: torch.Tensor, device: torch.device) -> None:
-    blob = blob.cpu().clone()  # set_rng_state needs an owning CPU tensor
-    cpu = torch.get_rng_state().numel()
-    torch.set_rng_state(blob[:cpu].clone())
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(blob[cpu:].clone(), device)

@@ -62,7 +62,7 @@ def _state(board: HeartbeatBoard, grad_sync: GradSync) -> SimpleNamespace:
         marker=SimpleNamespace(step=5),
         device=torch.device("cpu"),
         restarts=0,
-        ctx=SimpleNamespace(rank=0, preinit=guard, grad_sync=grad_sync),
+        services=SimpleNamespace(rank=0, preinit=guard, grad_sync=lambda: grad_sync),
         _lend=False,
         _lender=None,
         _lent={},  # nothing lent on CPU (leto.pool.lend)
@@ -142,7 +142,7 @@ def test_a_lender_that_cannot_be_built_is_skipped_unless_asked_for(
     monkeypatch.setattr(state_module, "ActivationLender", refuse)
     state = _state(board, GradSync())
     state._lend = True
-    state.ctx.env = SimpleNamespace(lend_activations=asked)
+    state.services.env = SimpleNamespace(lend_activations=asked)
     if asked:
         with pytest.raises(LetoError, match="no C compiler"):
             RetainedState.compute(state, lambda: 1)  # type: ignore[arg-type]
