@@ -57,8 +57,10 @@ from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
 from leto.trainer.sharding import local
 from leto.trainer.timing import PhaseTimes
+from leto.updater.base import Updater
 from leto.updater.fused import resolve_fused
-from leto.updater.rmu import WORKING_PHASES, ResumableUpdater, buffer_bytes
+from leto.updater.rmu import PARITY, UNDO, ResumableUpdater
+from leto.updater.snapshot import SNAPSHOT, SnapshotUpdater
 
 if TYPE_CHECKING:
     from leto.trainer.placement import Plan
@@ -207,21 +209,17 @@ class RetainedState:
             # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
             "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
         }
-        self.rmu = self.services.env.consistency == "rmu"
-        if self.rmu:  # one chunk of undo + two working parity buffers (activation memory on GPU)
-            self.rmu_fused = resolve_fused(self.services.env.rmu_fused, self.device, self.layout)
-            undo_nbytes, parity_nbytes = buffer_bytes(
-                self.layout,
-                state_nbytes,
-                self.services.env.rmu_chunk_bytes,
-                erasure,
-                fused=self.rmu_fused,
+        # the updater's own buffers: rmu's undo and working parity, or the host snapshot
+        if self.services.env.consistency == "rmu":
+            fused = resolve_fused(self.services.env.rmu_fused, self.device, self.layout)
+            buffers = ResumableUpdater.buffers(
+                self.layout, state_nbytes, self.services.env.rmu_chunk_bytes, erasure, fused=fused
             )
-            views["rmu.undo"] = mem.device_region("rmu.undo", undo_nbytes)[0]
-            if parity_nbytes:
-                views["rmu.parity"] = mem.device_region("rmu.parity", parity_nbytes)[0]
         else:
-            views["snapshot"] = mem.host_region("snapshot", state_nbytes)[0]
+            buffers = SnapshotUpdater.buffers(state_nbytes)
+        for buf in buffers:
+            region = mem.host_region if buf.host else mem.device_region
+            views[buf.name] = region(buf.name, buf.nbytes)[0]
         self.state_bytes = views["state"]
         self.grad_regions = {name: views[name] for name in grad_nbytes}
         """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
@@ -229,7 +227,6 @@ class RetainedState:
         self._seen_grad_list: list[torch.Tensor] | None = None
         self.mirror_regions = {name: views[name][:n] for name, n in self.layout.mirror_regions}
         """Full parameter buffers of a sharded optimizer, by name (``Layout.mirror_regions``)."""
-        self.snapshot_bytes = views.get("snapshot")
         marker_words = mem.mapped_on_device(views["marker"])
         self.marker = Marker(
             views["marker"], None if marker_words is None else marker_words.view(torch.int64)
@@ -245,6 +242,36 @@ class RetainedState:
                 for name in ("state", *grad_nbytes)
             }
         )
+        self.updater: Updater
+        if self.services.env.consistency == "rmu":
+            self.updater = ResumableUpdater(
+                layout=self.layout,
+                state=self.state_bytes,
+                grads=self.grad_regions,
+                rng_next=self._rng_next,
+                optimizer=self.optimizer,
+                marker=self.marker,
+                undo=views[UNDO],
+                parity=views.get(PARITY),
+                protected=self.protected.get("state"),
+                injector=self.services.injector,
+                chunk_bytes=self.services.env.rmu_chunk_bytes,
+                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
+                fused=fused,
+            )
+        else:
+            self.updater = SnapshotUpdater(
+                layout=self.layout,
+                state=self.state_bytes,
+                snapshot=views[SNAPSHOT],
+                rng_next=self._rng_next,
+                optimizer=self.optimizer,
+                slots=lambda: self.optimizer_state,
+                marker=self.marker,
+                protected=self.protected.get("state"),
+                injector=self.services.injector,
+                fence=mem.fence,
+            )
         self._lend = self._lends()
         if (
             self.services.env.lend_activations and not self._lend
@@ -254,24 +281,7 @@ class RetainedState:
                 self.device,
             )
         self._lender: ActivationLender | None = None  # built at the first compute phase
-        self._lent = {"rmu.undo": views["rmu.undo"]} if self._lend else {}
-        self.updater: ResumableUpdater | None = None
-        if self.rmu:
-            self.updater = ResumableUpdater(
-                layout=self.layout,
-                state=self.state_bytes,
-                grads=self.grad_regions,
-                rng_next=self._rng_next,
-                optimizer=self.optimizer,
-                marker=self.marker,
-                undo=views["rmu.undo"],
-                parity=views.get("rmu.parity"),
-                protected=self.protected.get("state"),
-                injector=self.services.injector,
-                chunk_bytes=self.services.env.rmu_chunk_bytes,
-                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
-                fused=self.rmu_fused,
-            )
+        self._lent = self.updater.lendable() if self._lend else {}
 
     def _bind(self) -> None:
         """Make params, grads and optimizer state views of retained memory (zero copy).
@@ -385,11 +395,8 @@ class RetainedState:
         finished with them).
         """
         phase = self.marker.phase
-        working = self.updater is not None and phase in WORKING_PHASES
-        if working:
-            self._check_update_buffers(phase)
-        if self.updater is not None:
-            self.updater.prepare()  # undo a torn chunk, resync the scratch parity
+        self._check_update_buffers(phase)
+        self.updater.prepare()  # rmu: undo a torn chunk, resync the scratch parity
         for name in self.mirror_regions:  # fresh zeroed chunks; the resume's gather refills them
             if lost := self.memory.lost_chunks(name):
                 logger.info(
@@ -403,7 +410,7 @@ class RetainedState:
             self.memory.commit_replacements()
             return
         needed = {
-            "state": phase != Phase.UPDATING,
+            "state": self.updater.rebuilds_state(phase),
             **{name: phase != Phase.IDLE for name in self.grad_regions},
         }
         report: dict[str, dict[str, int]] = {}
@@ -422,9 +429,9 @@ class RetainedState:
             if lost.count and needed[name]:
                 t0 = time.perf_counter()
                 try:
-                    if name == "state" and working:
-                        assert self.updater is not None
-                        region.rebuild_data(lost, self.updater.working_groups())
+                    groups = self.updater.rebuild_groups(phase) if name == "state" else None
+                    if groups is not None:
+                        region.rebuild_data(lost, groups)
                     else:
                         region.rebuild(lost)
                     self.memory.fence()  # GPU kernels run asynchronously: time them to the end
@@ -468,9 +475,8 @@ class RetainedState:
         """Mid-update, the undo copy (while a chunk is saved) and the working parity are the
         only consistent record of the state, and nothing protects them: a lost page of
         either means no consistent point to resume from (the checkpoint path takes over)."""
-        needed = {"rmu.undo": phase == Phase.CHUNK_SAVED, "rmu.parity": True}
-        for name, need in needed.items():
-            if name in self.memory.regions and self.memory.lost_chunks(name) and need:
+        for name in self.updater.unprotected_needs(phase):
+            if name in self.memory.regions and self.memory.lost_chunks(name):
                 error = f"rank {self.services.rank}: device pages of {name} were lost in the middle of an update ({phase.name})"
                 self.services.events.emit(
                     Kind.UNRECOVERABLE, rank=self.services.rank, region=name, error=error
@@ -526,18 +532,15 @@ class RetainedState:
             if not self._committed_this_step:
                 raise ProtocolError(f"step {step} ended without RetainedState.step() being called")
             step += 1
-        if (
-            self.updater is not None and self.device.type == "cuda"
-        ):  # the last flush's host copies land
-            self.updater.join()
-            torch.cuda.current_stream(self.device).synchronize()
+        self.updater.drain()  # the last flush's host copies land
         self.services.finished()  # no more heartbeats: the hang watch leaves this trainer alone
 
     def _lends(self) -> bool:
-        """The compute phase allocates from memory lent by the undo buffer (on CUDA, rmu)."""
+        """The compute phase allocates from memory lent by the updater's idle buffers (on
+        CUDA: rmu's undo buffer)."""
         env = self.services.env
         return (
-            env.consistency == "rmu"
+            bool(self.updater.lendable())
             and self.device.type == "cuda"
             and env.lend_activations is not False
         )
@@ -686,8 +689,7 @@ class RetainedState:
         self._phases.mark("clip")
         self._encode_grads()  # final gradients stay recoverable until the update commits
         self._phases.mark("encode_grads")
-        if self.updater is not None:  # the last flush's IDLE store lands before these marker writes
-            self.updater.join()
+        self.updater.join()  # the last flush's IDLE store lands before these marker writes
         self._phases.mark("join")
         if self.protected and self.buffer_undo is not None:
             self._refuse_buffer_updates()
@@ -749,16 +751,9 @@ class RetainedState:
         return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
 
     def _update(self, step: int) -> None:
-        if self.updater is not None:
-            self.updater.run(step)
-            self._gather()
-            self._committed()
-            return
-        assert self.snapshot_bytes is not None
-        self.snapshot_bytes.copy_(self.state_bytes)
-        self.memory.fence()
-        self.marker.advance(Phase.UPDATING)
-        self._apply_optimizer(step)
+        self.updater.run(step)
+        self._gather()
+        self._committed()
 
     def _gather(self) -> None:
         """A sharded optimizer's all-gather (``GradSync.gather``): part of the update of the
@@ -775,22 +770,6 @@ class RetainedState:
     def _committed(self) -> None:
         if self.services.env.digest:
             self.emit_digest()
-
-    def _apply_optimizer(self, step: int) -> None:
-        for group, lr in zip(self.optimizer.param_groups, self.marker.recorded_lrs(), strict=True):
-            group["lr"] = lr
-        self.optimizer_state.read_flags()  # a restored snapshot (or checkpoint) may have changed them
-        self.optimizer_state.bind()
-        self.optimizer.step()
-        self.optimizer_state.adopt(
-            range(len(self.params))
-        )  # state torch created lazily, into its slots
-        self._rng.copy_(self._rng_next)
-        self.encode("state")
-        self.services.injector.point("update")
-        self.memory.fence()
-        self.marker.advance(Phase.IDLE, step + 1)
-        self._committed()
 
     def _unbound_grads(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Parameters whose gradient (``.grad``, or ``main_grad`` when the integration's
@@ -865,7 +844,7 @@ class RetainedState:
         t_finish = time.perf_counter()
         if decision.action == ResumeAction.FINISH:
             self.extras.load_pre(step)  # the update reads the hyperparameters of its own step
-            action = self._finish_update(step, phase)
+            action = self._finish_update(step)
         elif decision.action == ResumeAction.RERUN:
             action = "rerun"
             if phase == Phase.GRADS_READY:  # its gradients are computed again
@@ -901,28 +880,16 @@ class RetainedState:
             self.emit_digest()
         return resume_at
 
-    def _finish_update(self, step: int, phase: Phase) -> str:
+    def _finish_update(self, step: int) -> str:
         """Finish step ``step``'s interrupted update on this rank; returns how (the
         ``resumed`` event's ``action``)."""
-        if self.updater is not None:
-            try:
-                return self.updater.resume(step)
-            except UnrecoverableStateError as e:
-                self.services.events.emit(
-                    Kind.UNRECOVERABLE, rank=self.services.rank, region="state", error=str(e)
-                )
-                raise
-        if phase == Phase.UPDATING:
-            assert self.snapshot_bytes is not None
-            self.state_bytes.copy_(self.snapshot_bytes)  # idempotent: the snapshot is intact
-            self._apply_optimizer(step)
-            return "restore+finish"
-        if phase == Phase.GRADS_READY:
-            self._update(step)
-            return "finish"
-        raise UnrecoverableStateError(  # an RMU phase in a snapshot marker
-            f"rank {self.services.rank} must finish step {step}'s update but its gradients were never final"
-        )
+        try:
+            return self.updater.resume(step)
+        except UnrecoverableStateError as e:
+            self.services.events.emit(
+                Kind.UNRECOVERABLE, rank=self.services.rank, region="state", error=str(e)
+            )
+            raise
 
     def emit_digest(self) -> str:
         """Digest of the state region (with a sharded optimizer: and of the full parameters)

@@ -58,6 +58,7 @@ from leto.faults import FaultInjector
 from leto.retained.layout import Layout
 from leto.retained.marker import Marker, Phase
 from leto.updater.adamw import AdamWHyper, adamw_pieces
+from leto.updater.base import Buffer
 from leto.updater.fused import FusedChunks, flag_bytes
 from leto.updater.plan import Chunk, plan_chunks
 from leto.updater.torch_step import TorchStep
@@ -68,6 +69,10 @@ WORKING_PHASES = frozenset(
     {Phase.PARITY_LOADED, Phase.CHUNK_SAVED, Phase.CHUNK_COMMITTED, Phase.FLUSHING}
 )
 """Phases in which the working parity Q[sel], not the host tier 1, matches the data."""
+UNDO = "rmu.undo"
+"""The device region holding one chunk's pre-update bytes (and the fused path's flags)."""
+PARITY = "rmu.parity"
+"""The device region holding the two working parity buffers Q[0], Q[1]."""
 
 
 def buffer_bytes(
@@ -204,6 +209,21 @@ class ResumableUpdater:
                 for s in (0, 1)
             ]
 
+    @classmethod
+    def buffers(
+        cls,
+        layout: Layout,
+        state_nbytes: int,
+        chunk_bytes: int,
+        erasure: ErasureConfig | None,
+        *,
+        fused: bool = False,
+    ) -> list[Buffer]:
+        """One chunk of undo (``UNDO``) and, under erasure, the two working parity buffers
+        (``PARITY``): device regions, sized by :func:`buffer_bytes`."""
+        undo, parity = buffer_bytes(layout, state_nbytes, chunk_bytes, erasure, fused=fused)
+        return [Buffer(UNDO, undo)] + ([Buffer(PARITY, parity)] if parity else [])
+
     def bind_buffers(self, undo: torch.Tensor, parity: torch.Tensor | None) -> None:
         """Point the updater at new undo / working-parity memory of the same sizes.
 
@@ -231,6 +251,25 @@ class ResumableUpdater:
             for s in (0, 1):
                 for i, g in enumerate(self._working[s]):
                     g.tier1 = parity[(s * n + i) * h1 : (s * n + i + 1) * h1]
+
+    def lendable(self) -> dict[str, torch.Tensor]:
+        """The undo buffer: read and written only between GRADS_READY and IDLE."""
+        return {UNDO: self.undo}
+
+    def unprotected_needs(self, phase: Phase) -> tuple[str, ...]:
+        """Mid-update, the undo copy (while a chunk is saved) and the working parity are the
+        only consistent record of the state, and nothing protects them."""
+        if phase == Phase.CHUNK_SAVED:
+            return (UNDO, PARITY)
+        return (PARITY,) if phase in WORKING_PHASES else ()
+
+    def rebuilds_state(self, phase: Phase) -> bool:
+        return True
+
+    def rebuild_groups(self, phase: Phase) -> list[ProtectionGroup] | None:
+        """Mid-update the data matches the authoritative working parity (after
+        :meth:`prepare`), not the host tier 1, which the flush rewrites."""
+        return self.working_groups() if phase in WORKING_PHASES else None
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, step: int) -> None:
@@ -483,6 +522,12 @@ class ResumableUpdater:
         and its IDLE marker store (a device-side wait; the host does not block)."""
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.state.device).wait_stream(self._copy_stream)
+
+    def drain(self) -> None:
+        """The last flush's host copies land (the job's last step)."""
+        if self.state.is_cuda:
+            self.join()
+            torch.cuda.current_stream(self.state.device).synchronize()
 
     def _load_parity(self) -> None:
         """Q[0] <- syndromes of host tier 1 (staged in Q[1]), then Q[1] <- Q[0].
