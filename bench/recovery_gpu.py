@@ -17,6 +17,8 @@ with NCCL (or ``--nproc 2``: DP=2, one GPU per rank, each shadow with its own NC
 Every job runs the same kernels: PyTorch's defaults, or ``--kernels deterministic``
 (leto-run ``--deterministic`` and the baseline's ``--deterministic``); the baseline updates
 with torch's fused AdamW. ``--iteration-only`` compares the steady iteration alone.
+``--model hf-llama`` runs transformers' 0.8 B ``LlamaForCausalLM`` (``examples/train_hf_llama.py``;
+the baseline runs the same model with ``--arch hf-llama``) instead of the GPT.
 
     python bench/recovery_gpu.py --json OUT.json [--mem-dir /dev/shm/x] [--disk-dir /tmp/x]
     python bench/recovery_gpu.py --profile-from OUT.json   # only (re)write OUT_profile.json
@@ -58,6 +60,16 @@ MODEL = [
     "4",
     "--bf16",
 ]
+
+
+LLAMA_MODEL = [
+    *("--vocab", "32000", "--dim", "2048", "--layers", "14", "--heads", "16"),
+    *("--kv-heads", "8", "--ffn", "5632", "--seq", "512", "--batch", "4"),
+    *("--dropout", "0", "--bf16"),
+]
+"""``--model hf-llama``: transformers' LlamaForCausalLM of examples/train_hf_llama.py, 0.8 B."""
+SCRIPTS = {"leto": "examples/train_gpt.py", "torchrun": ["examples/torchrun_gpt_ckpt.py"]}
+"""The scripts every job of the call runs (``--model`` picks them)."""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -108,7 +120,7 @@ def run_leto(
     ]
     for rank, step, phase, *more in kills:
         cmd += ["--inject-fault", ",".join([f"rank={rank},step={step},phase={phase}", *more])]
-    cmd += [str(REPO / "examples/train_gpt.py"), "--steps", str(steps), *MODEL]
+    cmd += [str(REPO / SCRIPTS["leto"]), "--steps", str(steps), *MODEL]
     proc = subprocess.run(
         cmd, check=False, env=_env(**env), cwd=tmp, capture_output=True, text=True
     )
@@ -130,7 +142,8 @@ def run_torchrun(
         str(nproc),
         "--max-restarts",
         "1",
-        str(REPO / "examples/torchrun_gpt_ckpt.py"),
+        str(REPO / SCRIPTS["torchrun"][0]),
+        *SCRIPTS["torchrun"][1:],
         "--steps",
         str(steps),
         "--ckpt-dir",
@@ -303,7 +316,13 @@ def no_lend_args(tmp: Path) -> tuple[str, ...]:
 def write_result(path: str, fields: dict) -> None:
     """``fields`` as JSON at ``path``, with the date and the kernel mode."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    result = {"date": time.strftime("%Y-%m-%d"), "kernels": KERNELS["mode"], **fields}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "kernels": KERNELS["mode"],
+        "script": SCRIPTS["leto"],
+        "model": MODEL,
+        **fields,
+    }
     Path(path).write_text(json.dumps(result, indent=2))
 
 
@@ -497,6 +516,13 @@ def main() -> None:
     )
     p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
     p.add_argument(
+        "--model",
+        choices=("gpt", "hf-llama"),
+        default="gpt",
+        help="the 1.1 B GPT of examples/train_gpt.py, or transformers' 0.8 B LlamaForCausalLM "
+        "(examples/train_hf_llama.py; the baseline runs it with --arch hf-llama)",
+    )
+    p.add_argument(
         "--nproc", type=int, default=1, help="ranks (one GPU each when there are enough GPUs)"
     )
     p.add_argument(
@@ -556,6 +582,10 @@ def main() -> None:
     if args.profile_from is not None:
         print(f"wrote {profile_from(args.profile_from)}")
         return
+    if args.model == "hf-llama":
+        MODEL[:] = LLAMA_MODEL
+        SCRIPTS["leto"] = "examples/train_hf_llama.py"
+        SCRIPTS["torchrun"] = ["examples/torchrun_gpt_ckpt.py", "--arch", "hf-llama"]
     if args.small:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
     if args.iteration_only:

@@ -1,4 +1,5 @@
-"""The baseline: the demo GPT as a plain torchrun script with torch.distributed.checkpoint.
+"""The baseline: the demo GPT as a plain torchrun script with torch.distributed.checkpoint
+(``--arch hf-llama``: transformers' Llama of examples/train_hf_llama.py instead).
 
 Saves a DCP checkpoint every ``--ckpt-every`` steps; after a group restart it loads the
 newest complete one and recomputes the steps since. ``--ckpt-async``: ``dcp.async_save``
@@ -100,11 +101,26 @@ class AsyncSaver:
             self.pending = None
 
 
+def build(args: argparse.Namespace) -> torch.nn.Module:
+    """The model of ``--arch`` on the current default device."""
+    if args.arch == "gpt":
+        return GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
+    from train_hf_llama import build as build_llama
+
+    return build_llama(args)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument(
+        "--arch",
+        choices=("gpt", "hf-llama"),
+        default="gpt",
+        help="the demo GPT, or transformers' LlamaForCausalLM of examples/train_hf_llama.py",
+    )
     p.add_argument("--kill-at-step", type=int, default=-1)
     p.add_argument(
         "--allreduce",
@@ -138,6 +154,8 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--kv-heads", type=int, default=0, help="--arch hf-llama: 0 is half the heads")
+    p.add_argument("--ffn", type=int, default=0, help="--arch hf-llama: MLP width (0: 4 x dim)")
     p.add_argument(
         "--deterministic",
         action="store_true",
@@ -180,7 +198,10 @@ def main() -> None:
     events = EventLog.from_env(f"trainer{rank}")
     torch.manual_seed(args.seed)
     with device:
-        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.dropout)
+        model = build(args)
+    make_batch = batch
+    if args.arch == "hf-llama":
+        from train_hf_llama import batch as make_batch
     # The strongest plain-torch update: one fused kernel (or foreach, to compare with it)
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -211,10 +232,10 @@ def main() -> None:
         phases = PhaseTimes(device, began)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = batch(step, rank, args, device)
+        x, y = make_batch(step, rank, args, device)
         opt.zero_grad(set_to_none=False)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = model(x, y)
+            loss = model(x, y) if args.arch == "gpt" else model(input_ids=x, labels=x).loss
         loss.backward()
         if attempt == 0 and rank == world - 1 and step == args.kill_at_step:
             events.emit(Kind.FAULT_INJECTED, rank=rank, step=step, phase="backward")
