@@ -92,7 +92,8 @@ def test_a_hang_in_the_promoted_trainers_first_step_is_found_within_the_hang_tim
     """The promoted (warm) trainer stops in its first step: judged by --hang-timeout, not
     by the first-step timeout a fresh start gets, and the stopped rank is the one killed."""
     faults = [
-        FaultSpec(rank=1, step=5, phase="backward"),
+        # the shadows are ready by then: a promotion of unready ones is judged as a cold start
+        FaultSpec(rank=1, step=5, phase="backward", shadow_ready_steps_before=2),
         FaultSpec(rank=1, step=5, phase="update", kind="hang"),
     ]
     proc, events = run_leto(
