@@ -1,24 +1,45 @@
-"""Where a rank's retained state goes: the plan, decided before any memory is mapped.
+"""Where a rank's retained state goes: the plan, then the mapped regions.
 
 ``plan`` reads the model and optimizer only (a shadow plans from its meta model): which
 tensors are retained, FSDP2's shards among them, the ``Layout`` of the regions, and the
 settings that cannot go together. ``Context.retain`` plans first, adopts FSDP2's gradient
 sync when the plan found shards, then hands the plan to ``RetainedState``.
+
+``map_regions`` allocates or reattaches every region of the plan (state, gradients, mirrors,
+marker, the updater's buffers, parity) and builds the updater over them. Mapping never
+creates what a successor should find and never reads the data, so a shadow maps ahead.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from leto.erasure import padded_bytes
+from leto.erasure.protection import ProtectedRegion
 from leto.errors import ConfigError, ProtocolError
+from leto.pool.pagemap import plan_chunk_bytes
 from leto.retained.layout import GradPlacement, Layout
+from leto.retained.marker import MARKER_BYTES, Marker
+from leto.retained.optim_state import StateSlots
 from leto.trainer.buffers import refuse_buffer_updates
 from leto.trainer.env import TrainerEnv
 from leto.trainer.grad_sync import GradSync
+from leto.trainer.memory import RegionMemory
 from leto.trainer.rng import rng_blob
+from leto.trainer.services import TrainerServices
 from leto.trainer.sharding import FsdpShards, has_dtensor_params
+from leto.updater.base import Updater
+from leto.updater.fused import resolve_fused
+from leto.updater.rmu import PARITY, UNDO, ResumableUpdater
+from leto.updater.snapshot import SNAPSHOT, SnapshotUpdater
+
+ENV_RMU_PARITY = "LETO_RMU_PARITY"
+"""Test hook: "0" turns off the RMU's incremental parity (the paper's "RMP alone")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +104,118 @@ def plan(
             "the snapshot path steps torch's optimizer over full parameters"
         )
     return Plan(model, optimizer, params, buffers, device, shards, layout)
+
+
+@dataclass(frozen=True, slots=True)
+class Regions:
+    """One rank's retained regions, mapped, and the updater that works in them."""
+
+    memory: RegionMemory
+    state: torch.Tensor
+    """The "state" region: parameters, buffers, optimizer state, RNG (``Layout``)."""
+    grads: dict[str, torch.Tensor]
+    """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
+    mirrors: dict[str, torch.Tensor]
+    """Full parameter buffers of a sharded optimizer, by name (``Layout.mirror_regions``)."""
+    marker: Marker
+    rng_next: torch.Tensor
+    """The RNG state after a step's compute, saved before GRADS_READY for a finishing rank."""
+    protected: dict[str, ProtectedRegion]
+    """The erasure-protected regions by name ("state" and the gradients); empty without
+    ``leto.erasure``."""
+    updater: Updater
+
+
+def map_regions(plan: Plan, services: TrainerServices, slots: Callable[[], StateSlots]) -> Regions:
+    """Allocate or reattach every region of ``plan`` on this rank (and its parity regions).
+    ``slots``: the optimizer state's slots once bound (the snapshot updater steps them)."""
+    pool, rank, env, layout = services.pool, services.rank, services.env, plan.layout
+    erasure = env.erasure
+    state_nbytes = layout.state_bytes
+    grad_nbytes = dict(layout.grad_regions)
+    if erasure is not None:  # protected regions are whole pages
+        state_nbytes = padded_bytes(state_nbytes, erasure)
+        grad_nbytes = {name: padded_bytes(n, erasure) for name, n in grad_nbytes.items()}
+    mem = RegionMemory(pool, rank, plan.device)
+    chunk = None  # unprotected regions: one chunk (nothing could rebuild a lost one)
+    if erasure is not None:  # one chunk per erasure page, unless the fd budget says coarser
+        chunk = plan_chunk_bytes(
+            state_nbytes + sum(grad_nbytes.values()),
+            erasure.page_bytes,
+            mem.granularity,
+            mem.chunk_budget(),
+        )
+    views = {
+        "state": mem.device_region("state", state_nbytes, chunk)[0],
+        **{name: mem.device_region(name, n, chunk)[0] for name, n in grad_nbytes.items()},
+        **{name: mem.device_region(name, n)[0] for name, n in layout.mirror_regions},
+        "marker": mem.host_region("marker", MARKER_BYTES)[0],
+        "rng_next": mem.host_region("rng_next", layout.rng.nbytes)[0],
+    }
+    # the updater's own buffers: rmu's undo and working parity, or the host snapshot
+    fused = False
+    if env.consistency == "rmu":
+        fused = resolve_fused(env.rmu_fused, plan.device, layout)
+        buffers = ResumableUpdater.buffers(
+            layout, state_nbytes, env.rmu_chunk_bytes, erasure, fused=fused
+        )
+    else:
+        buffers = SnapshotUpdater.buffers(state_nbytes)
+    for buf in buffers:
+        region = mem.host_region if buf.host else mem.device_region
+        views[buf.name] = region(buf.name, buf.nbytes)[0]
+    marker_words = mem.mapped_on_device(views["marker"])
+    marker = Marker(
+        views["marker"], None if marker_words is None else marker_words.view(torch.int64)
+    )
+    protected = (
+        {}
+        if erasure is None
+        else {
+            name: ProtectedRegion(
+                pool, rank, name, views[name], erasure, functools.partial(mem.lost_pages, name)
+            )
+            for name in ("state", *grad_nbytes)
+        }
+    )
+    grads = {name: views[name] for name in grad_nbytes}
+    updater: Updater
+    if env.consistency == "rmu":
+        updater = ResumableUpdater(
+            layout=layout,
+            state=views["state"],
+            grads=grads,
+            rng_next=views["rng_next"],
+            optimizer=plan.optimizer,
+            marker=marker,
+            undo=views[UNDO],
+            parity=views.get(PARITY),
+            protected=protected.get("state"),
+            injector=services.injector,
+            chunk_bytes=env.rmu_chunk_bytes,
+            incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
+            fused=fused,
+        )
+    else:
+        updater = SnapshotUpdater(
+            layout=layout,
+            state=views["state"],
+            snapshot=views[SNAPSHOT],
+            rng_next=views["rng_next"],
+            optimizer=plan.optimizer,
+            slots=slots,
+            marker=marker,
+            protected=protected.get("state"),
+            injector=services.injector,
+            fence=mem.fence,
+        )
+    return Regions(
+        memory=mem,
+        state=views["state"],
+        grads=grads,
+        mirrors={name: views[name][:n] for name, n in layout.mirror_regions},
+        marker=marker,
+        rng_next=views["rng_next"],
+        protected=protected,
+        updater=updater,
+    )

@@ -30,7 +30,6 @@ import functools
 import gc
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,28 +38,22 @@ import torch
 import torch.distributed as dist
 
 from leto import contract
-from leto.erasure import padded_bytes
-from leto.erasure.protection import ProtectedRegion
 from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind, last_event
 from leto.pool.lend import ActivationLender
-from leto.pool.pagemap import plan_chunk_bytes
 from leto.preinit import replay
 from leto.preinit.model_warmup import warm_forward
 from leto.preinit.warmup import warm_shadow
-from leto.retained.marker import MARKER_BYTES, Marker, Phase
+from leto.retained.marker import Phase
 from leto.retained.optim_state import StateSlots
+from leto.trainer import placement
 from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
-from leto.trainer.memory import RegionMemory
+from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
 from leto.trainer.sharding import local
 from leto.trainer.timing import PhaseTimes
-from leto.updater.base import Updater
-from leto.updater.fused import resolve_fused
-from leto.updater.rmu import PARITY, UNDO, ResumableUpdater
-from leto.updater.snapshot import SNAPSHOT, SnapshotUpdater
 
 if TYPE_CHECKING:
     from leto.trainer.placement import Plan
@@ -72,8 +65,6 @@ T = TypeVar("T")
 
 BUFFER_UNDO = "buffers.undo"
 """The retained copy of the module buffers at the start of the step (``BufferUndo``)."""
-ENV_RMU_PARITY = "LETO_RMU_PARITY"
-"""Test hook: "0" turns off the RMU's incremental parity (the paper's "RMP alone")."""
 
 
 class RetainedState:
@@ -105,14 +96,13 @@ class RetainedState:
         without one); ``stateful_bytes``: the bytes of one of their two record slots."""
         self.services = services
         self.model = plan.model
-        self.optimizer = optimizer = plan.optimizer
+        self.optimizer = plan.optimizer
         self.params = plan.params
         self.buffers = plan.buffers
         self.device = plan.device
         self.shards = plan.shards
         """FSDP2's shards among the parameters (``leto.trainer.sharding``), or None."""
         self.layout = plan.layout
-        model = self.model
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
         mapped_ahead = wait_for_promotion is None or services.ready_to_map_ahead()
@@ -121,35 +111,75 @@ class RetainedState:
         self.mapped_ahead_step: int | None = None
         """The marker's step when this shadow mapped the regions ahead of its promotion."""
         if mapped_ahead:
-            self._map_regions()
+            self._map(plan)
             if wait_for_promotion is not None and self.marker.is_valid():
                 self.mapped_ahead_step = self.marker.step
         if wait_for_promotion is not None:
-            site = services.shadow_site()
-            warm_shadow(site, self.layout, optimizer)  # level 3: the Triton kernels of a recovery
-            # level 3: the model's first step (leto.preinit.replay). Its freed blocks are
-            # kept for the first step's activations unless lending was asked for: the lending
-            # pool would grow afresh, so a trainer whose shadow kept them does not lend.
-            replayed = warm_forward(
-                site, model, keep_cache=services.env.lend_activations is not True
-            )
-            self._replay_kept = replayed is not None and replayed.kept_bytes > 0
-            wait_for_promotion()
+            self._wait_as_shadow(wait_for_promotion)
         t0 = time.perf_counter()
         if not mapped_ahead:
-            self._map_regions()
+            self._map(plan)
         else:  # mapped before the predecessor died: read the marker as it finally landed
             self.marker.reload()
-        rank = services.rank
-        self.reattached = self.marker.is_valid()
-        self.memory.check_identity(
-            self.marker, self.reattached, services.events
-        )  # no resume on a re-made region
-        if self.reattached:
-            self.marker.check_layout(self.layout.digest)
-            services.injector.recovery_point("attach", self.marker.step)
-            self._rebuild_lost_pages()
-        elif any(t.is_meta for t in self.params + self.buffers):
+        self._recover(stateful, stateful_bytes)
+        self.attach_s = time.perf_counter() - t0
+        self._committed_this_step = True
+        self._announced = False
+        self._total: int | None = None
+        """The ``total`` of ``steps()``, reported with each step (progress, ETA)."""
+        self._step_started = 0.0
+        self._phases = PhaseTimes(self.device, 0.0, enabled=False)
+        self._install_fault_hooks()
+        self._rng_host: torch.Tensor | None = None
+        """The RNG slot's bytes on the host while known (set at each commit)."""
+        self._rng_next_host = self._rng_host
+        self._barrier_word = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    # -- construction: plan (Context.retain) → map → wait → recover -------------------------
+    def _map(self, plan: Plan) -> None:
+        """Allocate or reattach every region of this rank (``placement.map_regions``)."""
+        regions = placement.map_regions(plan, self.services, slots=lambda: self.optimizer_state)
+        self.memory = regions.memory
+        self.state_bytes = regions.state
+        self.grad_regions = regions.grads
+        """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
+        self.mirror_regions = regions.mirrors
+        """Full parameter buffers of a sharded optimizer, by name (``Layout.mirror_regions``)."""
+        self.marker = regions.marker
+        self._rng_next = regions.rng_next
+        self.protected = regions.protected
+        self.updater = regions.updater
+        self._recovery = Recovery(regions, self.services)
+        self._grad_view_list: list[torch.Tensor] | None = None
+        self._seen_grad_list: list[torch.Tensor] | None = None
+        self._lend = self._lends()
+        if self.services.env.lend_activations and not self._lend:  # rmu: checked with the job file
+            logger.info(
+                "leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)",
+                self.device,
+            )
+        self._lender: ActivationLender | None = None  # built at the first compute phase
+        self._lent = self.updater.lendable() if self._lend else {}
+
+    def _wait_as_shadow(self, wait_for_promotion: Callable[[], None]) -> None:
+        """A shadow's warm-ups (level 3), then its wait for promotion."""
+        site = self.services.shadow_site()
+        warm_shadow(site, self.layout, self.optimizer)  # the Triton kernels of a recovery
+        # The model's first step (leto.preinit.replay). Its freed blocks are kept for the
+        # first step's activations unless lending was asked for: the lending pool would grow
+        # afresh, so a trainer whose shadow kept them does not lend.
+        keep = self.services.env.lend_activations is not True
+        replayed = warm_forward(site, self.model, keep_cache=keep)
+        self._replay_kept = replayed is not None and replayed.kept_bytes > 0
+        wait_for_promotion()
+
+    def _recover(self, stateful: Mapping[str, Any] | None, stateful_bytes: int | None) -> None:
+        """Reattach (identity and layout checked, lost pages rebuilt) or start fresh; then
+        bind the model to its regions and attach the extras; a fresh start initialises the
+        regions and seals them."""
+        rank = self.services.rank
+        self.reattached = self._recovery.attach(self.layout.digest)
+        if not self.reattached and any(t.is_meta for t in self.params + self.buffers):
             raise UnrecoverableStateError(
                 f"rank {rank}: no retained state to reattach to, but the model was built on "
                 "the meta device; build it for real (ctx.init_device() does this)"
@@ -170,118 +200,6 @@ class RetainedState:
             identity = self.memory.identity_record()
             self.marker.initialise(self.layout.digest, identity=identity)
             self.memory.seal(identity)
-        self.attach_s = time.perf_counter() - t0
-        self._committed_this_step = True
-        self._announced = False
-        self._total: int | None = None
-        """The ``total`` of ``steps()``, reported with each step (progress, ETA)."""
-        self._step_started = 0.0
-        self._phases = PhaseTimes(self.device, 0.0, enabled=False)
-        self._install_fault_hooks()
-        self._rng_host: torch.Tensor | None = None
-        """The RNG slot's bytes on the host while known (set at each commit)."""
-        self._rng_next_host = self._rng_host
-        self._barrier_word = torch.zeros(1, dtype=torch.int32, device=self.device)
-
-    # -- placement ---------------------------------------------------------------------------
-    def _map_regions(self) -> None:
-        """Allocate or reattach every region of this rank (and its parity regions)."""
-        pool, rank, erasure = self.services.pool, self.services.rank, self.services.env.erasure
-        state_nbytes = self.layout.state_bytes
-        grad_nbytes = dict(self.layout.grad_regions)
-        if erasure is not None:  # protected regions are whole pages
-            state_nbytes = padded_bytes(state_nbytes, erasure)
-            grad_nbytes = {name: padded_bytes(n, erasure) for name, n in grad_nbytes.items()}
-        self.memory = mem = RegionMemory(pool, rank, self.device)
-        chunk = None  # unprotected regions: one chunk (nothing could rebuild a lost one)
-        if erasure is not None:  # one chunk per erasure page, unless the fd budget says coarser
-            chunk = plan_chunk_bytes(
-                state_nbytes + sum(grad_nbytes.values()),
-                erasure.page_bytes,
-                mem.granularity,
-                mem.chunk_budget(),
-            )
-        views = {
-            "state": mem.device_region("state", state_nbytes, chunk)[0],
-            **{name: mem.device_region(name, n, chunk)[0] for name, n in grad_nbytes.items()},
-            **{name: mem.device_region(name, n)[0] for name, n in self.layout.mirror_regions},
-            "marker": mem.host_region("marker", MARKER_BYTES)[0],
-            # RNG state after this step's compute, saved before GRADS_READY for a finishing rank.
-            "rng_next": mem.host_region("rng_next", self.layout.rng.nbytes)[0],
-        }
-        # the updater's own buffers: rmu's undo and working parity, or the host snapshot
-        if self.services.env.consistency == "rmu":
-            fused = resolve_fused(self.services.env.rmu_fused, self.device, self.layout)
-            buffers = ResumableUpdater.buffers(
-                self.layout, state_nbytes, self.services.env.rmu_chunk_bytes, erasure, fused=fused
-            )
-        else:
-            buffers = SnapshotUpdater.buffers(state_nbytes)
-        for buf in buffers:
-            region = mem.host_region if buf.host else mem.device_region
-            views[buf.name] = region(buf.name, buf.nbytes)[0]
-        self.state_bytes = views["state"]
-        self.grad_regions = {name: views[name] for name in grad_nbytes}
-        """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
-        self._grad_view_list: list[torch.Tensor] | None = None
-        self._seen_grad_list: list[torch.Tensor] | None = None
-        self.mirror_regions = {name: views[name][:n] for name, n in self.layout.mirror_regions}
-        """Full parameter buffers of a sharded optimizer, by name (``Layout.mirror_regions``)."""
-        marker_words = mem.mapped_on_device(views["marker"])
-        self.marker = Marker(
-            views["marker"], None if marker_words is None else marker_words.view(torch.int64)
-        )
-        self._rng_next = views["rng_next"]
-        self.protected = (
-            {}
-            if erasure is None
-            else {
-                name: ProtectedRegion(
-                    pool, rank, name, views[name], erasure, functools.partial(mem.lost_pages, name)
-                )
-                for name in ("state", *grad_nbytes)
-            }
-        )
-        self.updater: Updater
-        if self.services.env.consistency == "rmu":
-            self.updater = ResumableUpdater(
-                layout=self.layout,
-                state=self.state_bytes,
-                grads=self.grad_regions,
-                rng_next=self._rng_next,
-                optimizer=self.optimizer,
-                marker=self.marker,
-                undo=views[UNDO],
-                parity=views.get(PARITY),
-                protected=self.protected.get("state"),
-                injector=self.services.injector,
-                chunk_bytes=self.services.env.rmu_chunk_bytes,
-                incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
-                fused=fused,
-            )
-        else:
-            self.updater = SnapshotUpdater(
-                layout=self.layout,
-                state=self.state_bytes,
-                snapshot=views[SNAPSHOT],
-                rng_next=self._rng_next,
-                optimizer=self.optimizer,
-                slots=lambda: self.optimizer_state,
-                marker=self.marker,
-                protected=self.protected.get("state"),
-                injector=self.services.injector,
-                fence=mem.fence,
-            )
-        self._lend = self._lends()
-        if (
-            self.services.env.lend_activations and not self._lend
-        ):  # rmu is checked with the job file
-            logger.info(
-                "leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)",
-                self.device,
-            )
-        self._lender: ActivationLender | None = None  # built at the first compute phase
-        self._lent = self.updater.lendable() if self._lend else {}
 
     def _bind(self) -> None:
         """Make params, grads and optimizer state views of retained memory (zero copy).
@@ -383,105 +301,6 @@ class RetainedState:
     def _encode_grads(self) -> None:
         for name in self.grad_regions:
             self.encode(name)
-
-    def _rebuild_lost_pages(self) -> None:
-        """Localise failed pages of every protected region and rebuild what is needed.
-
-        Model state is rebuilt from its host parity between updates; mid-update under rmu,
-        the torn chunk is first restored from the undo buffer and the data pages are rebuilt
-        from the authoritative working parity (host parity is rewritten by the flush);
-        under snapshot, the snapshot restores the state and its parity is re-encoded after
-        the update. Gradients are rebuilt whenever they are final (the update may have to be
-        finished with them).
-        """
-        phase = self.marker.phase
-        self._check_update_buffers(phase)
-        self.updater.prepare()  # rmu: undo a torn chunk, resync the scratch parity
-        for name in self.mirror_regions:  # fresh zeroed chunks; the resume's gather refills them
-            if lost := self.memory.lost_chunks(name):
-                logger.info(
-                    "[rank %d] %d lost chunks of %s replaced; the gather at resume refills them",
-                    self.services.rank,
-                    len(lost),
-                    name,
-                )
-        if not self.protected:
-            self._refuse_unprotected_losses(phase)
-            self.memory.commit_replacements()
-            return
-        needed = {
-            "state": self.updater.rebuilds_state(phase),
-            **{name: phase != Phase.IDLE for name in self.grad_regions},
-        }
-        report: dict[str, dict[str, int]] = {}
-        seconds = localize_s = 0.0
-        for name, region in self.protected.items():
-            t0 = time.perf_counter()
-            lost = region.localize()
-            localize_s += time.perf_counter() - t0
-            if lost.count:  # fresh zeroed chunks are mapped now; a kill here is one mid-rebuild
-                self.services.injector.recovery_point("rebuild", self.marker.step)
-            report[name] = {
-                "data": len(lost.data),
-                "tier1": len(lost.tier1),
-                "tier2": len(lost.tier2),
-            }
-            if lost.count and needed[name]:
-                t0 = time.perf_counter()
-                try:
-                    groups = self.updater.rebuild_groups(phase) if name == "state" else None
-                    if groups is not None:
-                        region.rebuild_data(lost, groups)
-                    else:
-                        region.rebuild(lost)
-                    self.memory.fence()  # GPU kernels run asynchronously: time them to the end
-                    seconds += time.perf_counter() - t0
-                except UnrecoverableStateError as e:
-                    self.services.events.emit(
-                        Kind.UNRECOVERABLE,
-                        rank=self.services.rank,
-                        region=name,
-                        lost=report[name],
-                        error=str(e),
-                    )
-                    raise
-        self.memory.commit_replacements()  # only now: a kill mid-rebuild leaves the losses to the next
-        self.services.events.emit(
-            Kind.PAGES_REBUILT,
-            rank=self.services.rank,
-            gen=self.services.env.generation,
-            lost=report,
-            rebuild_s=seconds,
-            localize_s=localize_s,
-            phase=phase.name,
-        )
-
-    def _refuse_unprotected_losses(self, phase: Phase) -> None:
-        """Without erasure protection nothing can rebuild a lost chunk of the model state or
-        of final gradients: resuming on its zeroed replacement would silently diverge."""
-        needed = {"state": True, **{name: phase != Phase.IDLE for name in self.grad_regions}}
-        for name, need in needed.items():
-            if need and (lost := self.memory.lost_chunks(name)):
-                error = (
-                    f"rank {self.services.rank}: {len(lost)} chunks of retained region {name} were lost and "
-                    "nothing protects them (leto.erasure is off)"
-                )
-                self.services.events.emit(
-                    Kind.UNRECOVERABLE, rank=self.services.rank, region=name, error=error
-                )
-                raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
-
-    def _check_update_buffers(self, phase: Phase) -> None:
-        """Mid-update, the undo copy (while a chunk is saved) and the working parity are the
-        only consistent record of the state, and nothing protects them: a lost page of
-        either means no consistent point to resume from (the checkpoint path takes over)."""
-        for name in self.updater.unprotected_needs(phase):
-            if name in self.memory.regions and self.memory.lost_chunks(name):
-                error = f"rank {self.services.rank}: device pages of {name} were lost in the middle of an update ({phase.name})"
-                self.services.events.emit(
-                    Kind.UNRECOVERABLE, rank=self.services.rank, region=name, error=error
-                )
-                raise UnrecoverableStateError(error + "; restart the job from a checkpoint")
 
     def _install_fault_hooks(self) -> None:
         """Forward/backward kill points sit in the middle of the model, mid-phase."""
@@ -830,21 +649,14 @@ class RetainedState:
     def _resume(self) -> int:
         """Agree with every rank on the resume point and bring this rank to it."""
         t0 = time.perf_counter()
-        mine = torch.tensor(
-            [self.marker.step, int(self.marker.phase)],
-            dtype=torch.int64,
-            device=self.services.collective_device,
-        )
-        gathered = [torch.empty_like(mine) for _ in range(self.services.world_size)]
-        dist.all_gather(gathered, mine)
-        points = [(int(t[0]), Phase(int(t[1]))) for t in gathered]
+        points = self._recovery.points()
         decision = decide_resume(points, self.services.rank)
         step, phase = self.marker.step, self.marker.phase
         action = "none"
         t_finish = time.perf_counter()
         if decision.action == ResumeAction.FINISH:
             self.extras.load_pre(step)  # the update reads the hyperparameters of its own step
-            action = self._finish_update(step)
+            action = self._recovery.finish_update(step)
         elif decision.action == ResumeAction.RERUN:
             action = "rerun"
             if phase == Phase.GRADS_READY:  # its gradients are computed again
@@ -879,17 +691,6 @@ class RetainedState:
         if self.services.env.digest:
             self.emit_digest()
         return resume_at
-
-    def _finish_update(self, step: int) -> str:
-        """Finish step ``step``'s interrupted update on this rank; returns how (the
-        ``resumed`` event's ``action``)."""
-        try:
-            return self.updater.resume(step)
-        except UnrecoverableStateError as e:
-            self.services.events.emit(
-                Kind.UNRECOVERABLE, rank=self.services.rank, region="state", error=str(e)
-            )
-            raise
 
     def emit_digest(self) -> str:
         """Digest of the state region (with a sharded optimizer: and of the full parameters)
