@@ -469,15 +469,16 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         build_group()
         dist.barrier()  # the communicator's connections are made now, not at recovery
     else:
-        _mesh_waits_for_promotion(ctx)
+        mesh_waits_for_promotion(ctx.wait_for_promotion)
     return ctx
 
 
-def _mesh_waits_for_promotion(ctx: Context) -> None:
+def mesh_waits_for_promotion(wait_for_promotion: Callable[[], None]) -> None:
     """Below L3 a shadow has no process group, and torch's ``DeviceMesh`` (``init_device_mesh``,
     which an FSDP2 script calls before ``fully_shard``) would create one itself from torch's
-    environment, over the agent's store: instead it waits for promotion there, where the
-    shadow builds its generation's group, and goes on from that point as a promoted trainer."""
+    environment, over the agent's store: instead it waits for promotion there
+    (``wait_for_promotion``, which builds the generation's group), and goes on from that
+    point as a promoted trainer. Undone at its first use."""
     from torch.distributed import device_mesh
 
     torch_init = device_mesh.init_process_group
@@ -487,7 +488,7 @@ def _mesh_waits_for_promotion(ctx: Context) -> None:
             torch_init(*args, **kwargs)
             return
         device_mesh.init_process_group = torch_init
-        ctx.wait_for_promotion()
+        wait_for_promotion()
 
     device_mesh.init_process_group = init_at_promotion
 

@@ -25,9 +25,7 @@ from its forward pass (the decision: ``leto.trainer.resume.decide_resume``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import hashlib
 import logging
 import time
@@ -38,9 +36,8 @@ import torch
 import torch.distributed as dist
 
 from leto import contract
-from leto.errors import ConfigError, LetoError, ProtocolError, UnrecoverableStateError
+from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind, last_event
-from leto.pool.lend import ActivationLender
 from leto.preinit import replay
 from leto.preinit.model_warmup import warm_forward
 from leto.preinit.warmup import warm_shadow
@@ -48,6 +45,7 @@ from leto.retained.marker import Phase
 from leto.retained.optim_state import StateSlots
 from leto.trainer import placement
 from leto.trainer.buffers import BufferUndo, own_view
+from leto.trainer.compute import ComputePhase, lends
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
@@ -152,14 +150,23 @@ class RetainedState:
         self._recovery = Recovery(regions, self.services)
         self._grad_view_list: list[torch.Tensor] | None = None
         self._seen_grad_list: list[torch.Tensor] | None = None
-        self._lend = self._lends()
-        if self.services.env.lend_activations and not self._lend:  # rmu: checked with the job file
+        env = self.services.env
+        lent = self.updater.lendable()
+        lending = lends(lent, self.device, env.lend_activations)
+        if env.lend_activations and not lending:  # rmu: checked with the job file
             logger.info(
                 "leto.lend_activation_memory: nothing to lend on %s (activations are CUDA memory)",
                 self.device,
             )
-        self._lender: ActivationLender | None = None  # built at the first compute phase
-        self._lent = self.updater.lendable() if self._lend else {}
+        self._compute = ComputePhase(
+            rank=self.services.rank,
+            device=self.device,
+            guard=self.services.preinit,
+            grad_sync=self.services.grad_sync,
+            restart=self._restart_compute,
+            lent=lent if lending else {},
+            lend_asked=env.lend_activations,
+        )
 
     def _wait_as_shadow(self, wait_for_promotion: Callable[[], None]) -> None:
         """A shadow's warm-ups (level 3), then its wait for promotion."""
@@ -184,13 +191,8 @@ class RetainedState:
                 f"rank {rank}: no retained state to reattach to, but the model was built on "
                 "the meta device; build it for real (ctx.init_device() does this)"
             )
-        if self._replay_kept and self._lend:
-            logger.info(
-                "[rank %d] not lending the undo buffer: the forward replay's blocks serve the "
-                "compute phase",
-                rank,
-            )
-            self._lend, self._lent = False, {}
+        if self._replay_kept:
+            self._compute.stop_lending("the forward replay's blocks serve the compute phase")
         self._bind()
         self._attach_extras(stateful, stateful_bytes)  # before the marker records the regions
         self._rng = self.layout.rng.view(self.state_bytes)
@@ -354,16 +356,6 @@ class RetainedState:
         self.updater.drain()  # the last flush's host copies land
         self.services.finished()  # no more heartbeats: the hang watch leaves this trainer alone
 
-    def _lends(self) -> bool:
-        """The compute phase allocates from memory lent by the updater's idle buffers (on
-        CUDA: rmu's undo buffer)."""
-        env = self.services.env
-        return (
-            bool(self.updater.lendable())
-            and self.device.type == "cuda"
-            and env.lend_activations is not False
-        )
-
     def _step_rng(self) -> torch.Tensor:
         """The RNG state this step starts from, on the host: the copy kept when the last
         commit installed it, else read from the retained slot (at a process's first step, or
@@ -426,59 +418,7 @@ class RetainedState:
         ``fn`` must not run collectives: the other ranks do not retry with this one (so with
         a model-parallel ``Context.grad_sync`` the error always propagates).
         """
-        step = self.marker.step
-        if self._lend and self._lender is None:
-            try:
-                self._lender = ActivationLender(self.device, self._lent)
-            except LetoError as e:  # no C compiler, a torch without MemPool: lend only if asked to
-                if self.services.env.lend_activations:
-                    raise
-                logger.warning(
-                    "[rank %d] not lending the undo buffer to activations: %s",
-                    self.services.rank,
-                    e,
-                )
-                self._lend = False
-        while True:
-            try:
-                with (
-                    self._lender.lending() if self._lender is not None else contextlib.nullcontext()
-                ):
-                    return fn()
-            except torch.OutOfMemoryError as e:
-                if not self.services.preinit.can_reclaim():
-                    raise
-                # A model-parallel forward runs collectives (a narrowed grad_sync group says
-                # so): the other ranks would not retry with this one, so no retry.
-                if (
-                    self.services.grad_sync().group is not None
-                    or self.services.grad_sync().collectives_in_backward
-                ):
-                    what = (
-                        "a model-parallel forward runs collectives"
-                        if self.services.grad_sync().group is not None
-                        else "an overlapped backward runs bucket all-reduces"
-                    )
-                    e.add_note(
-                        f"rank {self.services.rank} step {step}: not retried after reclaiming the shadows: "
-                        f"{what} the other ranks would not repeat"
-                    )
-                    raise
-                message = str(e).splitlines()[0] if str(e) else "out of memory"
-            # Out of the except block: the traceback, and with it the failed attempt's
-            # activations and autograd graph, is released before the reclaim.
-            if self.device.type == "cuda":  # device memory held in reference cycles, cached blocks
-                gc.collect()
-                torch.cuda.empty_cache()
-            logger.warning(
-                "[rank %d step %d] %s: reclaiming the shadows and retrying",
-                self.services.rank,
-                step,
-                message,
-            )
-            if not self.services.preinit.reclaim(step):
-                raise torch.OutOfMemoryError(f"{message} (no shadows left to reclaim)")
-            self._restart_compute()
+        return self._compute.run(self.marker.step, fn)
 
     def _restart_compute(self) -> None:
         """Back to the start of this step's compute phase (its RNG, buffers, zero gradients)."""
@@ -491,8 +431,8 @@ class RetainedState:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
         self._phases.mark("compute")
-        if self._lender is not None:  # the update is about to write the lent memory
-            self._lender.check_returned()
+        if self._compute.lender is not None:  # the update is about to write the lent memory
+            self._compute.lender.check_returned()
         self._phases.mark("lend_check")
         self._check_grads_bound()
         self.services.injector.point("sync")
@@ -524,6 +464,7 @@ class RetainedState:
         self._phases.mark("update")
         self._committed_this_step = True
         self.services.preinit.report()  # memory after the step, before the agent may read it
+        lender = self._compute.lender
         self.services.events.emit(
             Kind.STEP_DONE,
             rank=self.services.rank,
@@ -537,7 +478,7 @@ class RetainedState:
                 if self.device.type != "cuda"
                 else {"device_peak_bytes": self._device_peak_bytes()}
             ),
-            **({} if self._lender is None else {"lent_bytes": self._lender.arena.lent_bytes()}),
+            **({} if lender is None else {"lent_bytes": lender.arena.lent_bytes()}),
         )
         if not self._announced:  # this generation is training: the agent ends the recovery
             # After step_done, so the agent finds this first step in the events file.
@@ -566,7 +507,8 @@ class RetainedState:
         plus the caching allocator's peak reservation since ``steps()`` began, less the lent
         bytes the allocator holds (retained memory, counted once; the lent segments stay
         cached from the first step on)."""
-        lent = self._lender.arena.lent_bytes() if self._lender is not None else 0
+        lender = self._compute.lender
+        lent = lender.arena.lent_bytes() if lender is not None else 0
         return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
 
     def _update(self, step: int) -> None:

@@ -1,8 +1,10 @@
-"""``RetainedState.compute``: an OOM is retried after a reclaim, except under model parallelism.
+"""``RetainedState.compute`` (``leto.trainer.compute.ComputePhase``): an OOM is retried after
+a reclaim, except under model parallelism; a lender that cannot be built is skipped.
 
 The state is a real ``RetainedState`` of a small model (``ctx.retain`` on an in-process
 ``Context`` whose ``OomGuard`` is on a real heartbeat board, tests/trainer/local.py); the
-agent's side is a real ``PreinitController`` answering from a thread.
+agent's side is a real ``PreinitController`` answering from a thread. The lender test builds
+a ``ComputePhase`` from a real ``OomGuard`` and ``GradSync``.
 
 A model-parallel forward runs collectives (Megatron's tensor-parallel all-reduces): the other
 ranks do not retry with the OOMing one, so a retry would pair its collectives with theirs
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from leto.health import Heartbeat, HeartbeatBoard
 from leto.preinit import PreinitConfig, ShadowLevel
 from leto.preinit.controller import PreinitController, ShadowState
 from leto.preinit.guard import OomGuard
+from leto.trainer.compute import ComputePhase
 from leto.trainer.grad_sync import GradSync
 from leto.trainer.state import RetainedState
 from tests.trainer.local import local_context
@@ -50,25 +52,6 @@ def _retained(ctx, grad_sync: GradSync) -> RetainedState:
     ctx.grad_sync = grad_sync
     model = torch.nn.Linear(4, 2)
     return ctx.retain(model, torch.optim.SGD(model.parameters(), lr=0.1))
-
-
-def _state(board: HeartbeatBoard, grad_sync: GradSync) -> SimpleNamespace:
-    """What ``compute`` reads, for the lender test only: a real state lends only on CUDA
-    (``RetainedState`` has no public seam for the lender yet)."""
-    guard = OomGuard(
-        Heartbeat(board.path, 0), None, PreinitConfig(reclaim_timeout_s=2), EventLog(None, "t0"), 0
-    )
-    state = SimpleNamespace(
-        marker=SimpleNamespace(step=5),
-        device=torch.device("cpu"),
-        restarts=0,
-        services=SimpleNamespace(rank=0, preinit=guard, grad_sync=lambda: grad_sync),
-        _lend=False,
-        _lender=None,
-        _lent={},  # nothing lent on CPU (leto.pool.lend)
-    )
-    state._restart_compute = lambda: setattr(state, "restarts", state.restarts + 1)
-    return state
 
 
 class _OomOnce:
@@ -133,19 +116,30 @@ def test_a_lender_that_cannot_be_built_is_skipped_unless_asked_for(
 ) -> None:
     """``leto.lend_activation_memory``: left to its default (None), a lender that cannot be
     built (no C compiler, no ``torch.cuda.MemPool``) is skipped with a warning and the step
-    runs; asked for (True), the step fails. The CUDA lending itself: tests/gpu/test_lend_gpu.py."""
-    import leto.trainer.state as state_module
+    runs; asked for (True), the step fails. The phase is given a region to lend although it
+    runs on the CPU (where ``lends`` says no): the lender's construction is what fails here.
+    The CUDA lending itself: tests/gpu/test_lend_gpu.py."""
+    import leto.trainer.compute as compute_module
 
     def refuse(*_):
         raise LetoError("no C compiler")
 
-    monkeypatch.setattr(state_module, "ActivationLender", refuse)
-    state = _state(board, GradSync())
-    state._lend = True
-    state.services.env = SimpleNamespace(lend_activations=asked)
+    monkeypatch.setattr(compute_module, "ActivationLender", refuse)
+    guard = OomGuard(
+        Heartbeat(board.path, 0), None, PreinitConfig(reclaim_timeout_s=2), EventLog(None, "t0"), 0
+    )
+    phase = ComputePhase(
+        rank=0,
+        device=torch.device("cpu"),
+        guard=guard,
+        grad_sync=lambda: GradSync(),
+        restart=lambda: None,
+        lent={"rmu.undo": torch.zeros(64, dtype=torch.uint8)},
+        lend_asked=asked,
+    )
     if asked:
         with pytest.raises(LetoError, match="no C compiler"):
-            RetainedState.compute(state, lambda: 1)  # type: ignore[arg-type]
+            phase.run(5, lambda: 1)
     else:
-        assert RetainedState.compute(state, lambda: 1) == 1  # type: ignore[arg-type]
-        assert state._lend is False and state._lender is None
+        assert phase.run(5, lambda: 1) == 1
+        assert not phase.lending and phase.lender is None

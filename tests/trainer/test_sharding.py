@@ -137,11 +137,9 @@ def test_what_cannot_be_retained_is_refused_with_its_reason(world) -> None:
 def test_a_shadow_below_level_3_builds_its_group_at_promotion_not_in_device_mesh(world) -> None:
     """``init_device_mesh`` without a process group would make one from torch's environment;
     in a shadow below L3 it waits for promotion (which builds the generation's group)."""
-    from types import SimpleNamespace
-
     from torch.distributed import device_mesh
 
-    from leto.trainer.context import _mesh_waits_for_promotion
+    from leto.trainer.context import mesh_waits_for_promotion
 
     torch_init = device_mesh.init_process_group
     promotions = []
@@ -150,7 +148,7 @@ def test_a_shadow_below_level_3_builds_its_group_at_promotion_not_in_device_mesh
         promotions.append(dist.is_initialized())
         world(2)
 
-    _mesh_waits_for_promotion(SimpleNamespace(wait_for_promotion=promote))
+    mesh_waits_for_promotion(promote)
     try:
         mesh = init_device_mesh("cpu", (2,))
     finally:
