@@ -1,6 +1,6 @@
 """Where a promoted trainer resumes: a pure decision over every rank's marker.
 
-After one all-gather of each rank's (step, phase) (``RetainedState._resume``), the ranks
+After one all-gather of each rank's (step, phase) (``Recovery.points``), the ranks
 agree without further messages, because every rank computes the same decision from the
 same points:
 
