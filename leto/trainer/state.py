@@ -15,7 +15,12 @@ step through the update marker (see ``leto.trainer.marker``):
   ``leto.updater.rmu``;
 * update phase, ``consistency: snapshot`` (the paper's §5.1 strawman, kept as the
   baseline): copy the whole state region to a host snapshot, mark ``UPDATING``, apply the
-  optimizer in place, commit.
+  optimizer in place, commit, see ``leto.updater.snapshot``.
+
+Both updaters are driven through ``leto.updater.base.Updater``. The state is built in four
+steps: plan (``leto.trainer.placement.plan``, in ``Context.retain``), map
+(``placement.map_regions``), a shadow's warm-ups and wait for promotion, recover
+(``leto.trainer.recovery.Recovery``, then binding the model to its regions).
 
 A promoted trainer resumes with one collective: if any rank began (or finished) step
 t's update, every rank finishes it — from its last committed chunk (rmu) or from the
@@ -521,8 +526,9 @@ class RetainedState:
         step just committed, but outside its transaction. It reads only committed shards and
         writes only the unprotected full parameter buffers, so a kill inside it is repaired
         by the gather every rank runs at resume."""
-        if self.services.grad_sync().gather is not None:
-            self.services.grad_sync().gather()
+        gather = self.services.grad_sync().gather
+        if gather is not None:
+            gather()
         elif self.mirror_regions:
             raise ProtocolError(
                 "a sharded optimizer's full parameter buffers need ctx.grad_sync.gather"
