@@ -193,7 +193,9 @@ class Killer:
                         continue
                     killed.add(pid)
                     late = time.monotonic() - self.t0 - at
-                    self.delivered.append({"at_s": at, "late_s": late, "rank": rank, "pid": pid})
+                    self.delivered.append(
+                        {"at_s": at, "late_s": late, "rank": rank, "pid": pid, "t": time.time()}
+                    )
                     break
                 self.done.wait(0.02)
 
@@ -320,8 +322,91 @@ class Job:
             "restarts": max((e.get("attempt", 0) or 0 for e in done), default=0)
             if self.key != "leto"
             else next((e["restarts"] for e in evs if e["kind"] == "job_finished"), 0),
+            "restart_s": restart_times(evs, delivered) if self.key != "leto" else [],
             "log_tail": tail if rc else "",
         }
+
+
+def restart_times(events: list[dict], kills: list[dict]) -> list[float]:
+    """A torchrun group's restart after each kill: from the kill to the start of the first
+    step of the next attempt (torchrun's detection, the new processes, their imports and
+    process group, the model, the checkpoint load)."""
+    first: dict[int, float] = {}
+    for e in events:
+        if e["kind"] == "step_done" and e["rank"] == 0 and (e.get("attempt") or 0) > 0:
+            first.setdefault(e["attempt"], e["t"] - e["iter_s"])
+    out = []
+    for start in sorted(first.values()):
+        before = [k["t"] for k in kills if k["t"] < start]
+        if before:
+            out.append(start - max(before))
+    return out
+
+
+def sim_profile(result: dict) -> dict:
+    """This call's measurements as a ``leto-run sim`` profile (``workload.profile``): the
+    reference iteration, leto-run's steady overhead and recoveries, each torchrun system's
+    blocking checkpoint cost, interval and restart."""
+    iteration_s = result["reference_iteration_s"]
+    systems: dict[str, dict] = {}
+    for key, row in result["systems"].items():
+        if not row["ok"] or not row["iteration_s"]:
+            continue
+        entry = {"overhead_ratio": max(0.0, row["iteration_s"] / iteration_s - 1)}
+        if key == "leto":
+            if not row["recovery_s"]:
+                continue
+            entry["recovery_s"] = statistics.median(row["recovery_s"])
+        else:
+            if not row["restart_s"]:
+                continue
+            entry["init_s"] = statistics.median(row["restart_s"])
+            entry["checkpoint_cost_s"] = result["calibration"][key]["checkpoint_s"]
+        systems[row["name"]] = entry
+    return {
+        "source": f"bench/goodput.py, {result['device']}, {result['date']}",
+        "iteration_time_s": iteration_s,
+        "systems": systems,
+    }
+
+
+def sim_prediction(result: dict, profile_path: Path) -> dict[str, float]:
+    """The simulator's closed-form ETTR of each profiled system at this call's MTBF (every
+    failure recoverable in place), from the profile at ``profile_path``."""
+    import yaml
+
+    from leto.sim.config import load_scenario
+    from leto.sim.evaluate import closed_form
+
+    profile = json.loads(profile_path.read_text())
+    systems = []
+    for key, row in result["systems"].items():
+        if row["name"] not in profile["systems"]:
+            continue
+        if key == "leto":
+            systems.append(
+                {"name": row["name"], "kind": "leto", "max_checkpoint_interval_iters": 10**9}
+            )
+        else:
+            systems.append(
+                {
+                    "name": row["name"],
+                    "kind": "checkpoint",
+                    "checkpoint_interval_iters": row["interval_steps"],
+                }
+            )
+    if not systems:
+        return {}
+    scenario = {
+        "name": "goodput-measured",
+        "workload": {"name": "goodput", "num_gpus": result["nproc"], "profile": profile_path.name},
+        "failures": {"mttf_min": result["mtbf_s"] / 60, "hof_ratio": 1.0},
+        "monte_carlo": {"runs": 0},
+        "systems": systems,
+    }
+    path = profile_path.with_name(profile_path.stem + "_scenario.yaml")
+    path.write_text(yaml.safe_dump(scenario, sort_keys=False))
+    return {name: p.ettr for name, p in closed_form(load_scenario(path)).items()}
 
 
 def young(cost_s: float, iter_s: float, mtbf_s: float) -> int:
@@ -497,6 +582,7 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
             "iteration_s": ff["iter_s"],
             "iteration_with_failures_s": fail["iter_s"],
             "recovery_s": fail["recovery_s"],
+            "restart_s": fail["restart_s"],
             "recoveries": fail["recoveries"],
             "restarts": fail["restarts"],
             "kills": fail["kills"],
@@ -545,6 +631,19 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
+        out = Path(args.json)
+        profile_path = out.with_name(out.stem + "_profile.json")
+    else:
+        profile_path = tmp / "goodput_profile.json"
+    profile_path.write_text(json.dumps(sim_profile(result), indent=2))
+    predicted = sim_prediction(result, profile_path)
+    for key, r in rows.items():
+        if r["name"] in predicted:
+            print(
+                f"leto-run sim ({profile_path.name}): {r['name']}: ETTR {predicted[r['name']] * 100:.1f} % "
+                f"predicted, {r['ettr'] * 100:.1f} % measured (the measured wall time includes "
+                "one job start-up)"
+            )
     base = {k: r for k, r in rows.items() if k != "leto"}
     if "leto" in rows and base:
         best = max(base, key=lambda k: base[k]["ettr"])
