@@ -75,8 +75,12 @@ class AsyncSaver:
         )
         self.pending = None
 
-    def save(self, state: dict, target: Path) -> None:
+    def save(self, state: dict, target: Path) -> float:
+        """Stage ``state`` and start writing it; returns the seconds spent waiting for the
+        previous save to finish first (0 when it had)."""
+        t0 = time.perf_counter()
         self.wait()
+        waited = time.perf_counter() - t0
         response = dcp.async_save(
             state,
             checkpoint_id=str(target),
@@ -94,6 +98,7 @@ class AsyncSaver:
 
         future.add_done_callback(done)
         self.pending = future
+        return waited
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -274,8 +279,9 @@ def main() -> None:
             msd, osd = get_state_dict(model, opt)
             target = Path(args.ckpt_dir) / f"step_{step + 1}"
             state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
+            waited = 0.0
             if saver is not None:
-                saver.save(state, target)  # blocks for the staging copy (and the previous save)
+                waited = saver.save(state, target)  # blocks for the staging copy
             else:
                 dcp.save(state, checkpoint_id=str(target))
                 dist.barrier()
@@ -288,6 +294,7 @@ def main() -> None:
                 step=step + 1,
                 digest="ckpt",
                 save_s=time.perf_counter() - t0,
+                wait_s=waited,  # of save_s: waiting for the previous async save's write
             )
     if saver is not None:
         saver.wait()

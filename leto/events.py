@@ -340,7 +340,14 @@ SCHEMA: dict[Kind, EventSpec] = {
         },
     ),
     Kind.DIGEST: EventSpec(
-        "trainer", {"rank": _RANK, "step": _STEP, "digest": Field(str), "save_s": _opt(float, "s")}
+        "trainer",
+        {
+            "rank": _RANK,
+            "step": _STEP,
+            "digest": Field(str),
+            "save_s": _opt(float, "s"),
+            "wait_s": _opt(float, "s"),
+        },
     ),
     Kind.FAULT_INJECTED: EventSpec(
         "trainer",
