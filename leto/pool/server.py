@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -367,7 +368,7 @@ class StateManager:
     def _op_reset(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Drop every region (a group restart begins from a checkpoint, never stale state)."""
         count = len(self._regions)
-        self.close()
+        self._drop_all()  # handle() holds the lock
         return {"ok": True, "freed": count}, []
 
     def _op_stats(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -433,6 +434,13 @@ class StateManager:
         return {"ok": True, "pages": sorted(set(pages))}, []
 
     def close(self) -> None:
+        """Drop every region. Under the lock: connection threads may still be serving
+        requests (a shadow mapping its regions) when the state manager is told to stop."""
+        with self._lock:
+            self._drop_all()
+
+    def _drop_all(self) -> None:
+        """Close every region (the caller holds the lock)."""
         for region in self._regions.values():
             region.close()
         self._regions.clear()
@@ -654,12 +662,13 @@ def serve(
             _start_connection(manager, conn, peers)
     finally:
         listener.close()
-        manager.close()
         try:
-            os.unlink(socket_path)
-            os.rmdir(os.path.dirname(socket_path))  # ours alone; also when the agent died
-        except OSError:
-            pass
+            manager.close()
+        finally:  # the socket and its directory go whatever closing the regions raised
+            with contextlib.suppress(OSError):
+                os.unlink(socket_path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(socket_path))  # ours alone; also when the agent died
 
 
 def _start_connection(manager: StateManager, conn: socket.socket, peers: _PeerConnections) -> None:
@@ -670,6 +679,12 @@ def _start_connection(manager: StateManager, conn: socket.socket, peers: _PeerCo
         logger.warning("cannot serve a connection (%s); closed it", e)
         conn.close()
         time.sleep(ACCEPT_BACKOFF_S)
+
+
+def _stop(*_: object) -> None:
+    """SIGTERM: leave ``serve``'s loop once; a second signal must not cut its cleanup short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -693,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="[leto state manager %(process)d] %(levelname)s %(message)s"
     )
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the agent, which stops us
     try:
         serve(args.socket_path, max_connections_per_peer=args.max_connections_per_peer)

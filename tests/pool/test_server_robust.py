@@ -441,3 +441,41 @@ def test_one_process_cannot_take_every_connection() -> None:
         hog.stdout.close()
         hog.stdin.close()
         sm.stop()
+
+
+def test_the_socket_directory_goes_even_when_closing_the_regions_raises(tmp_path) -> None:
+    """The state manager's exit removes its socket and directory whatever dropping its
+    regions raised (e.g. a connection thread still adding one): a killed agent must leave
+    no directory behind."""
+    import threading
+
+    from leto.pool.client import PoolClient
+    from leto.pool.server import StateManager, serve
+
+    class FailingClose(StateManager):
+        def close(self) -> None:
+            super().close()
+            raise RuntimeError("dictionary changed size during iteration")
+
+    sock_dir = tmp_path / "sm"
+    sock_dir.mkdir(mode=0o700)
+    path = str(sock_dir / "state-manager.sock")
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve(path, manager=FailingClose())
+        except RuntimeError as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client = PoolClient(path)
+    client.shutdown()
+    client.close()
+    thread.join(10)
+    assert not thread.is_alive() and len(raised) == 1
+    assert not sock_dir.exists()
