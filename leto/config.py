@@ -18,8 +18,8 @@ from leto.erasure.config import ErasureConfig
 from leto.errors import ConfigError
 from leto.preinit.config import PreinitConfig
 
-Phase = Literal["forward", "backward", "sync", "update"]
-PHASES: tuple[str, ...] = get_args(Phase)
+StepPhase = Literal["forward", "backward", "sync", "update"]
+PHASES: tuple[str, ...] = get_args(StepPhase)
 FaultPhase = Literal["forward", "backward", "sync", "update", "recovery"]
 UpdatePoint = Literal["boundary", "optimizer", "parity", "flush", "gather"]
 UPDATE_POINTS: tuple[str, ...] = get_args(UpdatePoint)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
     """The retained state as DCP keys → views of retained memory (no copy)."""
-    region = state.state_bytes
+    region = state.state_region
     rank = state.services.rank
     pnames = {id(p): n for n, p in state.model.named_parameters(remove_duplicate=False)}
     bnames = {id(b): n for n, b in state.model.named_buffers(remove_duplicate=False)}

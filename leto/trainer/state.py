@@ -143,7 +143,8 @@ class RetainedState:
         """Allocate or reattach every region of this rank (``placement.map_regions``)."""
         regions = placement.map_regions(plan, self.services, slots=lambda: self.optimizer_state)
         self.memory = regions.memory
-        self.state_bytes = regions.state
+        self.state_region = regions.state
+        """The state region's bytes (uint8): parameters, optimizer state, buffers, RNG."""
         self.grad_regions = regions.grads
         """Gradient regions by name (Leto's "grads", or an integration's buffers)."""
         self.mirror_regions = regions.mirrors
@@ -200,7 +201,7 @@ class RetainedState:
             self._compute.stop_lending("the forward replay's blocks serve the compute phase")
         self._bind()
         self._attach_extras(stateful, stateful_bytes)  # before the marker records the regions
-        self._rng = self.layout.rng.view(self.state_bytes)
+        self._rng = self.layout.rng.view(self.state_region)
         if not self.reattached:
             self._rng.copy_(rng_blob(self.device))
             self.encode("state")
@@ -217,7 +218,7 @@ class RetainedState:
         for i, (p, pslot, grad) in enumerate(
             zip(self.params, self.layout.params, self.grad_views(), strict=True)
         ):
-            data = own_view(self.state_bytes, pslot)
+            data = own_view(self.state_region, pslot)
             if shards is not None:  # FSDP2: the shard's DTensor over its padded slot
                 shards.bind_param(i, p, data, fresh)
             else:
@@ -232,7 +233,7 @@ class RetainedState:
             self.optimizer.state,
             self.params,
             self.layout.optim,
-            self.state_bytes,
+            self.state_region,
             seen=self.seen,
         )
         if fresh:  # zeroed, or the state the optimizer already holds (Adagrad's)
@@ -241,7 +242,7 @@ class RetainedState:
             self.optimizer_state.read_flags()
             self.optimizer_state.bind()
         for b, slot in zip(self.buffers, self.layout.buffers, strict=True):
-            data = own_view(self.state_bytes, slot)
+            data = own_view(self.state_region, slot)
             if fresh:
                 data.copy_(b)
             torch.utils.swap_tensors(b, data)
@@ -255,7 +256,7 @@ class RetainedState:
         if self.layout.buffers:
             nbytes = BufferUndo.region_bytes(BufferUndo.span(self.layout.buffers)[1])
             self.buffer_undo = BufferUndo(
-                self.state_bytes,
+                self.state_region,
                 self.layout.buffers,
                 self.memory.device_region(BUFFER_UNDO, nbytes)[0],
                 functools.partial(self.memory.lost_chunks, BUFFER_UNDO),
@@ -644,7 +645,7 @@ class RetainedState:
         """Digest of the state region (with a sharded optimizer: and of the full parameters)
         and of the stateful objects at the last commit (``RetainedExtras.commit_digest``)."""
         parts = [
-            self.memory.digest(self.state_bytes),
+            self.memory.digest(self.state_region),
             *(self.memory.digest(region) for region in self.mirror_regions.values()),
             self.extras.commit_digest,
         ]
