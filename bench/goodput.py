@@ -406,6 +406,7 @@ def sim_prediction(result: dict, profile_path: Path) -> dict[str, float]:
         "workload": {"name": "goodput", "num_gpus": result["nproc"], "profile": profile_path.name},
         "failures": {"mttf_min": result["mtbf_s"] / 60, "hof_ratio": 1.0},
         "monte_carlo": {"runs": 0},
+        "sweep": {"hof_ratios": [1.0]},  # no fatal failures measured: no checkpoint fallback
         "systems": systems,
     }
     path = profile_path.with_name(profile_path.stem + "_scenario.yaml")
