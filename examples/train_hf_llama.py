@@ -79,7 +79,7 @@ def optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.A
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The size and data flags (shared with examples/torchrun_gpt_ckpt.py's ``--arch hf-llama``)."""
+    """The Llama-only size flags (examples/torchrun_gpt_ckpt.py declares the same two for ``--arch hf-llama``, without importing transformers for the GPT)."""
     p.add_argument("--kv-heads", type=int, default=0, help="0: half the heads")
     p.add_argument("--ffn", type=int, default=0, help="MLP width (0: 4 x dim)")
 
