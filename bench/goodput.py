@@ -29,6 +29,8 @@ starts gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
     python bench/goodput.py [--steps 600 --mtbf-s 20 --seed 0] [--json OUT]
     python bench/goodput.py --device cuda --steps 3000     # one GPU, one rank
                                    # (a job of a few MTBFs: the default 600 steps end in ~30 s)
+    python bench/goodput.py --device cuda --fault-free leto --calib-saves 3   # within 10 min:
+                                   # the torchrun systems only under failures ("ETTR own": -)
 
 Peers (``lm-resiliency``'s GEMINI, ``nvidia-resiliency-ext``'s in-process restart) are
 checked when the call starts; each one that cannot run prints one line saying why.
@@ -354,9 +356,10 @@ def sim_profile(result: dict) -> dict:
     iteration_s = result["reference_iteration_s"]
     systems: dict[str, dict] = {}
     for key, row in result["systems"].items():
-        if not row["ok"] or not row["iteration_s"]:
+        iteration = row["iteration_s"] or row["iteration_with_failures_s"]
+        if not row["ok"] or not iteration:
             continue
-        entry = {"overhead_ratio": max(0.0, row["iteration_s"] / iteration_s - 1)}
+        entry = {"overhead_ratio": max(0.0, iteration / iteration_s - 1)}
         if key == "leto":
             if not row["recovery_s"]:
                 continue
@@ -490,6 +493,18 @@ def main() -> None:
     p.add_argument("--disk-dir", help="the sync DCP baseline's folder (default: a temp folder)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where the async baseline writes")
     p.add_argument("--calib-steps", type=int, default=120)
+    p.add_argument(
+        "--calib-saves",
+        type=int,
+        default=6,
+        help="checkpoints in each calibration run (the first is left out of C)",
+    )
+    p.add_argument(
+        "--fault-free",
+        metavar="SYSTEMS",
+        help="the systems also run fault-free, for their own steady cost and 'ETTR own' "
+        "(default: every system of --systems); the others only under failures",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--keep", metavar="DIR", help="copy every run's events file and log here")
     args = p.parse_args()
@@ -505,6 +520,16 @@ def main() -> None:
     unknown = set(systems) - set(NAMES)
     if unknown:
         p.exit(2, f"{p.prog}: error: --systems: unknown {', '.join(sorted(unknown))}\n")
+    args.fault_free = (
+        systems if args.fault_free is None else [s for s in args.fault_free.split(",") if s]
+    )
+    unknown = set(args.fault_free) - set(systems)
+    if unknown:
+        p.exit(
+            2, f"{p.prog}: error: --fault-free: not in --systems: {', '.join(sorted(unknown))}\n"
+        )
+    if args.calib_saves < 2 or args.calib_steps < args.calib_saves:
+        p.exit(2, f"{p.prog}: error: --calib-saves must be >= 2 and <= --calib-steps\n")
     if args.device == "cuda":
         import torch
 
@@ -531,9 +556,10 @@ def main() -> None:
 
 
 def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
+    fault_free = set(args.fault_free)
     # Calibration first: it also warms the file cache the reference would otherwise pay.
     limit = 3600.0
-    calib_every = max(1, args.calib_steps // 6)
+    calib_every = max(1, args.calib_steps // args.calib_saves)
     cal = {}
     for key in ("dcp", "async"):
         if key in systems:
@@ -566,60 +592,6 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
             flush=True,
         )
     rows = {}
-    for key in systems:
-        ff = jobs[key].run(tmp, f"{key}_ff", args.steps, [], limit)
-        fail = jobs[key].run(tmp, f"{key}_fail", args.steps, kills, limit)
-        for label, r in (("fault-free", ff), ("with failures", fail)):
-            if r["rc"] or r["steps_done"] < args.steps:
-                print(
-                    f"{NAMES[key]} {label}: exit {r['rc']}, {r['steps_done']}/{args.steps} steps\n"
-                    + r["log_tail"],
-                    flush=True,
-                )
-        ok = not fail["rc"] and fail["steps_done"] >= args.steps
-        rows[key] = {
-            "name": NAMES[key],
-            "fault_free_s": ff["wall_s"],
-            "wall_s": fail["wall_s"],
-            "ettr": t_ref / fail["wall_s"] if ok else 0.0,
-            "ettr_own": ff["wall_s"] / fail["wall_s"] if ok else 0.0,
-            "failures": len(fail["kills"]),
-            "recomputed_steps": fail["recomputed_steps"],
-            "interval_steps": jobs[key].every or None,
-            "iteration_s": ff["iter_s"],
-            "iteration_with_failures_s": fail["iter_s"],
-            "recovery_s": fail["recovery_s"],
-            "restart_s": fail["restart_s"],
-            "recoveries": fail["recoveries"],
-            "restarts": fail["restarts"],
-            "kills": fail["kills"],
-            "ok": ok,
-        }
-        print(
-            f"  {NAMES[key]}: fault-free {ff['wall_s']:.1f} s, with failures {fail['wall_s']:.1f} s "
-            f"({len(fail['kills'])} kills); median iteration {(ff['iter_s'] or 0) * 1e3:.1f} / "
-            f"{(fail['iter_s'] or 0) * 1e3:.1f} ms"
-            + (
-                f"; recoveries (s): {', '.join(f'{x:.2f}' for x in fail['recovery_s'] if x)}"
-                if fail["recovery_s"]
-                else ""
-            ),
-            flush=True,
-        )
-    print()
-    print(
-        "| system | ckpt every | wall, failures (s) | fault-free (s) | ETTR | ETTR own | "
-        "failures | recomputed steps | in place / restarts |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for key, r in rows.items():
-        every = f"{r['interval_steps']}" if r["interval_steps"] else "-"
-        print(
-            f"| {r['name']} | {every} | {r['wall_s']:.1f} | {r['fault_free_s']:.1f} | "
-            f"{r['ettr'] * 100:.1f} % | {r['ettr_own'] * 100:.1f} % | {r['failures']} | "
-            f"{r['recomputed_steps']} | {r['recoveries']} / {r['restarts']} |"
-        )
-    print(f"(ETTR = reference {t_ref:.1f} s / wall with failures; kernels: {kernels})")
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "device": args.device,
@@ -635,6 +607,69 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
         "systems": rows,
         "peers": peers(),
     }
+    for key in systems:
+        ff = jobs[key].run(tmp, f"{key}_ff", args.steps, [], limit) if key in fault_free else None
+        fail = jobs[key].run(tmp, f"{key}_fail", args.steps, kills, limit)
+        for label, r in (("fault-free", ff), ("with failures", fail)):
+            if r is not None and (r["rc"] or r["steps_done"] < args.steps):
+                print(
+                    f"{NAMES[key]} {label}: exit {r['rc']}, {r['steps_done']}/{args.steps} steps\n"
+                    + r["log_tail"],
+                    flush=True,
+                )
+        ok = not fail["rc"] and fail["steps_done"] >= args.steps
+        rows[key] = {
+            "name": NAMES[key],
+            "fault_free_s": ff["wall_s"] if ff else None,
+            "wall_s": fail["wall_s"],
+            "ettr": t_ref / fail["wall_s"] if ok else 0.0,
+            "ettr_own": ff["wall_s"] / fail["wall_s"] if ok and ff else None,
+            "failures": len(fail["kills"]),
+            "recomputed_steps": fail["recomputed_steps"],
+            "interval_steps": jobs[key].every or None,
+            "iteration_s": ff["iter_s"] if ff else None,
+            "iteration_with_failures_s": fail["iter_s"],
+            "recovery_s": fail["recovery_s"],
+            "restart_s": fail["restart_s"],
+            "recoveries": fail["recoveries"],
+            "restarts": fail["restarts"],
+            "kills": fail["kills"],
+            "ok": ok,
+        }
+        fault_free_line = (
+            f"fault-free {ff['wall_s']:.1f} s (median iteration {(ff['iter_s'] or 0) * 1e3:.1f} ms), "
+            if ff
+            else ""
+        )
+        print(
+            f"  {NAMES[key]}: {fault_free_line}with failures {fail['wall_s']:.1f} s "
+            f"({len(fail['kills'])} kills, median iteration {(fail['iter_s'] or 0) * 1e3:.1f} ms)"
+            + (
+                f"; recoveries (s): {', '.join(f'{x:.2f}' for x in fail['recovery_s'] if x)}"
+                if fail["recovery_s"]
+                else ""
+            ),
+            flush=True,
+        )
+        if args.json:  # each system's row as soon as it is measured: a cut call keeps them
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    print()
+    print(
+        "| system | ckpt every | wall, failures (s) | fault-free (s) | ETTR | ETTR own | "
+        "failures | recomputed steps | in place / restarts |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for key, r in rows.items():
+        every = f"{r['interval_steps']}" if r["interval_steps"] else "-"
+        own = "-" if r["ettr_own"] is None else f"{r['ettr_own'] * 100:.1f} %"
+        ff_s = "-" if r["fault_free_s"] is None else f"{r['fault_free_s']:.1f}"
+        print(
+            f"| {r['name']} | {every} | {r['wall_s']:.1f} | {ff_s} | "
+            f"{r['ettr'] * 100:.1f} % | {own} | {r['failures']} | "
+            f"{r['recomputed_steps']} | {r['recoveries']} / {r['restarts']} |"
+        )
+    print(f"(ETTR = reference {t_ref:.1f} s / wall with failures; kernels: {kernels})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
