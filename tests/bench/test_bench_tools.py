@@ -1,0 +1,48 @@
+"""The benches' own arithmetic: the GPU timeline's busy time, the goodput bench's flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.gpu_timeline import busy_us, gpu_activity, group_of
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_busy_time_is_the_union_of_the_gpu_intervals(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 5, "dur": 10},  # overlaps
+        {"ph": "X", "cat": "kernel", "name": "inner", "ts": 6, "dur": 2},  # inside both
+        {"ph": "X", "cat": "kernel", "name": "_adamw_undo_kernel", "ts": 30, "dur": 5},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20, "dur": 50},
+    ]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    acts = gpu_activity(trace)
+    assert [a[0] for a in acts] == ["nvjet_sm90_gemm", "Memcpy DtoD", "inner", "_adamw_undo_kernel"]
+    assert busy_us(acts) == 20.0  # [0, 15) and [30, 35); host-side launches are not GPU time
+    assert [group_of(n) for n, _, _ in acts] == ["gemm", "copy", "other", "update"]
+
+
+def test_goodput_refuses_a_fault_free_system_it_does_not_run() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench/goodput.py"),
+            "--systems",
+            "leto",
+            "--fault-free",
+            "dcp",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "goodput.py: error: --fault-free: not in --systems: dcp"
+    ]
