@@ -30,6 +30,10 @@ from leto.updater.adamw import AdamWHyper
 from leto.updater.plan import Chunk
 
 FLAG_BYTES = 8
+GATHERED_GAP_BYTES = 4096
+"""Gaps up to this size are saved and restored together, one gather and one scatter per
+chunk (a model's parameters each leave a 64-byte gap: its step counter and padding); larger
+ones (buffers, the RNG slot) are copied one by one."""
 BLOCK = 1024
 """Elements per kernel program (``triton_kernels.adamw_rmu.BLOCK``; kept here so planning
 does not import Triton)."""
@@ -119,6 +123,7 @@ class FusedChunks:
         self.state_f = _f32(state)
         self.grads_f = _f32(grads)
         self.plans = [self._plan(layout, c) for c in chunks]
+        self._gathered = [_gather(plan.gaps, state.device) for plan in self.plans]
         self.bind(undo)
 
     def bind(self, undo: torch.Tensor) -> None:
@@ -166,8 +171,14 @@ class FusedChunks:
         return _ChunkPlan(tuple(pieces), tuple(gaps), flag)
 
     def save_gaps(self, j: int) -> None:
+        gathered = self._gathered[j]
+        if gathered is not None:
+            self.undo_bytes.index_copy_(
+                0, gathered.undo, self.state.index_select(0, gathered.state)
+            )
         for s, u, n in self.plans[j].gaps:
-            self.undo_bytes[u : u + n].copy_(self.state[s : s + n])
+            if n > GATHERED_GAP_BYTES:
+                self.undo_bytes[u : u + n].copy_(self.state[s : s + n])
 
     def apply(
         self, j: int, step: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]
@@ -196,9 +207,14 @@ class FusedChunks:
 
     def restore(self, j: int, step: int) -> None:
         """Undo chunk ``j`` of step ``step``: gaps, and the element blocks that were written."""
-        plan = self.plans[j]
+        plan, gathered = self.plans[j], self._gathered[j]
+        if gathered is not None:
+            self.state.index_copy_(
+                0, gathered.state, self.undo_bytes.index_select(0, gathered.undo)
+            )
         for s, u, n in plan.gaps:
-            self.state[s : s + n].copy_(self.undo_bytes[u : u + n])
+            if n > GATHERED_GAP_BYTES:
+                self.state[s : s + n].copy_(self.undo_bytes[u : u + n])
         token = fused_token(step, j)
         for pc in plan.pieces:
             done = self.flags[pc.flag_base : pc.flag_base + _blocks(pc.n)] == token
@@ -229,6 +245,25 @@ class FusedChunks:
                         data.copy_(torch.randn(hi - lo, generator=gen))
                 if f >= cut:
                     self.flags[f] = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Gathered:
+    """Byte indices of a chunk's small gaps: in the state region and in the undo image."""
+
+    state: torch.Tensor
+    undo: torch.Tensor
+
+
+def _gather(gaps: tuple[tuple[int, int, int], ...], device: torch.device) -> _Gathered | None:
+    """The indices that move a chunk's gaps of at most ``GATHERED_GAP_BYTES`` at once (None:
+    it has none)."""
+    small = [(s, u, n) for s, u, n in gaps if n <= GATHERED_GAP_BYTES]
+    if not small:
+        return None
+    state = torch.cat([torch.arange(s, s + n) for s, _, n in small]).to(device)
+    undo = torch.cat([torch.arange(u, u + n) for _, u, n in small]).to(device)
+    return _Gathered(state, undo)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
