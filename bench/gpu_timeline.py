@@ -228,20 +228,14 @@ def report(rows: dict[str, dict]) -> None:
     print("|---|---:|---:|---:|")
     for d, name, nr, mr, nl, ml in sorted(diffs, reverse=True)[:12]:
         print(f"| {name[:90]} | {nr:.1f} / {nl:.1f} | {mr:.3f} | {ml:.3f} |")
-    only = sorted(
-        ((ms, n, c) for n, (c, ms) in leto["by_name"].items() if n not in shared), reverse=True
-    )
-    print("\n| kernel only leto-run runs | calls/step | ms/step |")
-    print("|---|---:|---:|")
-    for ms, name, calls in only[:12]:
-        print(f"| {name[:90]} | {calls:.1f} | {ms:.3f} |")
-    only_ref = sorted(
-        ((ms, n, c) for n, (c, ms) in ref["by_name"].items() if n not in shared), reverse=True
-    )
-    print("\n| kernel only torchrun runs | calls/step | ms/step |")
-    print("|---|---:|---:|")
-    for ms, name, calls in only_ref[:8]:
-        print(f"| {name[:90]} | {calls:.1f} | {ms:.3f} |")
+    for label, row, top in (("leto-run", leto, 12), ("torchrun", ref, 8)):
+        only = sorted(
+            ((ms, n, c) for n, (c, ms) in row["by_name"].items() if n not in shared), reverse=True
+        )
+        print(f"\n| kernel only {label} runs | calls/step | ms/step |")
+        print("|---|---:|---:|")
+        for ms, name, calls in only[:top]:
+            print(f"| {name[:90]} | {calls:.1f} | {ms:.3f} |")
 
 
 def main() -> None:
