@@ -555,6 +555,11 @@ def main() -> None:
             shutil.rmtree(shm, ignore_errors=True)
 
 
+def _save(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+
+
 def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
     fault_free = set(args.fault_free)
     # Calibration first: it also warms the file cache the reference would otherwise pay.
@@ -652,8 +657,7 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
             flush=True,
         )
         if args.json:  # each system's row as soon as it is measured: a cut call keeps them
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=2))
+            _save(Path(args.json), result)
     print()
     print(
         "| system | ckpt every | wall, failures (s) | fault-free (s) | ETTR | ETTR own | "
@@ -671,8 +675,7 @@ def _measure(args, systems, jobs, ref_job, tmp: Path, kernels: str) -> None:
         )
     print(f"(ETTR = reference {t_ref:.1f} s / wall with failures; kernels: {kernels})")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        _save(Path(args.json), result)  # also when no system ran
         out = Path(args.json)
         profile_path = out.with_name(out.stem + "_profile.json")
     else:

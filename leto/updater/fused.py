@@ -123,7 +123,7 @@ class FusedChunks:
         self.state_f = _f32(state)
         self.grads_f = _f32(grads)
         self.plans = [self._plan(layout, c) for c in chunks]
-        self._gathered = [_gather(plan.gaps, state.device) for plan in self.plans]
+        self._gaps = [_GapMoves.of(plan.gaps, state.device) for plan in self.plans]
         self.bind(undo)
 
     def bind(self, undo: torch.Tensor) -> None:
@@ -171,14 +171,7 @@ class FusedChunks:
         return _ChunkPlan(tuple(pieces), tuple(gaps), flag)
 
     def save_gaps(self, j: int) -> None:
-        gathered = self._gathered[j]
-        if gathered is not None:
-            self.undo_bytes.index_copy_(
-                0, gathered.undo, self.state.index_select(0, gathered.state)
-            )
-        for s, u, n in self.plans[j].gaps:
-            if n > GATHERED_GAP_BYTES:
-                self.undo_bytes[u : u + n].copy_(self.state[s : s + n])
+        self._gaps[j].save(self.state, self.undo_bytes)
 
     def apply(
         self, j: int, step: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]
@@ -207,14 +200,8 @@ class FusedChunks:
 
     def restore(self, j: int, step: int) -> None:
         """Undo chunk ``j`` of step ``step``: gaps, and the element blocks that were written."""
-        plan, gathered = self.plans[j], self._gathered[j]
-        if gathered is not None:
-            self.state.index_copy_(
-                0, gathered.state, self.undo_bytes.index_select(0, gathered.undo)
-            )
-        for s, u, n in plan.gaps:
-            if n > GATHERED_GAP_BYTES:
-                self.state[s : s + n].copy_(self.undo_bytes[u : u + n])
+        plan = self.plans[j]
+        self._gaps[j].restore(self.state, self.undo_bytes)
         token = fused_token(step, j)
         for pc in plan.pieces:
             done = self.flags[pc.flag_base : pc.flag_base + _blocks(pc.n)] == token
@@ -248,22 +235,36 @@ class FusedChunks:
 
 
 @dataclass(frozen=True, slots=True)
-class _Gathered:
-    """Byte indices of a chunk's small gaps: in the state region and in the undo image."""
+class _GapMoves:
+    """How a chunk's gaps travel between the state region and the undo image: those of at
+    most ``GATHERED_GAP_BYTES`` by byte indices (one gather and one scatter), the rest as
+    ``(state offset, undo offset, nbytes)`` copies."""
 
-    state: torch.Tensor
-    undo: torch.Tensor
+    state_index: torch.Tensor | None
+    undo_index: torch.Tensor | None
+    copies: tuple[tuple[int, int, int], ...]
 
+    @staticmethod
+    def of(gaps: tuple[tuple[int, int, int], ...], device: torch.device) -> _GapMoves:
+        small = [(s, u, n) for s, u, n in gaps if n <= GATHERED_GAP_BYTES]
+        copies = tuple((s, u, n) for s, u, n in gaps if n > GATHERED_GAP_BYTES)
+        if not small:
+            return _GapMoves(None, None, copies)
+        state = torch.cat([torch.arange(s, s + n) for s, _, n in small]).to(device)
+        undo = torch.cat([torch.arange(u, u + n) for _, u, n in small]).to(device)
+        return _GapMoves(state, undo, copies)
 
-def _gather(gaps: tuple[tuple[int, int, int], ...], device: torch.device) -> _Gathered | None:
-    """The indices that move a chunk's gaps of at most ``GATHERED_GAP_BYTES`` at once (None:
-    it has none)."""
-    small = [(s, u, n) for s, u, n in gaps if n <= GATHERED_GAP_BYTES]
-    if not small:
-        return None
-    state = torch.cat([torch.arange(s, s + n) for s, _, n in small]).to(device)
-    undo = torch.cat([torch.arange(u, u + n) for _, u, n in small]).to(device)
-    return _Gathered(state, undo)
+    def save(self, state: torch.Tensor, undo: torch.Tensor) -> None:
+        if self.state_index is not None and self.undo_index is not None:
+            undo.index_copy_(0, self.undo_index, state.index_select(0, self.state_index))
+        for s, u, n in self.copies:
+            undo[u : u + n].copy_(state[s : s + n])
+
+    def restore(self, state: torch.Tensor, undo: torch.Tensor) -> None:
+        if self.state_index is not None and self.undo_index is not None:
+            state.index_copy_(0, self.state_index, undo.index_select(0, self.undo_index))
+        for s, u, n in self.copies:
+            state[s : s + n].copy_(undo[u : u + n])
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,8 @@ def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
     puts back exactly the bytes of before the chunk."""
     rig = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
     _step(rig, 0, no_faults())
-    n_chunks = len(rig.updater(no_faults()).chunks)
+    fresh = rig.updater(no_faults())
+    n_chunks = len(fresh.chunks)
     assert n_chunks > chunk
     # the state just before chunk `chunk` of step 1: a fault-free run killed at its boundary
     before = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
@@ -84,7 +85,7 @@ def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
         _step(before, 1, kill_at(1, "boundary", chunk))
     # Stale bytes in the undo image (an earlier chunk's, a predecessor's): the gaps the
     # kernel does not save must have been copied over them before it ran.
-    flags_at = rig.undo.numel() - up_flags_bytes(rig)
+    flags_at = rig.undo.numel() - fresh.fused.flag_nbytes
     rig.undo[:flags_at] = torch.randint(0, 256, (flags_at,), dtype=torch.uint8)
     with pytest.raises(Killed):
         _step(rig, 1, kill_at(1, "optimizer", chunk))
@@ -97,11 +98,6 @@ def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
     assert not torch.equal(rig.state, before.state)
     up.prepare()
     assert torch.equal(rig.state, before.state)
-
-
-def up_flags_bytes(rig: Rig) -> int:
-    """Bytes of progress flags at the end of ``rig``'s undo region."""
-    return rig.updater(no_faults()).fused.flag_nbytes
 
 
 @pytest.mark.parametrize("erasure", [ERASURE, None], ids=["parity", "no-erasure"])
