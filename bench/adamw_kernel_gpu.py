@@ -1,11 +1,13 @@
 """The fused RMU AdamW kernel (undo copy + AdamW) against torch's fused AdamW, same shapes.
 
 One piece per parameter of the GPT of ``bench/recovery_gpu.py`` (1.1 B parameters, float32
-state), the kernel's launch variants (``ALIGN``: 16-byte vector accesses; ``BLOCK``
-elements per program; ``num_warps``), torch's ``AdamW(fused=True).step()`` over tensors of
-the same shapes, and a device copy of the same bytes as the kernel moves (the rate
-ceiling). Times are CUDA-event medians; ``GB/s`` counts the words each moves (kernel: read
-p, g, m, v, write undo p, m, v and new p, m, v = 10 words per element; torch: 7).
+state): the kernel as the updater launches it (one launch over a chunk's piece table; here
+one chunk of every piece, and one chunk per piece as a chunk size of one parameter would
+give), torch's ``AdamW(fused=True).step()`` over tensors of the same shapes, and a device
+copy of the same bytes as the kernel moves (the rate ceiling). Device times are CUDA-event
+medians; ``host ms`` is the median host time to enqueue one call (what a step pays on the
+CPU); ``GB/s`` counts the words each moves (kernel: read p, g, m, v, write undo p, m, v and
+new p, m, v = 10 words per element; torch: 7).
 
     python bench/adamw_kernel_gpu.py [--small] [--reps 10]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,18 +34,21 @@ def gpt_numels(vocab: int, dim: int, layers: int, seq: int) -> list[int]:
     return [vocab * dim, seq * dim, *block * layers, dim, dim, vocab * dim]
 
 
-def timed(fn, reps: int) -> float:
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(device ms, host ms to enqueue) medians of ``fn``."""
     fn()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(host)
 
 
 def main() -> None:
@@ -61,70 +67,72 @@ def main() -> None:
     state[2 * total :].abs_()
     grads = torch.randn(total, device=device)
     undo = torch.empty(3 * total, device=device)
-    most = sum(-(-n // 1024) for n in numels) * 4  # flags for the smallest BLOCK
-    flags = torch.zeros(most, dtype=torch.int64, device=device)
-    hyper = {
-        "lr": 1e-4,
-        "beta1": 0.9,
-        "beta2": 0.95,
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "decoupled": True,
-    }
+    flags = torch.zeros(
+        sum(adamw_rmu.num_blocks(n) for n in numels), dtype=torch.int64, device=device
+    )
+    row = adamw_rmu.scalar_row(
+        lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, step=3.0
+    )
+    scalars = torch.tensor([row], dtype=torch.float64).to(torch.float32).to(device)
     elems = sum(numels)
     print(f"{len(numels)} pieces, {elems / 1e9:.3f} G elements, {torch.cuda.get_device_name()}")
 
-    def kernel(block: int, warps: int, align: bool) -> None:
-        flag = 0
-        for o, n in zip(offs, numels, strict=True):
+    def pieces(sizes: list[int], starts: list[int]) -> list:
+        rows, first = [], 0
+        for o, n in zip(starts, sizes, strict=True):
             offsets = (o, total + o, 2 * total + o, o, o, total + o, 2 * total + o)
-            a, meta = adamw_rmu._launch_args(
-                (state, grads, undo, flags), offsets, n, flag, 7, step=3.0, **hyper
-            )
-            meta.update(BLOCK_SIZE=block, num_warps=warps)
-            if not align:
-                meta["ALIGN"] = 1
-            adamw_rmu._adamw_undo_kernel[(-(-n // block),)](*a, **meta)
-            flag += -(-n // block)
+            rows.append((offsets, n, first, 0))
+            first += adamw_rmu.num_blocks(n)
+        return rows
 
-    # the vector variant computes the same bits as the scalar one
-    n0 = numels[0] + 3  # a length that is not a multiple of 4 takes ALIGN=1 anyway
+    one = adamw_rmu.PieceTable.build(pieces(numels, offs), device)
+    each = [
+        adamw_rmu.PieceTable.build(pieces([n], [o]), device)
+        for o, n in zip(offs, numels, strict=True)
+    ]
+
+    def chunk(table: adamw_rmu.PieceTable) -> None:
+        adamw_rmu.adamw_chunk(state, grads, undo, flags, table, scalars, 7)
+
+    def per_piece() -> None:
+        for t in each:
+            chunk(t)
+
+    # one launch over every piece computes the same bits as a launch per piece
     outs = []
-    for align in (False, True):
-        st, gr = state[: 3 * total].clone(), grads.clone()
-        un, fl = torch.zeros_like(undo), torch.zeros_like(flags)
-        offsets = (0, total, 2 * total, 0, 0, total, 2 * total)
-        a, meta = adamw_rmu._launch_args((st, gr, un, fl), offsets, n0 - 3, 0, 7, step=3.0, **hyper)
-        if not align:
-            meta["ALIGN"] = 1
-        adamw_rmu._adamw_undo_kernel[(-(-(n0 - 3) // 1024),)](*a, **meta)
-        outs.append((st, un, fl))
+    for run in (lambda: chunk(one), per_piece):
+        state_at, undo_at = state.clone(), undo.clone()
+        run()
+        outs.append((state.clone(), undo.clone()))
+        state.copy_(state_at)
+        undo.copy_(undo_at)
+        del state_at, undo_at
     same = all(torch.equal(x, y) for x, y in zip(*outs, strict=True))
-    print(f"ALIGN=4 == ALIGN=1 bit for bit: {same}")
-    del outs, st, gr, un, fl
-    rows = []
-    for block, warps, align in (
-        (1024, 4, False),
-        (1024, 4, True),
-        (2048, 4, True),
-        (2048, 8, True),
-        (4096, 8, True),
-        (4096, 16, True),
-    ):
-        ms = timed(lambda b=block, w=warps, al=align: kernel(b, w, al), args.reps)
-        rows.append((f"leto kernel BLOCK={block} warps={warps} ALIGN={4 if align else 1}", ms, 10))
+    print(f"one launch == one launch per piece, bit for bit: {same}")
+    del outs
+    rows = [
+        (
+            f"leto kernel, 1 launch over {len(numels)} pieces",
+            *timed(lambda: chunk(one), args.reps),
+            10,
+        ),
+        (f"leto kernel, {len(numels)} launches", *timed(per_piece, args.reps), 10),
+    ]
     params = [torch.randn(n, device=device) for n in numels]
     for prm in params:
         prm.grad = torch.randn_like(prm)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    rows.append(("torch AdamW(fused=True)", timed(opt.step, args.reps), 7))
+    rows.append(("torch AdamW(fused=True)", *timed(opt.step, args.reps), 7))
     src = torch.empty(5 * elems, device=device)
     dst = torch.empty_like(src)
-    rows.append(("device copy, 10 words/element", timed(lambda: dst.copy_(src), args.reps), 10))
+    rows.append(("device copy, 10 words/element", *timed(lambda: dst.copy_(src), args.reps), 10))
     torch_ms = rows[-2][1]
-    for name, ms, words in rows:
+    print(f"{'':<44} {'ms':>8}     {'host ms':>7}  {'GB/s':>7}")
+    for name, ms, host, words in rows:
         rate = words * 4 * elems / ms / 1e6
-        print(f"{name:<44} {ms:8.2f} ms  {rate:7.0f} GB/s  {ms / torch_ms:5.2f}x torch")
+        print(
+            f"{name:<44} {ms:8.2f} ms  {host:7.2f}  {rate:7.0f} GB/s  {ms / torch_ms:5.2f}x torch"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Triton kernel: one RMU chunk piece in one pass — undo copy, progress flag, AdamW in place.
+"""Triton kernel: one RMU chunk in one launch — undo copy, progress flag, AdamW in place.
 
 The unfused RMU path (``leto.updater.rmu`` with ``fused=False``) copies a chunk's bytes to
 the undo buffer, then runs torch's foreach AdamW ops over it: about eight passes over
@@ -6,29 +6,35 @@ param / exp_avg / exp_avg_sq. This kernel reads param, grad, exp_avg and exp_avg
 and writes the undo copy and the new values once (10 words per element instead of ~30).
 Its pure-PyTorch reference is ``leto.updater.adamw.adamw_pieces`` plus the undo copy.
 
+One launch covers every piece of a chunk (a slice of one parameter), so a step costs the
+host one launch per chunk, not one per parameter. What the launch needs is in two device
+tables built once, at planning (:class:`PieceTable`: each piece's element offsets and
+length, and the piece of each program, 4 bytes per 1024 elements), and one refreshed once
+per step (:func:`scalar_rows`: each parameter's lr-, step- and group-dependent scalars).
+
 Crash consistency. The marker says CHUNK_SAVED before the kernel starts, but the kernel
 writes the undo copy as it goes, so after a kill some blocks' undo slots still hold an
 older chunk. Each program therefore stores its block's undo words, then (barrier, one
-``acq_rel`` atomic, barrier) sets ``flags[flag_base + pid] = token``, and only then stores
-the new values. A restore copies back exactly the blocks whose flag equals the chunk's
-token (``leto.updater.rmu.fused_token``): a block without the flag was never modified.
+``acq_rel`` atomic, barrier) sets ``flags[pid] = token``, and only then stores the new
+values. A restore copies back exactly the blocks whose flag equals the chunk's token
+(``leto.updater.fused.fused_token``): a block without the flag was never modified.
 
 The parity delta is not materialised: the GF(2^16) update kernel (``gf16_mac``) reads the
 undo copy and the new state and XORs them itself.
 
 Arithmetic. The ops and their association are those of torch's CUDA foreach AdamW
 (``lerp`` with weight < 0.5 as ``m + w (g - m)``, ``addcmul`` as ``v + c (g g)``,
-``addcdiv`` as ``p + s (m / d)``), with IEEE-rounded sqrt and division and scalars rounded
-to fp32 as torch's opmath does; whether the compiler contracts a multiply-add into an FMA
-may still differ from torch's build, so fused and unfused agree to a few ulps, not
-always bit for bit. Recovery only needs the fused path to agree with itself, which it does:
-the kernel is element-wise and deterministic.
+``addcdiv`` as ``p + s (m / d)``), with IEEE-rounded sqrt and division and scalars
+computed in Python doubles and rounded to fp32 as torch's opmath does; whether the compiler
+contracts a multiply-add into an FMA may still differ from torch's build, so fused and
+unfused agree to a few ulps, not always bit for bit. Recovery only needs the fused path to
+agree with itself, which it does: the kernel is element-wise and deterministic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,52 +44,47 @@ BLOCK = 1024
 """Elements per program; also the granularity of the restore (one flag per block)."""
 NUM_WARPS = 4
 VECTOR = 4
-"""float32 elements per 16-byte access: a piece whose offsets and length are multiples of
-it is launched with ``ALIGN = VECTOR`` (vector loads and stores), any other with 1."""
+"""float32 elements per 16-byte access: a chunk whose pieces' offsets and lengths are all
+multiples of it is launched with ``ALIGN = VECTOR`` (vector loads and stores), any other with 1."""
+PIECE_FIELDS = 10
+"""A piece's row in :class:`PieceTable`: element offsets of param, exp_avg, exp_avg_sq in the
+state region, of the gradient, of the undo copies of param, exp_avg, exp_avg_sq; its length;
+its first program (and flag); its parameter (row of the scalar table)."""
+SCALAR_FIELDS = 9
+"""A parameter's row of :func:`scalar_rows`: decay, l2 weight decay, 1 - beta1, beta2,
+1 - beta2, step size, sqrt of the second bias correction, eps, and the weight-decay mode
+(0 none, 1 decoupled, 2 L2 in the gradient)."""
+
+_PF: tl.constexpr = tl.constexpr(PIECE_FIELDS)
+_SF: tl.constexpr = tl.constexpr(SCALAR_FIELDS)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "p_off",
-        "m_off",
-        "v_off",
-        "g_off",
-        "up_off",
-        "um_off",
-        "uv_off",
-        "n",
-        "flag_base",
-        "token",
-    ]
-)
-def _adamw_undo_kernel(
+@triton.jit(do_not_specialize=["token"])
+def _adamw_chunk_kernel(
     state_ptr,
     grad_ptr,
     undo_ptr,
     flag_ptr,
-    p_off,
-    m_off,
-    v_off,
-    g_off,
-    up_off,
-    um_off,
-    uv_off,
-    n,
-    flag_base,
+    piece_ptr,
+    block_ptr,
+    scalar_ptr,
     token,
-    decay,
-    l2_wd,
-    w1,
-    beta2,
-    w2,
-    step_size,
-    bc2_sqrt,
-    eps,
-    WD_MODE: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    if ALIGN > 1:  # every offset and n are multiples of ALIGN (the caller checked): 16-byte
+    pid = tl.program_id(0)
+    row = piece_ptr + tl.load(block_ptr + pid).to(tl.int64) * _PF
+    p_off = tl.load(row)
+    m_off = tl.load(row + 1)
+    v_off = tl.load(row + 2)
+    g_off = tl.load(row + 3)
+    up_off = tl.load(row + 4)
+    um_off = tl.load(row + 5)
+    uv_off = tl.load(row + 6)
+    n = tl.load(row + 7)
+    first = tl.load(row + 8)
+    sc = scalar_ptr + tl.load(row + 9) * _SF
+    if ALIGN > 1:  # every offset and n are multiples of ALIGN (the planner checked): 16-byte
         # vector loads and stores need the compiler to know it, which it infers from these
         p_off = p_off // ALIGN * ALIGN
         m_off = m_off // ALIGN * ALIGN
@@ -93,8 +94,7 @@ def _adamw_undo_kernel(
         um_off = um_off // ALIGN * ALIGN
         uv_off = uv_off // ALIGN * ALIGN
         n = n // ALIGN * ALIGN
-    pid = tl.program_id(0)
-    idx = tl.cast(pid, tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    idx = (pid - first) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     ok = idx < n
     p = tl.load(state_ptr + p_off + idx, mask=ok, other=0.0)
     m = tl.load(state_ptr + m_off + idx, mask=ok, other=0.0)
@@ -106,17 +106,18 @@ def _adamw_undo_kernel(
     # the undo words of every thread of the block are visible before the flag, and the flag
     # before any new value
     tl.debug_barrier()
-    tl.atomic_xchg(flag_ptr + flag_base + pid, token, sem="acq_rel")
+    tl.atomic_xchg(flag_ptr + pid, token, sem="acq_rel")
     tl.debug_barrier()
-    if WD_MODE == 1:  # AdamW: decoupled decay
-        p = p * decay
-    elif WD_MODE == 2:  # Adam: L2 penalty in the gradient
-        g = g + l2_wd * p
-    m = m + w1 * (g - m)
-    v = v * beta2
-    v = v + w2 * (g * g)
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p + step_size * tl.div_rn(m, denom)
+    mode = tl.load(sc + 8)
+    if mode == 1.0:  # AdamW: decoupled decay
+        p = p * tl.load(sc)
+    elif mode == 2.0:  # Adam: L2 penalty in the gradient
+        g = g + tl.load(sc + 1) * p
+    m = m + tl.load(sc + 2) * (g - m)
+    v = v * tl.load(sc + 3)
+    v = v + tl.load(sc + 4) * (g * g)
+    denom = tl.div_rn(tl.sqrt_rn(v), tl.load(sc + 6)) + tl.load(sc + 7)
+    p = p + tl.load(sc + 5) * tl.div_rn(m, denom)
     tl.store(state_ptr + m_off + idx, m, mask=ok)
     tl.store(state_ptr + v_off + idx, v, mask=ok)
     tl.store(state_ptr + p_off + idx, p, mask=ok)
@@ -127,15 +128,44 @@ def num_blocks(n: int) -> int:
     return triton.cdiv(n, BLOCK)
 
 
-def adamw_undo(
-    state: torch.Tensor,
-    grads: torch.Tensor,
-    undo: torch.Tensor,
-    flags: torch.Tensor,
-    offsets: tuple[int, int, int, int, int, int, int],
-    n: int,
-    flag_base: int,
-    token: int,
+@dataclass(frozen=True, slots=True)
+class PieceTable:
+    """The pieces of one chunk as the kernel reads them, on the device."""
+
+    pieces: torch.Tensor
+    """int64 ``[pieces, PIECE_FIELDS]``."""
+    blocks: torch.Tensor
+    """int32 ``[programs]``: the piece each program works on."""
+    align: int
+
+    @classmethod
+    def build(
+        cls,
+        pieces: Sequence[tuple[tuple[int, ...], int, int, int]],
+        device: torch.device,
+    ) -> PieceTable:
+        """``pieces`` = ``(offsets, n, first_block, param)`` each (fields of ``PIECE_FIELDS``),
+        with first blocks consecutive from 0."""
+        rows, owner, at = [], [], 0
+        for k, (offsets, n, first, param) in enumerate(pieces):
+            if len(offsets) != 7 or n <= 0 or first != at:
+                raise ValueError(f"piece {k}: need 7 offsets, n > 0 and first block {at}")
+            rows.append([*offsets, n, first, param])
+            owner += [k] * num_blocks(n)
+            at += num_blocks(n)
+        aligned = all(x % VECTOR == 0 for r in rows for x in r[:8])
+        return cls(
+            torch.tensor(rows, dtype=torch.int64).reshape(-1, PIECE_FIELDS).to(device),
+            torch.tensor(owner, dtype=torch.int32).to(device),
+            VECTOR if aligned else 1,
+        )
+
+    @property
+    def programs(self) -> int:
+        return self.blocks.numel()
+
+
+def scalar_row(
     *,
     lr: float,
     beta1: float,
@@ -144,13 +174,37 @@ def adamw_undo(
     weight_decay: float,
     decoupled: bool,
     step: float,
-) -> None:
-    """AdamW on ``n`` elements of one parameter, saving their old values first.
+) -> tuple[float, ...]:
+    """One parameter's row of the scalar table (``SCALAR_FIELDS``), in doubles as torch's
+    foreach AdamW computes them; ``step`` is the post-increment count."""
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    mode = 0.0 if weight_decay == 0 else (1.0 if decoupled else 2.0)
+    return (
+        1 - lr * weight_decay,
+        weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        -(lr / bc1),
+        bc2**0.5,
+        eps,
+        mode,
+    )
 
-    ``state``/``grads``/``undo`` are flat float32 views, ``flags`` flat int64;
-    ``offsets`` = element offsets of (param, exp_avg, exp_avg_sq) in ``state``, of the
-    gradient in ``grads``, and of the undo copies of (param, exp_avg, exp_avg_sq) in
-    ``undo``. ``step`` is the post-increment step count (bias correction).
+
+def adamw_chunk(
+    state: torch.Tensor,
+    grads: torch.Tensor,
+    undo: torch.Tensor,
+    flags: torch.Tensor,
+    table: PieceTable,
+    scalars: torch.Tensor,
+    token: int,
+) -> None:
+    """AdamW on every piece of ``table``, saving their old values first, in one launch.
+
+    ``state``/``grads``/``undo`` are flat float32 views, ``flags`` flat int64 (one per
+    program of the chunk), ``scalars`` float32 ``[parameters, SCALAR_FIELDS]`` on the device.
     """
     for name, t, dt in (
         ("state", state, torch.float32),
@@ -160,99 +214,48 @@ def adamw_undo(
     ):
         if t.dtype != dt or t.dim() != 1:
             raise TypeError(f"{name} must be a flat {dt} view, got {t.dtype} {tuple(t.shape)}")
-    if n <= 0:
+    if table.programs == 0:
         return
-    args, meta = _launch_args(
-        (state, grads, undo, flags),
-        offsets,
-        n,
-        flag_base,
+    _adamw_chunk_kernel[(table.programs,)](
+        state,
+        grads,
+        undo,
+        flags,
+        table.pieces,
+        table.blocks,
+        scalars,
         token,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        decoupled=decoupled,
-        step=step,
+        ALIGN=table.align,
+        BLOCK_SIZE=BLOCK,
+        num_warps=NUM_WARPS,
     )
-    _adamw_undo_kernel[(num_blocks(n),)](*args, **meta)
 
 
-def _launch_args(
-    tensors: tuple[torch.Tensor, ...],
-    offsets: tuple[int, ...],
-    n: int,
-    flag_base: int,
-    token: int,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    step: float,
-) -> tuple[list[object], dict[str, int]]:
-    """The kernel's positional arguments and launch keywords for one :func:`adamw_undo` call."""
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    wd_mode = 0 if weight_decay == 0 else (1 if decoupled else 2)
-    args = [
-        *tensors,
-        *offsets,
-        n,
-        flag_base,
-        token,
-        1 - lr * weight_decay,
-        weight_decay,
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        -(lr / bc1),
-        bc2**0.5,
-        eps,
-    ]
-    align = VECTOR if all(x % VECTOR == 0 for x in (*offsets, n)) else 1
-    return args, {"WD_MODE": wd_mode, "ALIGN": align, "BLOCK_SIZE": BLOCK, "num_warps": NUM_WARPS}
+def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
+    """Compile and load the specialisations that :func:`adamw_chunk` would launch.
 
-
-_INTS = slice(4, 14)
-"""Positions of the integer arguments (offsets, n, flag_base, token) in ``_launch_args``."""
-
-
-def warm_up(device: torch.device, calls: Iterable[dict[str, Any]]) -> int:
-    """Compile and load the specialisations that :func:`adamw_undo` would launch for ``calls``.
-
-    Each call is the keyword arguments of :func:`adamw_undo` minus the four tensors
-    (``offsets``, ``n``, ``flag_base``, ``token``, the hyper-parameters, ``step``). Triton
-    keys a launch by its constexprs (``WD_MODE`` from the weight decay, ``ALIGN`` from the
-    offsets' and length's divisibility) and by the width
-    of every integer argument even where it does not specialise the value (i32 below
-    2**31, i64 above: the flag token ``(step << 23) + chunk + 1`` passes 2**31 at step 256,
-    element offsets in a state region beyond 8 GiB do too). One launch per distinct key,
-    on scratch memory of ``device``, with ``n = 0`` and ``flag_base = 0`` (the same
-    width): every element access is masked off, so the real offsets are never
-    dereferenced; the only write is the progress flag of block 0 in a scratch word.
-    Returns the number of launches.
+    Each of ``launches`` is ``(align, token)``: Triton keys a launch by its constexprs
+    (``ALIGN``, from the chunk's divisibility) and by the width of its integer argument
+    (the flag token ``(step << 23) + chunk + 1`` passes 2**31 at step 256: i32 below, i64
+    above). One launch per distinct key, on scratch memory of ``device``, over a one-piece
+    table with nothing to do but set a scratch flag. Returns the number of launches.
     """
     from triton.runtime.jit import mangle_type
 
     scratch = torch.zeros(BLOCK, dtype=torch.float32, device=device)
-    flags = torch.zeros(2, dtype=torch.int64, device=device)
-    tensors = (scratch, scratch, scratch, flags)
+    flags = torch.zeros(1, dtype=torch.int64, device=device)
+    scalars = torch.zeros(SCALAR_FIELDS, dtype=torch.float32, device=device)
+    scalars[6:8] = 1.0  # the denominators: masked lanes compute 0 / 1, not 0 / 0
     seen: set[tuple[object, ...]] = set()
-    for call in calls:
-        args, meta = _launch_args(tensors, **call)
-        key = (*(mangle_type(a) for a in args[_INTS]), meta["WD_MODE"], meta["ALIGN"])
+    for align, token in launches:
+        key = (align, mangle_type(token))
         if key in seen:
             continue
         seen.add(key)
-        n_at, flag_at = _INTS.start + 7, _INTS.start + 8
-        for at, what in ((n_at, "n"), (flag_at, "flag_base")):
-            if mangle_type(args[at]) != mangle_type(0):
-                raise ValueError(
-                    f"adamw_rmu.warm_up: {what}={args[at]} is too wide to warm without touching memory"
-                )
-            args[at] = 0
-        _adamw_undo_kernel[(1,)](*args, **meta)
+        empty = PieceTable(
+            torch.zeros(PIECE_FIELDS, dtype=torch.int64, device=device),  # n = 0: all masked
+            torch.zeros(1, dtype=torch.int32, device=device),
+            align,
+        )
+        adamw_chunk(scratch, scratch, scratch, flags, empty, scalars, token)
     return len(seen)

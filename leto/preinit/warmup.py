@@ -18,8 +18,8 @@ launch, by running the same code paths on scratch memory:
   out of place for one run length per tuning bucket, and the flush's ``parity_of`` and
   device-side ``encode_tier2_of``. Page size changes no key (strides and column
   counts stay multiples of 16).
-* ``adamw_rmu`` (fused update): ``triton_kernels.adamw_rmu.warm_up`` with the argument
-  values of every piece of this trainer's chunk plan, at both widths of the flag token.
+* ``adamw_rmu`` (fused update): ``triton_kernels.adamw_rmu.warm_up`` with the alignment
+  of every chunk of this trainer's plan, at both widths of the flag token.
 
 Scratch memory only: retained regions are never read or written. A new kernel is one
 entry in :data:`WARMERS` (``register("name")(fn)``, ``fn(target) -> calls``).
@@ -87,9 +87,9 @@ class WarmupTarget:
     """Distinct data-page counts of the protection groups of the protected regions."""
     run_pages: int = 1
     """Most consecutive pages of one group that one RMU chunk's parity fold spans."""
-    fused_calls: tuple[dict[str, Any], ...] = field(default=())
-    """``adamw_undo`` keyword arguments (without tensors) of every piece of every chunk,
-    once per width of the flag token; empty when the update is not fused."""
+    fused_calls: tuple[tuple[int, int], ...] = field(default=())
+    """``(align, token)`` of every chunk's launch (``adamw_rmu.warm_up``), once per width
+    of the flag token; empty when the update is not fused."""
 
     @classmethod
     def plan(
@@ -97,7 +97,6 @@ class WarmupTarget:
         *,
         device: torch.device,
         layout: Layout,
-        optimizer: torch.optim.Optimizer,
         erasure: ErasureConfig | None,
         rmu: bool,
         chunk_bytes: int,
@@ -125,7 +124,7 @@ class WarmupTarget:
             run_pages = min(
                 erasure.data_pages, max((-(-n // erasure.page_bytes) + 1 for n in spans), default=1)
             )
-        calls = _fused_calls(layout, optimizer, chunks, state_nbytes) if rmu and fused else ()
+        calls = _fused_calls(layout, chunks, state_nbytes) if rmu and fused else ()
         return cls(
             device=device,
             erasure=erasure,
@@ -135,12 +134,10 @@ class WarmupTarget:
         )
 
 
-def _fused_calls(
-    layout: Layout, optimizer: torch.optim.Optimizer, chunks: list, state_nbytes: int
-) -> tuple[dict[str, Any], ...]:
-    """The fused kernel's arguments for every piece, from the updater's own chunk plan
-    (``FusedChunks`` over meta tensors: planning reads no memory)."""
-    from leto.updater.adamw import AdamWHyper
+def _fused_calls(layout: Layout, chunks: list, state_nbytes: int) -> tuple[tuple[int, int], ...]:
+    """The fused kernel's ``(align, token)`` for every chunk of the updater's own plan
+    (``FusedChunks`` over meta tensors: planning reads no memory), with tokens below and
+    above 2**31 (step 256 on)."""
     from leto.updater.fused import FusedChunks, flag_bytes, fused_token
 
     meta = torch.device("meta")
@@ -152,31 +149,11 @@ def _fused_calls(
         torch.empty(layout.grad_bytes, dtype=torch.uint8, device=meta),
         torch.empty(undo_nbytes, dtype=torch.uint8, device=meta),
     )
-    group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
-    hypers = [AdamWHyper.from_group(g, optimizer, float(g["lr"])) for g in optimizer.param_groups]
     last = len(chunks) - 1
-    tokens = (
-        fused_token(0, last),
-        fused_token(1 << 9, last),
-    )  # below and above 2**31 (step 256 on)
-    calls = []
-    for plan in fused.plans:
-        for pc in plan.pieces:
-            h = hypers[group_of[pc.param]]
-            hyper = {
-                "lr": h.lr,
-                "beta1": h.beta1,
-                "beta2": h.beta2,
-                "eps": h.eps,
-                "weight_decay": h.weight_decay,
-                "decoupled": h.decoupled,
-                "step": 1.0,
-            }
-            calls += [
-                {"offsets": pc.offsets, "n": pc.n, "flag_base": pc.flag_base, "token": t, **hyper}
-                for t in tokens
-            ]
-    return tuple(calls)
+    tokens = (fused_token(0, last), fused_token(1 << 9, last))
+    return tuple(
+        dict.fromkeys((t.align, token) for t in fused.tables if t.programs for token in tokens)
+    )
 
 
 @register("gf16_mac")
@@ -289,9 +266,7 @@ def skip_reason(device: torch.device, level: int, enabled: bool) -> str | None:
     return "no CUDA device: the CPU path runs PyTorch, nothing to compile"
 
 
-def warm_shadow(
-    site: ShadowSite, layout: Layout, optimizer: torch.optim.Optimizer
-) -> WarmupReport | None:
+def warm_shadow(site: ShadowSite, layout: Layout) -> WarmupReport | None:
     """The shadow's warm-up before it waits for promotion; emits ``kernels_warmed``.
 
     A failed warm-up is logged and reported, never fatal: the kernels then compile at first
@@ -311,7 +286,6 @@ def warm_shadow(
         target = WarmupTarget.plan(
             device=site.device,
             layout=layout,
-            optimizer=optimizer,
             erasure=env.erasure,
             rmu=rmu,
             chunk_bytes=env.rmu_chunk_bytes,

@@ -11,6 +11,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,3 +87,8 @@ def adamw_pieces(
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, h.eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
+def f32_add_one(x: float) -> float:
+    """``x + 1`` rounded to float32: a device step counter's increment, on the host."""
+    return struct.unpack("<f", struct.pack("<f", x + 1.0))[0]

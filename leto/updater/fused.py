@@ -26,7 +26,7 @@ import torch
 
 from leto.errors import ConfigError, ProtocolError
 from leto.retained.layout import Layout
-from leto.updater.adamw import AdamWHyper
+from leto.updater.adamw import AdamWHyper, f32_add_one
 from leto.updater.plan import Chunk
 
 FLAG_BYTES = 8
@@ -116,7 +116,7 @@ class FusedChunks:
             raise ProtocolError(
                 "triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ"
             )
-        self._kernel = adamw_rmu.adamw_undo
+        self._kernel = adamw_rmu.adamw_chunk
         self.flag_nbytes = flag_bytes(chunks)
         self._undo_nbytes = max(c.undo_bytes for c in chunks)
         self.state = state
@@ -124,6 +124,16 @@ class FusedChunks:
         self.grads_f = _f32(grads)
         self.plans = [self._plan(layout, c) for c in chunks]
         self._gaps = [_GapMoves.of(plan.gaps, state.device) for plan in self.plans]
+        self.tables = [
+            adamw_rmu.PieceTable.build(
+                [(pc.offsets, pc.n, pc.flag_base, pc.param) for pc in plan.pieces], state.device
+            )
+            for plan in self.plans
+        ]
+        self._owner = {p.param: c.index for c in chunks for p in c.pieces if p.owns_step}
+        """The chunk that advances each parameter's step counter."""
+        self._scalars = _StepScalars(len(layout.params), adamw_rmu.SCALAR_FIELDS, state.device)
+        self._row = adamw_rmu.scalar_row
         self.bind(undo)
 
     def bind(self, undo: torch.Tensor) -> None:
@@ -173,30 +183,46 @@ class FusedChunks:
     def save_gaps(self, j: int) -> None:
         self._gaps[j].save(self.state, self.undo_bytes)
 
-    def apply(
-        self, j: int, step: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]
+    def begin(
+        self, first: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]
     ) -> None:
-        """The kernel over each piece of chunk ``j``; ``steps`` are the post-increment counts."""
-        token = fused_token(step, j)
-        for pc in self.plans[j].pieces:
-            h = hypers[group_of[pc.param]]
-            self._kernel(
-                self.state_f,
-                self.grads_f,
-                self.undo_f,
-                self.flags,
-                pc.offsets,
-                pc.n,
-                pc.flag_base,
-                token,
-                lr=h.lr,
-                beta1=h.beta1,
-                beta2=h.beta2,
-                eps=h.eps,
-                weight_decay=h.weight_decay,
-                decoupled=h.decoupled,
-                step=steps[pc.param],
+        """The scalars of an update that runs chunks ``first`` on: ``steps`` are the host
+        copies of the step counters before chunk ``first``; a parameter whose counter a
+        later chunk advances is updated at the advanced count."""
+        bumped = {s: f32_add_one(s) for s in set(steps)}
+        keys = [
+            (g, bumped[s] if self._owner.get(i, -1) >= first else s)
+            for i, (g, s) in enumerate(zip(group_of, steps, strict=True))
+        ]
+        rows = {k: len_ for len_, k in enumerate(dict.fromkeys(keys))}
+        values = []
+        for g, s in rows:
+            h = hypers[g]
+            values.append(
+                self._row(
+                    lr=h.lr,
+                    beta1=h.beta1,
+                    beta2=h.beta2,
+                    eps=h.eps,
+                    weight_decay=h.weight_decay,
+                    decoupled=h.decoupled,
+                    step=s,
+                )
             )
+        table = torch.tensor(values, dtype=torch.float64).to(torch.float32)
+        self._scalars.write(table[torch.tensor([rows[k] for k in keys], dtype=torch.int64)])
+
+    def apply(self, j: int, step: int) -> None:
+        """The kernel over chunk ``j`` (one launch), with the scalars of the last :meth:`begin`."""
+        self._kernel(
+            self.state_f,
+            self.grads_f,
+            self.undo_f,
+            self.flags,
+            self.tables[j],
+            self._scalars.table,
+            fused_token(step, j),
+        )
 
     def restore(self, j: int, step: int) -> None:
         """Undo chunk ``j`` of step ``step``: gaps, and the element blocks that were written."""
@@ -232,6 +258,37 @@ class FusedChunks:
                         data.copy_(torch.randn(hi - lo, generator=gen))
                 if f >= cut:
                     self.flags[f] = 0
+
+
+class _StepScalars:
+    """The kernel's per-parameter scalars (``adamw_rmu.scalar_row``) on the device, written
+    once per update without waiting for the device: on CUDA from one of two pinned host
+    buffers, each refilled only after the copy out of it has run."""
+
+    def __init__(self, params: int, fields: int, device: torch.device) -> None:
+        self.table = torch.zeros(max(params, 1), fields, dtype=torch.float32, device=device)
+        cuda = device.type == "cuda"
+        self._host = (
+            [torch.zeros_like(self.table, device="cpu").pin_memory() for _ in range(2)]
+            if cuda
+            else []
+        )
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def write(self, rows: torch.Tensor) -> None:
+        if not self._host:
+            self.table[: rows.shape[0]].copy_(rows)
+            return
+        k, self._next = self._next, 1 - self._next
+        done = self._copied[k]
+        if done is not None:
+            done.synchronize()  # the copy of two updates ago: long finished
+        self._host[k][: rows.shape[0]].copy_(rows)
+        self.table.copy_(self._host[k], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[k] = event
 
 
 @dataclass(frozen=True, slots=True)

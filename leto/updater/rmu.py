@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import struct
 from collections.abc import Mapping
 
 import torch
@@ -57,7 +56,7 @@ from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.faults import FaultInjector
 from leto.retained.layout import Layout
 from leto.retained.marker import Marker, Phase
-from leto.updater.adamw import AdamWHyper, adamw_pieces
+from leto.updater.adamw import AdamWHyper, adamw_pieces, f32_add_one
 from leto.updater.base import Buffer
 from leto.updater.fused import FusedChunks, flag_bytes
 from leto.updater.plan import Chunk, plan_chunks
@@ -388,6 +387,8 @@ class ResumableUpdater:
             ]
             if self._host_step is None or first != 0 or saved:  # a process's first, or a resume
                 self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
+            if self.fused is not None:
+                self.fused.begin(first, hypers, self._group_of, self._host_step)
         for j in range(first, len(self.chunks)):
             self._chunk(self.chunks[j], hypers, saved=saved and j == first)
         self._flush(step)
@@ -438,9 +439,9 @@ class ResumableUpdater:
         if owners:  # one launch for the chunk's step counters, not one per parameter
             torch._foreach_add_([self._step[i] for i in owners], 1.0)
             for i in owners:
-                self._host_step[i] = _f32_add_one(self._host_step[i])
+                self._host_step[i] = f32_add_one(self._host_step[i])
         if self.fused is not None:
-            self.fused.apply(chunk.index, self.marker.step, hypers, self._group_of, self._host_step)
+            self.fused.apply(chunk.index, self.marker.step)
             if chunk.installs_rng:
                 self._rng.copy_(self.rng_next)
             return
@@ -698,8 +699,3 @@ def _scribble(
     gen = torch.Generator().manual_seed(seed)
     for off, n in spans:
         t[off : off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
-
-
-def _f32_add_one(x: float) -> float:
-    """``x + 1`` rounded to float32: the device counter's increment, on the host."""
-    return struct.unpack("<f", struct.pack("<f", x + 1.0))[0]

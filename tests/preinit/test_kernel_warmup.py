@@ -79,7 +79,7 @@ class Recorder:
 def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
     rec = {
         "gf16_mac": Recorder(gf16_mac._gf16_mac_kernel),
-        "adamw_rmu": Recorder(adamw_rmu._adamw_undo_kernel),
+        "adamw_rmu": Recorder(adamw_rmu._adamw_chunk_kernel),
         "gf16_syndrome": Recorder(gf16_syndrome._syndrome_kernel),
     }
     monkeypatch.setattr(gf16_mac, "_gf16_mac_kernel", rec["gf16_mac"])
@@ -90,7 +90,7 @@ def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
     monkeypatch.setattr(
         erasure_engine, "SYNDROME_MIN_PAGES", 2
     )  # runs of 1 page (generic) and more (Horner)
-    monkeypatch.setattr(adamw_rmu, "_adamw_undo_kernel", rec["adamw_rmu"])
+    monkeypatch.setattr(adamw_rmu, "_adamw_chunk_kernel", rec["adamw_rmu"])
     return rec
 
 
@@ -104,7 +104,6 @@ def _target(rig: Rig) -> warmup.WarmupTarget:
     return warmup.WarmupTarget.plan(
         device=torch.device("cpu"),
         layout=rig.layout,
-        optimizer=rig.opt,
         erasure=ERASURE,
         rmu=True,
         chunk_bytes=CHUNK,
@@ -175,40 +174,18 @@ def test_warm_up_touches_no_retained_memory() -> None:
     assert torch.equal(rng, torch.get_rng_state()), "the warm-up must not draw from the global RNG"
 
 
-def test_fused_warm_up_covers_wide_arguments_without_touching_memory(
+def test_fused_warm_up_launches_once_per_alignment_and_token_width(
     recorders: dict[str, Recorder],
 ) -> None:
-    """Offsets past 2**31 elements (a state region over 8 GiB) are launched with no element
-    access; arguments too wide to warm that way are a one-line error."""
-    hyper = {
-        "lr": 1e-3,
-        "beta1": 0.9,
-        "beta2": 0.999,
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "decoupled": True,
-        "step": 1.0,
+    """Element offsets live in the chunk's piece table (int64 loads), so only the chunk's
+    alignment and the token's width key a launch."""
+    launches = [(4, 1 << 33), (4, 1 << 34), (4, 5), (1, 5)]
+    assert adamw_rmu.warm_up(torch.device("cpu"), launches) == 3
+    keys = recorders["adamw_rmu"].keys
+    assert {k for k in keys if ("token", ("i64", None)) in k} and {
+        k for k in keys if ("token", ("i32", None)) in k
     }
-    wide = {
-        "offsets": (3 << 31, 1 << 32, 5 << 31, 7, 0, 1024, 2048),
-        "n": 4096,
-        "flag_base": 3,
-        "token": 1 << 33,
-    }
-    assert (
-        adamw_rmu.warm_up(
-            torch.device("cpu"), [wide | hyper, wide | hyper, {**wide, "token": 5} | hyper]
-        )
-        == 2
-    )
-    (key,) = [k for k in recorders["adamw_rmu"].keys if ("token", ("i64", None)) in k]
-    assert (
-        ("p_off", ("i64", None)) in key
-        and ("g_off", ("i32", None)) in key
-        and ("WD_MODE", 1) in key
-    )
-    with pytest.raises(ValueError, match="too wide"):
-        adamw_rmu.warm_up(torch.device("cpu"), [{**wide, "n": 1 << 31} | hyper])
+    assert {a for k in keys for name, a in k[:-1] if name == "ALIGN"} == {1, 4}
 
 
 def test_runs_only_at_level_3_on_cuda_or_the_interpreter_hook(
