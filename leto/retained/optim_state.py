@@ -2,8 +2,10 @@
 
 Leto retains an optimizer's state in the "state" region, so it must know the state's keys,
 shapes and dtypes before the first step, for any optimizer. Adam and AdamW on the paths
-``leto.updater.adamw`` reproduces keep the fixed ``step`` / ``exp_avg`` / ``exp_avg_sq``;
-every other optimizer (and Adam with amsgrad, maximize, fused or capturable) is *probed*:
+``leto.updater.adamw`` reproduces keep the fixed ``step`` / ``exp_avg`` / ``exp_avg_sq``
+(``fused=True`` among them: Leto's AdamW, on CUDA its own fused kernel, stands in for torch's
+fused kernel, the same update to float rounding);
+every other optimizer (and Adam with amsgrad, maximize or capturable) is *probed*:
 its own ``step()`` runs twice on tiny CPU stand-ins of the real parameters (two for each
 parameter group, dimensionality and dtype), and what it leaves in ``optimizer.state`` is the
 layout. Each state tensor must be a scalar or follow the parameter's shape dimension by
@@ -27,6 +29,7 @@ The byte lives beside the state it describes and is saved, restored and checkpoi
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +39,8 @@ import torch
 
 from leto.errors import ConfigError, ProtocolError
 from leto.retained.slot import Slot
+
+logger = logging.getLogger(__name__)
 
 PRESENT = "leto.present"
 """Slot key of the per-parameter byte "the optimizer has created this parameter's state"."""
@@ -81,7 +86,7 @@ def adamw_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return f"{name} is not Adam/AdamW"
     for group in optimizer.param_groups:
-        for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
             if group.get(key):
                 return f"{name} with {key}=True"
         betas = group["betas"]
@@ -98,6 +103,12 @@ def optimizer_state(
     Raises ``ConfigError`` naming the reason when the optimizer's state cannot be retained."""
     refusal = adamw_refusal(optimizer)
     if refusal is None:
+        if any(g.get("fused") for g in optimizer.param_groups):
+            logger.info(
+                "%s(fused=True): Leto's AdamW runs the update (on CUDA its fused kernel), "
+                "the same update to float rounding",
+                type(optimizer).__name__,
+            )
         rule = UpdateRule(
             "adamw", True, "Adam/AdamW: leto's element-wise AdamW", frozenset({"step"})
         )

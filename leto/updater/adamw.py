@@ -36,7 +36,7 @@ class AdamWHyper:
     def from_group(
         cls, group: dict[str, Any], optimizer: torch.optim.Optimizer, lr: float
     ) -> AdamWHyper:
-        for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
             if group.get(key):
                 raise ConfigError(
                     f"consistency: rmu does not support Adam {key}=True yet; use consistency: snapshot"

@@ -62,16 +62,23 @@ def _reference(erasure: ErasureConfig | None, steps: int = 3) -> Rig:
 
 
 # -- the optimizer -------------------------------------------------------------------------------
-@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("impl", ["foreach", "for-loop", "fused"])
 @pytest.mark.parametrize("kind", ["adamw", "adam_l2"])
-def test_chunked_adamw_equals_torch(foreach: bool, kind: str) -> None:
+def test_chunked_adamw_equals_torch(impl: str, kind: str) -> None:
+    """Leto's AdamW against torch's: bit-equal to the foreach path, to float rounding of the
+    for-loop and fused ones; ``fused=True`` is planned as Leto's AdamW, not probed."""
     net = model(seed=1)
     ref = copy.deepcopy(net)
     cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
-    ref_opt = cls(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach)
-    rig = Rig.build(net, erasure=ERASURE, chunk_bytes=CHUNK)
-    if kind == "adam_l2":
-        rig.opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=0.1)
+    flags = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    ref_opt = cls(ref.parameters(), lr=1e-2, weight_decay=0.1, **flags)
+    rig = Rig.build(
+        net,
+        erasure=ERASURE,
+        chunk_bytes=CHUNK,
+        optimizer=lambda n: cls(n.parameters(), lr=1e-2, weight_decay=0.1, **flags),
+    )
+    assert rig.layout.rule.kind == "adamw"
     assert len(rig.updater(no_faults()).chunks) >= 3
     for step in range(3):
         rig.set_grads(seed=step)
@@ -84,13 +91,13 @@ def test_chunked_adamw_equals_torch(foreach: bool, kind: str) -> None:
         _clip(rig)
         rig.grads_ready(LRS[step])
         rig.updater(no_faults()).run(step)
-    exact = foreach  # same foreach kernels: bit-equal; the for-loop path: float rounding
+    exact = impl == "foreach"  # same foreach kernels: bit-equal; the others: float rounding
     tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-7}
     for p, slot, oslots in zip(ref.parameters(), rig.layout.params, rig.layout.optim, strict=True):
         torch.testing.assert_close(slot.view(rig.state), p.detach(), **tol)
         st = ref_opt.state[p]
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(oslots[key].view(rig.state), st[key], **tol)
+            torch.testing.assert_close(oslots[key].view(rig.state), st[key].cpu(), **tol)
     # parity was kept current chunk by chunk: equal to a fresh encode of the data
     for g in rig.protected.groups:
         t1, t2 = g.tier1.clone(), g.tier2.clone()
