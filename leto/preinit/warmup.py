@@ -20,6 +20,8 @@ launch, by running the same code paths on scratch memory:
   counts stay multiples of 16).
 * ``adamw_rmu`` (fused update): ``triton_kernels.adamw_rmu.warm_up`` with the alignment
   of every chunk of this trainer's plan, at both widths of the flag token.
+* ``rmu_update``: the update's torch kernels, which CUDA loads lazily at first launch, by a
+  miniature of the trainer's update (``leto.preinit.rehearsal``).
 
 Scratch memory only: retained regions are never read or written. A new kernel is one
 entry in :data:`WARMERS` (``register("name")(fn)``, ``fn(target) -> calls``).
@@ -45,6 +47,7 @@ import torch
 from leto.erasure import ErasureConfig, ProtectionGroup, padded_bytes, plan_groups
 from leto.erasure.bitslice import TILE_BYTES
 from leto.events import Kind
+from leto.preinit.rehearsal import UpdateRehearsal
 
 if TYPE_CHECKING:
     from leto.preinit.site import ShadowSite
@@ -90,6 +93,8 @@ class WarmupTarget:
     fused_calls: tuple[tuple[int, int], ...] = field(default=())
     """``(align, token)`` of every chunk's launch (``adamw_rmu.warm_up``), once per width
     of the flag token; empty when the update is not fused."""
+    rehearsal: UpdateRehearsal | None = None
+    """A miniature of the trainer's RMU update (its torch kernels); None: no rmu."""
 
     @classmethod
     def plan(
@@ -97,6 +102,7 @@ class WarmupTarget:
         *,
         device: torch.device,
         layout: Layout,
+        optimizer: torch.optim.Optimizer,
         erasure: ErasureConfig | None,
         rmu: bool,
         chunk_bytes: int,
@@ -131,6 +137,7 @@ class WarmupTarget:
             group_pages=group_pages,
             run_pages=run_pages,
             fused_calls=calls,
+            rehearsal=UpdateRehearsal.of(optimizer, fused) if rmu else None,
         )
 
 
@@ -235,6 +242,14 @@ def warm_fused_update(target: WarmupTarget) -> int:
     return adamw_rmu.warm_up(target.device, target.fused_calls)
 
 
+@register("rmu_update")
+def warm_update(target: WarmupTarget) -> int:
+    """The update's torch kernels, through a miniature of it (``leto.preinit.rehearsal``)."""
+    if target.rehearsal is None:
+        return 0
+    return target.rehearsal.run(target.device)
+
+
 @dataclass(frozen=True, slots=True)
 class WarmupReport:
     """What :func:`warm_up` did: calls per kernel and the time it took."""
@@ -266,7 +281,9 @@ def skip_reason(device: torch.device, level: int, enabled: bool) -> str | None:
     return "no CUDA device: the CPU path runs PyTorch, nothing to compile"
 
 
-def warm_shadow(site: ShadowSite, layout: Layout) -> WarmupReport | None:
+def warm_shadow(
+    site: ShadowSite, layout: Layout, optimizer: torch.optim.Optimizer
+) -> WarmupReport | None:
     """The shadow's warm-up before it waits for promotion; emits ``kernels_warmed``.
 
     A failed warm-up is logged and reported, never fatal: the kernels then compile at first
@@ -286,6 +303,7 @@ def warm_shadow(site: ShadowSite, layout: Layout) -> WarmupReport | None:
         target = WarmupTarget.plan(
             device=site.device,
             layout=layout,
+            optimizer=optimizer,
             erasure=env.erasure,
             rmu=rmu,
             chunk_bytes=env.rmu_chunk_bytes,

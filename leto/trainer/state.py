@@ -177,7 +177,7 @@ class RetainedState:
     def _wait_as_shadow(self, wait_for_promotion: Callable[[], None]) -> None:
         """A shadow's warm-ups (level 3), then its wait for promotion."""
         site = self.services.shadow_site()
-        warm_shadow(site, self.layout)  # the Triton kernels of a recovery
+        warm_shadow(site, self.layout, self.optimizer)  # the Triton kernels of a recovery
         # The model's first step (leto.preinit.replay). Its freed blocks are kept for the
         # first step's activations unless lending was asked for: the lending pool would grow
         # afresh, so a trainer whose shadow kept them does not lend.

@@ -104,6 +104,7 @@ def _target(rig: Rig) -> warmup.WarmupTarget:
     return warmup.WarmupTarget.plan(
         device=torch.device("cpu"),
         layout=rig.layout,
+        optimizer=rig.opt,
         erasure=ERASURE,
         rmu=True,
         chunk_bytes=CHUNK,
@@ -169,7 +170,8 @@ def test_warm_up_touches_no_retained_memory() -> None:
     buffers += [t for g in rig.protected.groups for t in (g.tier1, g.tier2)]
     before = [b.clone() for b in buffers]
     rng = torch.get_rng_state()
-    warmup.warm_up(_target(rig))
+    report = warmup.warm_up(_target(rig))
+    assert report.calls["rmu_update"] == 2, "the update's rehearsal ran its two steps"
     assert all(torch.equal(a, b) for a, b in zip(before, buffers, strict=True))
     assert torch.equal(rng, torch.get_rng_state()), "the warm-up must not draw from the global RNG"
 
@@ -207,6 +209,7 @@ def test_a_new_kernel_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> No
     seen = []
     warmup.register("parity_x")(lambda t: seen.append(t) or 3)
     report = warmup.warm_up(warmup.WarmupTarget(device=torch.device("cpu")))
-    assert report.calls == {"gf16_mac": 0, "adamw_rmu": 0, "parity_x": 3} and len(seen) == 1
+    assert report.calls == {"gf16_mac": 0, "adamw_rmu": 0, "rmu_update": 0, "parity_x": 3}
+    assert len(seen) == 1
     with pytest.raises(ValueError, match="already registered"):
         warmup.register("parity_x")(lambda t: 0)
