@@ -71,7 +71,13 @@ def main() -> None:
     if not args.no_warm_up:
         t0 = time.perf_counter()
         target = warmup.WarmupTarget.plan(
-            device=dev, layout=rig.layout, erasure=None, rmu=True, chunk_bytes=CHUNK, fused=True
+            device=dev,
+            layout=rig.layout,
+            optimizer=rig.opt,
+            erasure=None,
+            rmu=True,
+            chunk_bytes=CHUNK,
+            fused=True,
         )
         report = warmup.warm_up(target)
         print(f"warm-up {1e3 * (time.perf_counter() - t0):.1f} ms: {report.calls}")
