@@ -45,7 +45,7 @@ import io
 import logging
 import pickle
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -255,16 +255,37 @@ class Tracked:
             group.update(saved)
 
 
-def attached_schedulers(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
+def attached_schedulers(
+    optimizer: torch.optim.Optimizer, frozen: Sequence[LRScheduler] = ()
+) -> list[LRScheduler]:
     """The LR schedulers built on ``optimizer`` (those inside a ``SequentialLR`` or
-    ``ChainedScheduler`` are part of it: its state dict holds theirs)."""
+    ``ChainedScheduler`` are part of it: its state dict holds theirs). ``frozen``: those
+    :func:`freeze_heap` found, which the scan of the unfrozen heap no longer sees."""
     found = [
         r
         for r in gc.get_referrers(optimizer)
         if isinstance(r, LRScheduler) and getattr(r, "optimizer", None) is optimizer
     ]
+    found += [s for s in frozen if all(s is not f for f in found)]
     inner = {id(s) for r in found for s in getattr(r, "_schedulers", ())}
     return [s for s in found if id(s) not in inner]
+
+
+def freeze_heap(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
+    """A shadow, before it waits for promotion: the schedulers already built on
+    ``optimizer``, then every object that exists moved out of the collector's sight
+    (``gc.collect`` + ``gc.freeze``).
+
+    Finding schedulers scans every object the collector tracks (``gc.get_referrers``:
+    25-50 ms with torch, dynamo and transformers loaded), and a promoted trainer does it
+    twice on the recovery's path (when ``steps()`` starts and at its second step). Frozen,
+    its heap is only what the script builds after ``retain()`` returns; what was there
+    before is the returned list. :meth:`RetainedExtras` unfreezes after the second scan.
+    """
+    found = attached_schedulers(optimizer)
+    gc.collect()
+    gc.freeze()
+    return found
 
 
 def _digest(states: Mapping[str, bytes]) -> str:
@@ -286,7 +307,9 @@ class RetainedExtras:
         optimizer: torch.optim.Optimizer,
         named: Mapping[str, Any] | None,
         rank: int,
+        frozen: Sequence[LRScheduler] | None = None,
     ) -> None:
+        """``frozen``: the schedulers :func:`freeze_heap` found (None: the heap is not frozen)."""
         self.store = store
         self.optimizer = optimizer
         self.rank = rank
@@ -317,6 +340,7 @@ class RetainedExtras:
         self._last_pre: dict[str, bytes] | None = None
         self._wrapped = False
         self._discoveries = 0
+        self._frozen = frozen
         self.commit_digest = ""
         """Digest of the objects at the last commit (its ``PRE`` record), for ``emit_digest``."""
 
@@ -327,7 +351,9 @@ class RetainedExtras:
         self._discoveries += 1
         self._wrapped = bool(getattr(self.optimizer.step, "_wrapped_by_lr_sched", False))
         known = {id(t.obj) for t in self._tracked.values()}
-        found = [s for s in attached_schedulers(self.optimizer) if id(s) not in known]
+        found = [
+            s for s in attached_schedulers(self.optimizer, self._frozen or ()) if id(s) not in known
+        ]
         for s in found:
             name = SCHEDULER_PREFIX + type(s).__name__
             if name in self._tracked:
@@ -348,6 +374,9 @@ class RetainedExtras:
         wrapped = bool(getattr(self.optimizer.step, "_wrapped_by_lr_sched", False))
         if self._discoveries == 1 and self._last_pre is not None or wrapped != self._wrapped:
             self.discover()
+            if self._frozen is not None and self._discoveries > 1:  # the last planned scan
+                gc.unfreeze()
+                self._frozen = None
 
     # -- captures ----------------------------------------------------------------------------
     def _states(self) -> dict[str, bytes]:

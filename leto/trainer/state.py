@@ -51,7 +51,7 @@ from leto.retained.optim_state import StateSlots
 from leto.trainer import placement
 from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.compute import ComputePhase, lends
-from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, map_records
+from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, freeze_heap, map_records
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
@@ -111,6 +111,8 @@ class RetainedState:
         mapped_ahead = wait_for_promotion is None or services.ready_to_map_ahead()
         self._replay_kept = False
         """This shadow's forward replay left its blocks cached for the first step."""
+        self._frozen_schedulers: list | None = None
+        """A shadow's LR schedulers found before it froze its heap (``extras.freeze_heap``)."""
         self.mapped_ahead_step: int | None = None
         """The marker's step when this shadow mapped the regions ahead of its promotion."""
         if mapped_ahead:
@@ -184,6 +186,7 @@ class RetainedState:
         keep = self.services.env.lend_activations is not True
         replayed = warm_forward(site, self.model, keep_cache=keep)
         self._replay_kept = replayed is not None and replayed.kept_bytes > 0
+        self._frozen_schedulers = freeze_heap(self.optimizer)
         wait_for_promotion()
 
     def _recover(self, stateful: Mapping[str, Any] | None, stateful_bytes: int | None) -> None:
@@ -262,7 +265,9 @@ class RetainedState:
                 functools.partial(self.memory.lost_chunks, BUFFER_UNDO),
             )
         records = map_records(self.memory, stateful_bytes or DEFAULT_SLOT_BYTES)
-        self.extras = RetainedExtras(records, self.optimizer, stateful, self.services.rank)
+        self.extras = RetainedExtras(
+            records, self.optimizer, stateful, self.services.rank, self._frozen_schedulers
+        )
 
     def _refuse_buffer_updates(self) -> None:
         """Under ``leto.erasure``: a buffer updated in forward would leave the parity behind."""

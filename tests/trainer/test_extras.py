@@ -10,6 +10,7 @@ fault-free run's at the step the recovery resumes at, and at the end of the job.
 
 from __future__ import annotations
 
+import gc
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,6 +253,28 @@ def test_a_scheduler_built_inside_the_loop_is_an_error_at_once() -> None:
         ConfigError, match="StepLR on the retained optimizer was built after state.steps"
     ):
         job.extras.begin(1)
+
+
+def test_a_promoted_shadow_scans_only_what_its_script_built_after_retain() -> None:
+    """``freeze_heap``: schedulers built before the shadow froze its heap are remembered,
+    those built after are found by a scan that no longer sees the frozen heap; the heap is
+    unfrozen after the second step's scan."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, foreach=True)
+    early = lr_scheduler.StepLR(opt, 2)
+    try:
+        frozen = extras.freeze_heap(opt)
+        assert frozen == [early] and gc.get_freeze_count() > 0
+        assert extras.attached_schedulers(opt) == [], "the frozen heap is out of the scan's sight"
+        job = RetainedExtras(RecordStore(_region()), opt, None, 0, frozen)
+        late = lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # the script's, after retain()
+        job.begin(0)
+        objects = pickle.loads(job.store.records()[-1].payload)["objects"]  # the BEGIN record
+        assert {extras.SCHEDULER_PREFIX + type(s).__name__ for s in (early, late)} <= set(objects)
+        job.before_commit(0)
+        job.begin(1)  # the second step's scan, the last planned one
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_a_successor_with_other_objects_is_refused() -> None:
