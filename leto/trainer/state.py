@@ -158,6 +158,7 @@ class RetainedState:
         self._recovery = Recovery(regions, self.services)
         self._grad_view_list: list[torch.Tensor] | None = None
         self._seen_grad_list: list[torch.Tensor] | None = None
+        self._seen_grad_ptrs: list[int] | None = None
         env = self.services.env
         lent = self.updater.lendable()
         lending = lends(lent, self.device, env.lend_activations)
@@ -547,13 +548,15 @@ class RetainedState:
     def _unbound_grads(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Parameters whose gradient (``.grad``, or ``main_grad`` when the integration's
         buffers hold them) is not its retained view, with that view."""
-        for p, grad in zip(self.params, self._seen_grads(), strict=True):
-            bound = getattr(p, "main_grad", None) if self.layout.main_grad else p.grad
-            if (
-                bound is None
-                or local(bound).data_ptr() != local(grad).data_ptr()
-                or bound.shape != grad.shape
-            ):
+        seen = self._seen_grads()
+        if self._seen_grad_ptrs is None:
+            self._seen_grad_ptrs = [local(g).data_ptr() for g in seen]
+        main = self.layout.main_grad
+        for p, grad, ptr in zip(self.params, seen, self._seen_grad_ptrs, strict=True):
+            bound = getattr(p, "main_grad", None) if main else p.grad
+            if bound is grad and local(bound).data_ptr() == ptr:
+                continue  # the common case, checked in a fraction of the full comparison
+            if bound is None or local(bound).data_ptr() != ptr or bound.shape != grad.shape:
                 yield p, grad
 
     def check_main_grads(self) -> None:
