@@ -275,7 +275,8 @@ def attached_schedulers(
 def freeze_heap(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
     """A shadow, before it waits for promotion: the schedulers already built on
     ``optimizer``, then every object that exists moved out of the collector's sight
-    (``gc.collect`` + ``gc.freeze``).
+    (``gc.freeze``: constant time; garbage frozen with the rest is collected once it is
+    unfrozen).
 
     Finding schedulers scans every object the collector tracks (``gc.get_referrers``:
     25-50 ms with torch, dynamo and transformers loaded), and a promoted trainer does it
@@ -284,7 +285,6 @@ def freeze_heap(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
     before is the returned list. :meth:`RetainedExtras` unfreezes after the second scan.
     """
     found = attached_schedulers(optimizer)
-    gc.collect()
     gc.freeze()
     return found
 
