@@ -344,7 +344,9 @@ class Context:
                 self.heartbeat.beat()
             time.sleep(0.02)
 
-    def _wait_for_promotion(self) -> None:
+    def _wait_for_promotion(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Say this shadow is ready, run ``on_ready`` (work that must not delay readiness
+        nor wait for promotion), then wait for the agent's promotion."""
         env = self.env
         self.events.emit(
             Kind.SHADOW_READY,
@@ -354,6 +356,8 @@ class Context:
             init_s=time.time() - self._started,
         )
         self.preinit.announce_ready(env.shadow_level)
+        if on_ready is not None:
+            on_ready()
         key = contract.promote(
             env.generation, env.rank
         )  # set by this node's agent, after it stopped the actives

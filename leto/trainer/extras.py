@@ -273,7 +273,7 @@ def attached_schedulers(
 
 
 def freeze_heap(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
-    """A shadow, before it waits for promotion: the schedulers already built on
+    """A shadow, once it said it is ready and before it waits: the schedulers built on
     ``optimizer``, then every object that exists moved out of the collector's sight
     (``gc.freeze``: constant time; garbage frozen with the rest is collected once it is
     unfrozen).

@@ -77,7 +77,7 @@ class RetainedState:
         self,
         services: TrainerServices,
         plan: Plan,
-        wait_for_promotion: Callable[[], None] | None = None,
+        wait_for_promotion: Callable[[Callable[[], None]], None] | None = None,
         stateful: Mapping[str, Any] | None = None,
         stateful_bytes: int | None = None,
     ) -> None:
@@ -177,7 +177,7 @@ class RetainedState:
             lend_asked=env.lend_activations,
         )
 
-    def _wait_as_shadow(self, wait_for_promotion: Callable[[], None]) -> None:
+    def _wait_as_shadow(self, wait_for_promotion: Callable[[Callable[[], None]], None]) -> None:
         """A shadow's warm-ups (level 3), then its wait for promotion."""
         site = self.services.shadow_site()
         warm_shadow(site, self.layout, self.optimizer)  # the Triton kernels of a recovery
@@ -187,8 +187,11 @@ class RetainedState:
         keep = self.services.env.lend_activations is not True
         replayed = warm_forward(site, self.model, keep_cache=keep)
         self._replay_kept = replayed is not None and replayed.kept_bytes > 0
-        self._frozen_schedulers = freeze_heap(self.optimizer)
-        wait_for_promotion()
+
+        def freeze() -> None:  # once ready: the scan must not delay readiness
+            self._frozen_schedulers = freeze_heap(self.optimizer)
+
+        wait_for_promotion(freeze)
 
     def _recover(self, stateful: Mapping[str, Any] | None, stateful_bytes: int | None) -> None:
         """Reattach (identity and layout checked, lost pages rebuilt) or start fresh; then
