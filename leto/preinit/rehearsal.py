@@ -6,10 +6,10 @@ Triton kernels; the update also launches torch's own (the gaps' gather and scatt
 step counters' ``_foreach_add_``, the marker's stream-ordered fills, the RNG install, the
 optimizer's own step under the ``torch`` rule), which a promoted trainer would otherwise
 load during its first update. The rehearsal runs the same :class:`ResumableUpdater` over
-the same optimizer class and group settings, on two small parameters per group in scratch
-memory of the trainer's device, for two steps (torch creates lazy state in the first):
-the same code paths and kernels, none of the retained memory. Unprotected: the erasure
-kernels have their own warmers.
+the same optimizer class and group settings, on one small parameter per dimensionality and
+dtype of each group, in scratch memory of the trainer's device, for two steps (torch
+creates lazy state in the first): the same code paths and kernels, none of the retained
+memory. Unprotected: the erasure kernels have their own warmers.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-SHAPES = ((4, 256), (256,))
-"""One matrix and one vector per parameter group (a 2-D and a 1-D parameter)."""
+SHAPES = {0: (), 1: (256,), 2: (4, 256), 3: (2, 4, 128)}
+"""A small parameter of each dimensionality (more: its trailing dimensions flattened)."""
 CHUNK_BYTES = 4096
 """Several chunks, so chunks split parameters and parameters share chunks."""
 STEPS = 2
@@ -33,6 +33,8 @@ class UpdateRehearsal:
     optimizer: type[torch.optim.Optimizer]
     groups: tuple[dict[str, Any], ...]
     """Each parameter group's settings, without its parameters."""
+    kinds: tuple[tuple[tuple[int, torch.dtype], ...], ...]
+    """Each group's distinct (dimensionality, dtype) of parameters: one stand-in each."""
     fused: bool
     """The fused RMU kernel (``leto.rmu_fused`` as resolved for the trainer)."""
 
@@ -41,7 +43,11 @@ class UpdateRehearsal:
         groups = tuple(
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         )
-        return cls(type(optimizer), groups, fused)
+        kinds = tuple(
+            tuple(dict.fromkeys((min(p.dim(), 3), p.dtype) for p in g["params"]))
+            for g in optimizer.param_groups
+        )
+        return cls(type(optimizer), groups, kinds, fused)
 
     def run(self, device: torch.device) -> int:
         """The update ``STEPS`` times on scratch memory of ``device``; returns the steps."""
@@ -53,10 +59,14 @@ class UpdateRehearsal:
         from leto.updater.rmu import ResumableUpdater, buffer_bytes
 
         params, groups = [], []
-        for settings in self.groups:
-            ps = [torch.nn.Parameter(torch.full(s, 0.5, device=device)) for s in SHAPES]
-            params += ps
-            groups.append({**settings, "params": ps})
+        for settings, kinds in zip(self.groups, self.kinds, strict=True):
+            ps = [
+                torch.nn.Parameter(torch.full(SHAPES[dim], 0.5, dtype=dtype, device=device))
+                for dim, dtype in kinds
+            ]
+            if ps:
+                params += ps
+                groups.append({**settings, "params": ps})
         opt = self.optimizer(groups)
         layout = Layout.plan(params, [], opt)
         state = torch.zeros(layout.state_bytes, dtype=torch.uint8, device=device)

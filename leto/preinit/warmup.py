@@ -247,7 +247,11 @@ def warm_update(target: WarmupTarget) -> int:
     """The update's torch kernels, through a miniature of it (``leto.preinit.rehearsal``)."""
     if target.rehearsal is None:
         return 0
-    return target.rehearsal.run(target.device)
+    try:
+        return target.rehearsal.run(target.device)
+    except Exception as e:  # noqa: BLE001 - an optimizer the miniature cannot rebuild: no warm-up
+        logger.info("update rehearsal skipped: %s: %s", type(e).__name__, e)
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
