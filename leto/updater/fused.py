@@ -194,7 +194,7 @@ class FusedChunks:
             (g, bumped[s] if self._owner.get(i, -1) >= first else s)
             for i, (g, s) in enumerate(zip(group_of, steps, strict=True))
         ]
-        rows = {k: len_ for len_, k in enumerate(dict.fromkeys(keys))}
+        rows = {k: i for i, k in enumerate(dict.fromkeys(keys))}
         values = []
         for g, s in rows:
             h = hypers[g]

@@ -11,6 +11,7 @@ fault-free run's at the step the recovery resumes at, and at the end of the job.
 from __future__ import annotations
 
 import gc
+import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -275,6 +276,21 @@ def test_a_promoted_shadow_scans_only_what_its_script_built_after_retain() -> No
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+def test_a_state_in_torch_saves_format_still_loads() -> None:
+    """Checkpoints written before records were pickled hold ``torch.save`` bytes."""
+    sched_opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, foreach=True)
+    sched = lr_scheduler.StepLR(sched_opt, 2)
+    for _ in range(3):
+        sched_opt.step()
+        sched.step()
+    buf = io.BytesIO()
+    torch.save(sched.state_dict(), buf)
+    fresh_opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, foreach=True)
+    fresh = lr_scheduler.StepLR(fresh_opt, 2)
+    extras.Tracked("s", "scheduler", fresh).load(buf.getvalue())
+    assert fresh.state_dict() == sched.state_dict()
 
 
 def test_a_successor_with_other_objects_is_refused() -> None:
