@@ -26,7 +26,7 @@ import torch
 
 from leto.errors import ConfigError, ProtocolError
 from leto.retained.layout import Layout
-from leto.updater.adamw import AdamWHyper, f32_add_one
+from leto.updater.adamw import AdamWHyper
 from leto.updater.plan import Chunk
 
 FLAG_BYTES = 8
@@ -130,8 +130,6 @@ class FusedChunks:
             )
             for plan in self.plans
         ]
-        self._owner = {p.param: c.index for c in chunks for p in c.pieces if p.owns_step}
-        """The chunk that advances each parameter's step counter."""
         self._scalars = _StepScalars(len(layout.params), adamw_rmu.SCALAR_FIELDS, state.device)
         self._row = adamw_rmu.scalar_row
         self.bind(undo)
@@ -183,17 +181,10 @@ class FusedChunks:
     def save_gaps(self, j: int) -> None:
         self._gaps[j].save(self.state, self.undo_bytes)
 
-    def begin(
-        self, first: int, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]
-    ) -> None:
-        """The scalars of an update that runs chunks ``first`` on: ``steps`` are the host
-        copies of the step counters before chunk ``first``; a parameter whose counter a
-        later chunk advances is updated at the advanced count."""
-        bumped = {s: f32_add_one(s) for s in set(steps)}
-        keys = [
-            (g, bumped[s] if self._owner.get(i, -1) >= first else s)
-            for i, (g, s) in enumerate(zip(group_of, steps, strict=True))
-        ]
+    def begin(self, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]) -> None:
+        """The scalars of the next update: ``steps`` are each parameter's step count in it
+        (post-increment), ``group_of`` its parameter group."""
+        keys = list(zip(group_of, steps, strict=True))
         rows = {k: i for i, k in enumerate(dict.fromkeys(keys))}
         values = []
         for g, s in rows:

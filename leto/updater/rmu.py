@@ -167,6 +167,8 @@ class ResumableUpdater:
         self._host_step: list[float] | None = None
         """The step counters on the host, kept in step with the device after a whole update
         (None: read them, once, at the next update)."""
+        self._step_owner = {p.param: c.index for c in self.chunks for p in c.pieces if p.owns_step}
+        """The chunk that advances each parameter's step counter."""
         self._counters = [
             (i, o[key].view(state))
             for i, o in enumerate(layout.optim)
@@ -388,10 +390,19 @@ class ResumableUpdater:
             if self._host_step is None or first != 0 or saved:  # a process's first, or a resume
                 self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
             if self.fused is not None:
-                self.fused.begin(first, hypers, self._group_of, self._host_step)
+                self.fused.begin(hypers, self._group_of, self._steps_from(first))
         for j in range(first, len(self.chunks)):
             self._chunk(self.chunks[j], hypers, saved=saved and j == first)
         self._flush(step)
+
+    def _steps_from(self, first: int) -> list[float]:
+        """Each parameter's step count in an update that runs chunks ``first`` on: advanced
+        where its counter's chunk is still to run, the host mirror's value where it has run."""
+        assert self._host_step is not None
+        return [
+            f32_add_one(s) if self._step_owner.get(i, -1) >= first else s
+            for i, s in enumerate(self._host_step)
+        ]
 
     def _chunk(self, chunk: Chunk, hypers: list[AdamWHyper] | list[float], *, saved: bool) -> None:
         j, last = chunk.index, chunk.index == len(self.chunks) - 1
