@@ -95,6 +95,10 @@ def adamw_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+_FUSED_SAID: set[str] = set()
+"""Optimizer classes whose ``fused=True`` this process has reported."""
+
+
 def optimizer_state(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
 ) -> tuple[UpdateRule, tuple[tuple[KeySpec, ...], ...]]:
@@ -103,11 +107,13 @@ def optimizer_state(
     Raises ``ConfigError`` naming the reason when the optimizer's state cannot be retained."""
     refusal = adamw_refusal(optimizer)
     if refusal is None:
-        if any(g.get("fused") for g in optimizer.param_groups):
+        name = type(optimizer).__name__
+        if any(g.get("fused") for g in optimizer.param_groups) and name not in _FUSED_SAID:
+            _FUSED_SAID.add(name)  # once a process: the shadow's rehearsal plans the same class
             logger.info(
                 "%s(fused=True): Leto's AdamW runs the update (on CUDA its fused kernel), "
                 "the same update to float rounding",
-                type(optimizer).__name__,
+                name,
             )
         rule = UpdateRule(
             "adamw", True, "Adam/AdamW: leto's element-wise AdamW", frozenset({"step"})

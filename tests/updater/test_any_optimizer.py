@@ -141,6 +141,24 @@ def test_the_probe_finds_each_optimizers_state_without_touching_anything() -> No
     assert rule.kind == "adamw" and [k.name for k in keys[0]] == ["step", "exp_avg", "exp_avg_sq"]
 
 
+def test_fused_adamw_is_reported_once_a_process(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shadow's update rehearsal plans the same optimizer class again: one log line."""
+    from leto.retained import optim_state
+
+    monkeypatch.setattr(optim_state, "_FUSED_SAID", set())
+    net = model()
+    with caplog.at_level("INFO", logger=optim_state.logger.name):
+        for _ in range(2):
+            rule, _keys = optimizer_state(
+                torch.optim.AdamW(net.parameters(), fused=True), list(net.parameters())
+            )
+            assert rule.kind == "adamw"
+    said = [r for r in caplog.records if "fused=True" in r.getMessage()]
+    assert len(said) == 1 and said[0].getMessage().startswith("AdamW(fused=True)")
+
+
 # -- one update equals the optimizer's own ------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_chunked_update_equals_the_optimizers_own_step(name: str) -> None:
