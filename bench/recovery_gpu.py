@@ -511,8 +511,8 @@ def main() -> None:
     p.add_argument(
         "--steps",
         type=int,
-        default=120,
-        help="kills at step 40 and steps-12: keep them >= ~15 s apart so the replacement shadow is ready",
+        help="kills at step 40 and steps-12: keep them >= ~15 s apart so the replacement shadow "
+        "is ready (default: 120 for the GPT, 300 for the HF Llama, whose shadows settle later)",
     )
     p.add_argument("--small", action="store_true", help="a tiny model: checks the script on CPU")
     p.add_argument(
@@ -582,6 +582,8 @@ def main() -> None:
     if args.profile_from is not None:
         print(f"wrote {profile_from(args.profile_from)}")
         return
+    if args.steps is None:
+        args.steps = 300 if args.model == "hf-llama" else 120
     if args.model == "hf-llama":
         MODEL[:] = LLAMA_MODEL
         SCRIPTS["leto"] = "examples/train_hf_llama.py"
