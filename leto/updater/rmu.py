@@ -399,8 +399,9 @@ class ResumableUpdater:
         """Each parameter's step count in an update that runs chunks ``first`` on: advanced
         where its counter's chunk is still to run, the host mirror's value where it has run."""
         assert self._host_step is not None
+        bumped = {s: f32_add_one(s) for s in set(self._host_step)}  # a few distinct counts
         return [
-            f32_add_one(s) if self._step_owner.get(i, -1) >= first else s
+            bumped[s] if self._step_owner.get(i, -1) >= first else s
             for i, s in enumerate(self._host_step)
         ]
 
