@@ -52,6 +52,7 @@ from leto.trainer import placement
 from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.compute import ComputePhase, lends
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, freeze_heap, map_records
+from leto.trainer.grad_landing import GradLanding
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
@@ -207,6 +208,13 @@ class RetainedState:
         if self._replay_kept:
             self._compute.stop_lending("the forward replay's blocks serve the compute phase")
         self._bind()
+        self._landing = (
+            GradLanding(self.params, self._seen_grads())
+            if self.shards is None and not self.layout.main_grad
+            else None
+        )
+        """Gradients copied into their views as they arrive (``leto.trainer.grad_landing``);
+        FSDP2 and the integrations' buffers accumulate into retained memory themselves."""
         self._attach_extras(stateful, stateful_bytes)  # before the marker records the regions
         self._rng = self.layout.rng.view(self.state_region)
         if not self.reattached:
@@ -406,12 +414,16 @@ class RetainedState:
         self.extras.begin(step)
 
     def _zero_grads(self) -> None:
-        """Zero this step's gradients: Leto's regions, or the integration's buffers
-        (``GradSync.zero``); ``.grad`` back to its retained view (undoing a
-        ``zero_grad(set_to_none=True)``), or to None where the integration's hooks fill
-        ``main_grad`` (a ``.grad`` there would be added to it twice)."""
+        """Start this step's gradients: unset, to land by one copy each (``GradLanding``);
+        else zero Leto's regions (FSDP2) or the integration's buffers (``GradSync.zero``),
+        with ``.grad`` back to its retained view (undoing a ``zero_grad(set_to_none=True)``),
+        or None where the integration's hooks fill ``main_grad`` (a ``.grad`` there would be
+        added to it twice)."""
         if self.services.grad_sync().zero is not None:
             self.services.grad_sync().zero()
+        elif self._landing is not None:  # no fill: each gradient lands by one copy
+            self._landing.begin()
+            return
         else:
             for region in self.grad_regions.values():
                 region.zero_()
@@ -446,9 +458,8 @@ class RetainedState:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
         self._phases.mark("compute")
-        if self._compute.lender is not None:  # the update is about to write the lent memory
-            self._compute.lender.check_returned()
-        self._phases.mark("lend_check")
+        if self._landing is not None:
+            self._landing.settle()
         self._check_grads_bound()
         self.services.injector.point("sync")
         self._allreduce_grads()
@@ -477,6 +488,8 @@ class RetainedState:
         self._update(step)
         self._rng_host = self._rng_next_host  # what the commit installed in the RNG slot
         self._phases.mark("update")
+        self._check_lent_memory_returned()
+        self._phases.mark("lend_check")
         self._committed_this_step = True
         self.services.preinit.report()  # memory after the step, before the agent may read it
         lender = self._compute.lender
@@ -502,6 +515,17 @@ class RetainedState:
             )
             self._announced = True
         self.services.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
+
+    def _check_lent_memory_returned(self) -> None:
+        """Refuse a tensor of the compute phase kept in the lent undo memory (``ProtocolError``).
+
+        Checked once the update is queued, while its kernels run, so that walking the pool
+        costs the step no time: the host does not wait for the device here. A kept tensor
+        may by then be overwritten by the update's undo copies; that is the script's tensor,
+        never retained state (the update reads gradients and state from their regions
+        only), and the error ends the step before the script sees it again."""
+        if self._compute.lender is not None:
+            self._compute.lender.check_returned()
 
     def _commit_barrier(self) -> None:
         """Once any rank passes it, every rank's GRADS_READY of this step has landed (so its

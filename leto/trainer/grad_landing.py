@@ -1,0 +1,75 @@
+"""Gradients land in retained memory by one copy, not by a fill and an accumulation.
+
+A parameter whose ``.grad`` is a view of the retained "grads" region receives its gradient
+as autograd accumulates: ``grad += new``, after the region was zeroed at the step's start.
+That is a fill of the whole region and an add that reads it back, three passes over the
+gradients that ``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) spares a
+plain job. Instead each step starts with ``.grad`` unset, autograd hands the parameter its
+fresh gradient, and a post-accumulate hook copies it into the retained view and binds the
+view, one pass; the fresh tensor is freed at once, so the peak holds one parameter's
+gradient more at most. Later backward passes of the same step (gradient accumulation) find
+the view bound and accumulate into it in place, as before.
+
+After the compute phase, ``settle`` binds the zeroed view of every parameter that received
+no gradient (what the zero fill gave it) and refuses a gradient that arrived and was unset
+again (``zero_grad()`` after backward): the update must never read a stale view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from leto.errors import ProtocolError
+
+
+class GradLanding:
+    """Lands each parameter's first gradient of a step in its retained view."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor]) -> None:
+        self.params, self.views = list(params), list(views)
+        self.arrived = [False] * len(self.params)
+        """Whether parameter ``i``'s gradient has landed since the step began."""
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook(i))
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        view, arrived = self.views[i], self.arrived
+
+        def landed(p: torch.Tensor) -> None:
+            grad = p.grad
+            if grad is not view:  # the step's first gradient: autograd's fresh tensor
+                view.copy_(grad)
+                p.grad = view
+            arrived[i] = True
+
+        return landed
+
+    def begin(self) -> None:
+        """At the step's start (and an OOM retry's): no gradient has landed yet."""
+        for i, p in enumerate(self.params):
+            p.grad = None
+            self.arrived[i] = False
+
+    def settle(self) -> None:
+        """After the compute phase: every parameter's ``.grad`` is its retained view; one
+        that received no gradient gets its view zeroed (``ProtocolError`` for a gradient
+        unset after it landed)."""
+        for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):
+            if p.grad is view:
+                continue
+            if self.arrived[i]:
+                raise ProtocolError(
+                    "a gradient no longer lives in retained memory: it was unset or replaced "
+                    "after backward (optimizer.zero_grad() between backward and "
+                    "RetainedState.step()?); leto starts each step's gradients itself"
+                )
+            if p.grad is not None:
+                raise ProtocolError(
+                    "a gradient no longer lives in retained memory: it was set outside "
+                    "backward (p.grad = ...); only autograd may write a retained gradient"
+                )
+            view.zero_()
+            p.grad = view

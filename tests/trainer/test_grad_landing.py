@@ -1,0 +1,117 @@
+"""Gradients land in retained memory by one copy (``leto.trainer.grad_landing``): each step's
+gradients equal plain torch's (``zero_grad()`` then backward) whatever the script does
+with ``zero_grad`` before backward, however many backward passes accumulate, and a
+parameter that gets no gradient in a step commits a zero one, not the last step's. A real
+trainer ``Context`` in this process (tests/trainer/local.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from leto.errors import ProtocolError
+from tests.trainer.local import local_context
+
+
+class Branchy(torch.nn.Module):
+    """Two heads; ``head_b`` takes part only in even steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(4, 4)
+        self.head_a, self.head_b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.trunk(x).tanh()
+        out = self.head_a(h)
+        if step % 2 == 0:
+            out = out + self.head_b(h)
+        return out.square().mean()
+
+
+def _inputs(step: int, micro: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + micro))
+
+
+def _plain_grads(steps: int, micro_batches: int) -> list[list[torch.Tensor | None]]:
+    """Each step's gradients under plain torch: ``zero_grad()`` then the backward passes."""
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            model(_inputs(step, micro), step).backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads
+
+
+def _leto_grads(
+    monkeypatch: pytest.MonkeyPatch,
+    steps: int,
+    micro_batches: int,
+    before_backward: Callable[[torch.optim.Optimizer], None] = lambda opt: None,
+) -> list[list[torch.Tensor]]:
+    with local_context(monkeypatch) as ctx:
+        model = Branchy()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = ctx.retain(model, opt)
+        views = [copy.copy(p.grad) for p in model.parameters()]  # the retained views
+        grads = []
+        for step in state.steps(steps):
+
+            def fb(step: int = step) -> torch.Tensor:
+                before_backward(opt)
+                for micro in range(micro_batches):
+                    loss = model(_inputs(step, micro), step)
+                    loss.backward()
+                return loss
+
+            loss = state.compute(fb)
+            state.step(loss=loss)
+            for p, view in zip(model.parameters(), views, strict=True):
+                assert p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        return grads
+
+
+def _assert_same(leto: list[list[torch.Tensor]], plain: list[list[torch.Tensor | None]]) -> None:
+    for step, (got, want) in enumerate(zip(leto, plain, strict=True)):
+        for g, w in zip(got, want, strict=True):
+            expected = torch.zeros_like(g) if w is None else w  # no gradient: a zero one
+            assert torch.equal(g, expected), f"step {step}"
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_gradients_land_as_plain_torch_computes_them(
+    monkeypatch: pytest.MonkeyPatch, micro_batches: int
+) -> None:
+    plain = _plain_grads(4, micro_batches)
+    assert plain[1][-1] is None and plain[2][-1] is not None  # head_b skips odd steps
+    _assert_same(_leto_grads(monkeypatch, 4, micro_batches), plain)
+
+
+def test_zero_grad_before_backward_is_the_script_s_own_business(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The usual loop calls ``optimizer.zero_grad()`` (``set_to_none=True``) before backward:
+    the gradients still land in retained memory, the same as without it."""
+    plain = _plain_grads(3, 2)
+    _assert_same(_leto_grads(monkeypatch, 3, 2, lambda opt: opt.zero_grad()), plain)
+    _assert_same(
+        _leto_grads(monkeypatch, 3, 2, lambda opt: opt.zero_grad(set_to_none=False)), plain
+    )
+
+
+def test_a_gradient_set_outside_backward_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def set_by_hand(opt: torch.optim.Optimizer) -> None:
+        p = opt.param_groups[0]["params"][-1]  # head_b's bias: no gradient in odd steps
+        p.grad = torch.ones_like(p)
+
+    with pytest.raises(ProtocolError, match="set outside backward"):
+        _leto_grads(monkeypatch, 2, 1, set_by_hand)
