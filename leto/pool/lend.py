@@ -14,10 +14,12 @@ What makes that safe:
 * every allocation of the compute phase, from every thread (the autograd engine's device
   threads included), goes to the pool (``torch._C._cuda_beginAllocateToPool``, the
   all-threads form of ``torch.cuda.use_mem_pool``); nothing outside the compute phase does;
-* before the update, :meth:`ActivationLender.check_returned` walks the pool's segments
-  inside the arena and refuses to go on (``ProtocolError``) if a block there is still live:
-  a tensor made in the compute phase and kept past it (only requests of more than 2 MiB go
-  to the arena, so a returned loss never lands there);
+* :meth:`ActivationLender.check_returned` walks the pool's segments inside the arena and
+  raises ``ProtocolError`` if a block there is still live: a tensor made in the compute
+  phase and kept past it (only requests of more than 2 MiB go to the arena, so a returned
+  loss never lands there). ``RetainedState.step`` calls it once the update is queued, while
+  the device runs it, so the walk costs the step no time; such a tensor may then hold undo
+  bytes, but it is the script's, never retained state, and the step ends with the error;
 * the undo region is pool memory: a trainer killed mid-update leaves it to its successor,
   which finishes the update before its own compute phase lends it again.
 
@@ -250,9 +252,10 @@ class ActivationLender:
             for block in segment["blocks"]:
                 if block["state"] != "inactive":
                     raise ProtocolError(
-                        f"a {block['size']}-byte tensor allocated in the compute phase is still in use when the "
-                        f"update begins (at {offset:#x}, in memory lent from the RMU's undo buffer): release it "
-                        "before RetainedState.step(); if a library keeps it (a workspace made on first use), "
+                        f"a {block['size']}-byte tensor allocated in the compute phase is still in use after "
+                        f"it (at {offset:#x}, in memory lent from the RMU's undo buffer, which the update "
+                        "overwrites): release it before RetainedState.step(); if a library keeps it (a "
+                        "workspace made on first use), "
                         "make that first use before training, or set leto.lend_activation_memory: false"
                     )
                 offset += int(block["size"])

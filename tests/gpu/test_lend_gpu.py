@@ -2,11 +2,13 @@
 
 In process: large activations, including those the autograd engine's device thread
 allocates in backward, land in the lent region, small ones never do, and a block kept past
-the compute phase stops the update. End to end: a job with lending on and kills in forward,
+the compute phase stops the step. End to end: a job with lending on and kills in forward,
 backward and the update recovers to the digests of the same job with lending off.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +92,25 @@ def test_recovery_with_lent_activations_equals_the_run_without_lending(tmp_path)
     assert len([e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]) == len(faults)
     lent = [e["lent_bytes"] for e in events if e["kind"] == Kind.STEP_DONE]
     assert lent and min(lent) > 0, "no activation landed in the lent undo buffer"
+
+
+def test_a_job_that_keeps_an_activation_past_the_compute_phase_is_stopped(tmp_path) -> None:
+    """The check runs after the update is queued (off the step's critical path), but still
+    before the script's next line: the kept step fails with the error naming the cause,
+    and no later step runs."""
+    script = str(Path(__file__).with_name("scripts") / "keep_activation.py")
+    proc, events = run_leto(
+        tmp_path,
+        steps=6,
+        nproc=1,
+        model_args=[],
+        script=script,
+        script_args=["--keep-step", "3"],
+        extra=["--max-restarts", "0"],
+        timeout_s=300,
+        leto={"lend_activation_memory": True},
+    )
+    assert proc.returncode != 0
+    assert "still in use after it" in proc.stderr
+    done = sorted(e["step"] for e in events if e["kind"] == Kind.STEP_DONE)
+    assert done == [0, 1, 2], done

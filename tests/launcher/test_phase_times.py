@@ -6,7 +6,7 @@ from leto.events import Kind
 from leto.trainer.timing import ENV_PHASE_TIMES
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
-PHASES = ["compute", "lend_check", "allreduce", "clip", "encode_grads", "join", "barrier", "update"]
+PHASES = ["compute", "allreduce", "clip", "encode_grads", "join", "barrier", "update", "lend_check"]
 
 
 def test_phase_times_are_reported_and_change_no_result(tmp_path, monkeypatch) -> None:
