@@ -365,9 +365,11 @@ def ablate(args: argparse.Namespace) -> None:
 
 def iteration_only(args: argparse.Namespace) -> None:
     """Steady-state iteration of leto-run (its default protection, ``--consistency``) and of
-    plain torchrun with torch's fused AdamW, on the same model and kernels, one after the
-    other; the first 5 steps left out, and for leto-run the steps before its shadows'
-    warm-ups finished (they share the GPU)."""
+    plain torchrun with torch's fused AdamW and ``zero_grad()``, on the same model and
+    kernels, in ``--rounds`` rounds that alternate which job runs first (a lent host's speed
+    drifts by tens of percent within a call: a ratio is taken within a round, and the
+    median over the rounds is the result). The first 5 steps are left out, and for leto-run
+    the steps before its shadows' warm-ups finished (they share the GPU)."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
 
@@ -394,11 +396,43 @@ def iteration_only(args: argparse.Namespace) -> None:
             print_phases(timed)
             write_result(args.json, {"phases_s": timed})
             return
-        leto_events = run_leto(tmp, args.steps, [], args.nproc, args.consistency)
-        leto_all = steady(leto_events)
-        leto, quiet_steps = after_shadows_settled(leto_events)
+
+        def torchrun_round() -> float:
+            return steady(
+                run_torchrun(
+                    tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc
+                )
+            )
+
+        def leto_round() -> tuple[float, int, float]:
+            events = run_leto(tmp, args.steps, [], args.nproc, args.consistency)
+            return (*after_shadows_settled(events), steady(events))
+
+        rounds = []
+        for r in range(args.rounds):
+            if r % 2 == 0:
+                base = torchrun_round()
+                leto, quiet_steps, leto_all = leto_round()
+            else:
+                leto, quiet_steps, leto_all = leto_round()
+                base = torchrun_round()
+            rounds.append(
+                {
+                    "torchrun_s": base,
+                    "leto_s": leto,
+                    "leto_steps_after_shadows_settled": quiet_steps,
+                    "leto_all_steps_s": leto_all,
+                    "ratio": leto / base,
+                }
+            )
+            print(
+                f"round {r + 1}/{args.rounds}: torchrun {base * 1e3:.1f} ms, leto-run {leto * 1e3:.1f} ms "
+                f"({quiet_steps} steps after its shadows settled; every step from 5: "
+                f"{leto_all * 1e3:.1f}), ratio {leto / base:.3f}",
+                flush=True,
+            )
         phases: dict = {}
-        if args.phase_times:  # a second run, synchronised at every phase boundary
+        if args.phase_times:  # synchronised at every phase boundary
             phases = {
                 "leto-run": median_phases(
                     run_leto(
@@ -409,31 +443,24 @@ def iteration_only(args: argparse.Namespace) -> None:
                 "torchrun": torchrun_phases(tmp, args),
             }
             print_phases(phases)
-        base = steady(
-            run_torchrun(
-                tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc
-            )
-        )
+    ratio = statistics.median(r["ratio"] for r in rounds)
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "nproc": args.nproc,
         "consistency": args.consistency,
         "kernels": KERNELS["mode"],
-        "leto_iteration_s": leto,
-        "leto_steps_after_shadows_settled": quiet_steps,
-        "leto_iteration_all_steps_s": leto_all,
-        "torchrun_fused_adamw_iteration_s": base,
-        "overhead": leto / base - 1,
+        "model": MODEL,
+        "baseline": "torchrun, AdamW(fused=True), zero_grad() (set_to_none=True)",
+        "rounds": rounds,
+        "overhead": ratio - 1,
         "leto_phases_synchronised_s": phases,
     }
     print(
-        f"kernels: {KERNELS['mode']}; leto-run, every step from step 5 (shadows warming up on the same GPU "
-        f"early on): {leto_all * 1e3:.1f} ms"
-    )
-    print(
-        f"leto-run ({args.consistency}) iteration {leto * 1e3:.1f} ms ({quiet_steps} steps after the shadows "
-        f"settled); torchrun with fused AdamW, same kernels, {base * 1e3:.1f} ms; "
-        f"leto-run / torchrun = {leto / base:.3f} ({100 * (leto / base - 1):+.1f} %)"
+        f"kernels: {KERNELS['mode']}; leto-run ({args.consistency}) / torchrun with fused AdamW and "
+        f"zero_grad(), same kernels, median of {len(rounds)} rounds: {ratio:.3f} "
+        f"({100 * (ratio - 1):+.1f} %; rounds "
+        + ", ".join(f"{r['ratio']:.3f}" for r in rounds)
+        + ")"
     )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
@@ -572,12 +599,20 @@ def main() -> None:
         help="no failures: leto-run's and torchrun's steady iteration for --steps steps, same call",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --iteration-only: this many torchrun/leto-run pairs, alternating which runs first",
+    )
+    p.add_argument(
         "--profile-from",
         type=Path,
         metavar="RESULT_JSON",
         help="write RESULT_JSON's simulator profile (<stem>_profile.json beside it) and exit",
     )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.exit(2, f"{p.prog}: error: --rounds must be >= 1, got {args.rounds}\n")
     KERNELS["mode"] = args.kernels
     if args.profile_from is not None:
         print(f"wrote {profile_from(args.profile_from)}")

@@ -172,6 +172,13 @@ def main() -> None:
         default="fused",
         help="torch's AdamW implementation (fused: the fastest, the baseline a careful user runs)",
     )
+    p.add_argument(
+        "--zero-grad",
+        choices=("none", "zeros"),
+        default="none",
+        help="optimizer.zero_grad(set_to_none=...): none (torch's default: backward writes "
+        "fresh gradients, no fill and no accumulation) or zeros (gradients accumulate in place)",
+    )
     args = p.parse_args()
     for flag, value, least in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1)):
         if value < least:  # one line, as leto-run's errors (argparse's error adds the usage)
@@ -238,7 +245,7 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = make_batch(step, rank, args, device)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=args.zero_grad == "none")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = model(x, y) if args.arch == "gpt" else model(input_ids=x, labels=x).loss
         loss.backward()

@@ -152,7 +152,7 @@ def plain(args: argparse.Namespace) -> None:
         began = time.perf_counter()
         phases = PhaseTimes(device, began)
         ids, labels = batch(step, rank, args, device)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()  # torch's default, set_to_none=True: what a careful user runs
         loss = loss_of(trained, ids, labels, args.bf16)
         loss.backward()
         phases.mark("compute")
