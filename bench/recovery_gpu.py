@@ -329,13 +329,14 @@ def write_result(path: str, fields: dict) -> None:
 def ablate(args: argparse.Namespace) -> None:
     """Diagnostic: where leto-run's steady step goes. The same job unsynchronised (median
     step, steps >= 5 after the shadows settled) as torchrun with fused AdamW, leto-run,
-    leto-run without shadows, and without shadows nor lent activation memory; then
+    leto-run without lending, without shadows, and without either; then
     leto-run and torchrun synchronised at every phase boundary."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         restart = ("--recovery", "restart")
         runs = {
             "leto-run": (),
+            "leto-run, no lending": no_lend_args(tmp),
             "leto-run, no shadows": restart,
             "leto-run, no shadows, no lending": (*restart, *no_lend_args(tmp)),
         }
@@ -349,6 +350,17 @@ def ablate(args: argparse.Namespace) -> None:
         for name, extra in runs.items():
             events = run_leto(tmp, args.steps, [], args.nproc, args.consistency, extra)
             iters[name] = after_shadows_settled(events)[0]
+            spread = sorted(
+                e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5
+            )
+            print(
+                f"{name}: step time p10 / p50 / p90 "
+                + " / ".join(
+                    f"{spread[int(q * (len(spread) - 1))] * 1e3:.1f}" for q in (0.1, 0.5, 0.9)
+                )
+                + " ms",
+                flush=True,
+            )
         for name, value in iters.items():
             ratio = value / iters["torchrun"]
             print(f"{name:<36} {value * 1e3:7.1f} ms  {ratio:.3f}x torchrun", flush=True)
