@@ -54,7 +54,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest, PContext
 
-from leto import contract, faults, kernels
+from leto import contract, faults, kernels, priority
 from leto.config import LetoConfig
 from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import NvmlHealth
@@ -571,6 +571,7 @@ class LetoAgent(LocalElasticAgent):
         attempt.hangs.arm(warm=warm)
         for worker, pid in zip(worker_group.workers, self._pcontext.pids().values(), strict=True):
             worker.id = pid
+            priority.raise_promoted(pid)  # one still pre-initialising is a trainer now
         self._events.emit(
             Kind.SHADOWS_PROMOTED,
             gen=attempt.generation,

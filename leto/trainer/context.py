@@ -42,6 +42,7 @@ from leto.pool.client import PoolClient
 from leto.preinit.guard import OomGuard
 from leto.preinit.probe import probe_for
 from leto.preinit.site import ShadowSite
+from leto.priority import ShadowPriority
 from leto.trainer.env import TrainerEnv
 from leto.trainer.grad_sync import GradSync
 from leto.trainer.services import TrainerServices
@@ -61,6 +62,10 @@ class Context:
     """A trainer's handle on the job: rank, store, pool, events, fault injector."""
 
     def __init__(self, env: TrainerEnv, store: dist.Store, raw_store: dist.Store) -> None:
+        self.priority = ShadowPriority()
+        """A shadow's CPU priority: lowest until promoted (``leto.priority``)."""
+        if env.role == ROLE_SHADOW:
+            self.priority.lower()
         self.env = env
         self.store = store
         self.events = EventLog.from_env(f"trainer{env.rank}")
@@ -371,6 +376,7 @@ class Context:
                         f"lost the agent's store while waiting as a shadow: {e}"
                     ) from None
         self.promoted_at = time.time()
+        self.priority.restore()  # first: the rest of the promotion runs at the trainer's priority
         if self.device.type == "cuda" and not env.holds_device:
             torch.cuda.set_device(self.device)  # an L1 shadow's CUDA context starts now
         # The predecessor may have died of its device: never resume on one that computes
