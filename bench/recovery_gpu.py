@@ -409,38 +409,40 @@ def iteration_only(args: argparse.Namespace) -> None:
             write_result(args.json, {"phases_s": timed})
             return
 
-        def torchrun_round() -> float:
-            return steady(
-                run_torchrun(
-                    tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc
-                )
+        def torchrun_round() -> dict:
+            events = run_torchrun(
+                tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc
             )
+            return {"s": steady(events)}
 
-        def leto_round() -> tuple[float, int, float]:
-            events = run_leto(tmp, args.steps, [], args.nproc, args.consistency)
-            return (*after_shadows_settled(events), steady(events))
+        def leto_round(*extra: str) -> dict:
+            events = run_leto(tmp, args.steps, [], args.nproc, args.consistency, extra)
+            settled, quiet = after_shadows_settled(events)
+            return {
+                "s": settled,
+                "steps_after_shadows_settled": quiet,
+                "all_steps_s": steady(events),
+            }
 
+        jobs = {"torchrun": torchrun_round, "leto-run": leto_round}
+        if args.with_no_lend:
+            jobs["leto-run, no lending"] = lambda: leto_round(*no_lend_args(tmp))
+        names = list(jobs)
         rounds = []
         for r in range(args.rounds):
-            if r % 2 == 0:
-                base = torchrun_round()
-                leto, quiet_steps, leto_all = leto_round()
-            else:
-                leto, quiet_steps, leto_all = leto_round()
-                base = torchrun_round()
-            rounds.append(
-                {
-                    "torchrun_s": base,
-                    "leto_s": leto,
-                    "leto_steps_after_shadows_settled": quiet_steps,
-                    "leto_all_steps_s": leto_all,
-                    "ratio": leto / base,
-                }
-            )
+            order = names[r % len(names) :] + names[: r % len(names)]  # each job first in turn
+            got = {name: jobs[name]() for name in order}
+            base = got["torchrun"]["s"]
+            for name in names[1:]:
+                got[name]["ratio"] = got[name]["s"] / base
+            rounds.append({"order": order, **got, "ratio": got["leto-run"]["ratio"]})
             print(
-                f"round {r + 1}/{args.rounds}: torchrun {base * 1e3:.1f} ms, leto-run {leto * 1e3:.1f} ms "
-                f"({quiet_steps} steps after its shadows settled; every step from 5: "
-                f"{leto_all * 1e3:.1f}), ratio {leto / base:.3f}",
+                f"round {r + 1}/{args.rounds}: torchrun {base * 1e3:.1f} ms; "
+                + "; ".join(
+                    f"{name} {got[name]['s'] * 1e3:.1f} ms ({got[name]['steps_after_shadows_settled']} "
+                    f"steps after its shadows settled), ratio {got[name]['ratio']:.3f}"
+                    for name in names[1:]
+                ),
                 flush=True,
             )
         phases: dict = {}
@@ -474,6 +476,10 @@ def iteration_only(args: argparse.Namespace) -> None:
         + ", ".join(f"{r['ratio']:.3f}" for r in rounds)
         + ")"
     )
+    if args.with_no_lend:
+        no_lend = statistics.median(r["leto-run, no lending"]["ratio"] for r in rounds)
+        result["overhead_no_lending"] = no_lend - 1
+        print(f"leto-run without lending / torchrun, median of {len(rounds)} rounds: {no_lend:.3f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
 
@@ -615,6 +621,11 @@ def main() -> None:
         type=int,
         default=3,
         help="with --iteration-only: this many torchrun/leto-run pairs, alternating which runs first",
+    )
+    p.add_argument(
+        "--with-no-lend",
+        action="store_true",
+        help="with --iteration-only: each round also runs leto-run with lend_activation_memory: false",
     )
     p.add_argument(
         "--profile-from",
