@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -271,16 +271,19 @@ class Context:
         _CleanExit.arm()
 
     def _install_heartbeat(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Progress beats inside long phases: every leaf forward, every gradient, the update."""
+        """Progress beats inside long phases: at ``BEATS_PER_PASS`` leaf modules spread over
+        the forward, at as many gradients spread over the backward, around the update. Not
+        at every module and gradient: each hook is a Python call on the step's host path
+        (and a hooked module takes ``Module.__call__``'s slow path), which a host-bound step
+        pays in full."""
         hb = self.heartbeat
         if hb is None:
             return
-        for module in model.modules():
-            if not list(module.children()):
-                module.register_forward_pre_hook(hb.beat)
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(hb.beat)
+        leaves = [m for m in model.modules() if not list(m.children())]
+        for module in spread(leaves, BEATS_PER_PASS):
+            module.register_forward_pre_hook(hb.beat)
+        for p in spread([p for p in model.parameters() if p.requires_grad], BEATS_PER_PASS):
+            p.register_post_accumulate_grad_hook(hb.beat)
         optimizer.register_step_pre_hook(hb.beat)
         optimizer.register_step_post_hook(hb.beat)
 
@@ -397,6 +400,18 @@ class Context:
             device_check_s=round(check_s, 4),
             group_built=group_built,
         )
+
+
+T = TypeVar("T")
+
+BEATS_PER_PASS = 8
+"""Heartbeats per forward and per backward pass (``Context._install_heartbeat``)."""
+
+
+def spread(items: list[T], k: int) -> list[T]:
+    """At most ``k`` of ``items``, evenly spaced from the first."""
+    n = len(items)
+    return [items[i * n // k] for i in range(k)] if n > k else items
 
 
 def _local_device(env: TrainerEnv) -> torch.device:
