@@ -74,7 +74,8 @@ class GPT(nn.Module):
 
 
 OPTIMIZERS = {
-    "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, foreach=True),
+    # fused=True: what a careful user runs (torch's fused kernel on CPU, Leto's on CUDA)
+    "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, fused=True),
     "sgd": lambda ps, lr: torch.optim.SGD(
         ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01
     ),

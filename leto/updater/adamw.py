@@ -31,6 +31,9 @@ class AdamWHyper:
     weight_decay: float
     decoupled: bool
     """AdamW (decoupled weight decay) when True, Adam's L2 penalty otherwise."""
+    fused: bool = False
+    """The group asked for ``fused=True``: its pieces are stepped by torch's own fused
+    kernel (``adamw_fused_pieces``) where Leto's Triton kernel does not run the update."""
 
     @classmethod
     def from_group(
@@ -56,6 +59,7 @@ class AdamWHyper:
             float(group["eps"]),
             float(group["weight_decay"]),
             decoupled,
+            bool(group.get("fused")),
         )
 
 
@@ -87,6 +91,40 @@ def adamw_pieces(
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, h.eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
+def adamw_fused_pieces(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    h: AdamWHyper,
+) -> None:
+    """One optimizer step, in place, on matching slices, by torch's fused Adam/AdamW kernel
+    (what ``fused=True`` runs in torch itself: one call, not a dozen foreach ops); ``steps``
+    are the slices' parameters' step counters, already incremented. Element-wise, so a
+    chunk's slices get the bytes the whole parameters would."""
+    if not params:
+        return
+    kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    kernel(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        amsgrad=False,
+        lr=h.lr,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        weight_decay=h.weight_decay,
+        eps=h.eps,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
 
 
 def f32_add_one(x: float) -> float:

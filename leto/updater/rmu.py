@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.faults import FaultInjector
 from leto.retained.layout import Layout
 from leto.retained.marker import Marker, Phase
-from leto.updater.adamw import AdamWHyper, adamw_pieces, f32_add_one
+from leto.updater.adamw import AdamWHyper, adamw_fused_pieces, adamw_pieces, f32_add_one
 from leto.updater.base import Buffer
 from leto.updater.fused import FusedChunks, flag_bytes
 from leto.updater.plan import Chunk, plan_chunks
@@ -457,7 +458,7 @@ class ResumableUpdater:
             if chunk.installs_rng:
                 self._rng.copy_(self.rng_next)
             return
-        by_group: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        by_group: dict[int, tuple[list[Any], ...]] = {}
         for p in chunk.pieces:
             i, lo, hi = p.param, p.lo, p.hi
             lists = by_group.setdefault(self._group_of[i], ([], [], [], [], []))
@@ -465,9 +466,14 @@ class ResumableUpdater:
             lists[1].append(self._grad[i][lo:hi])
             lists[2].append(self._m[i][lo:hi])
             lists[3].append(self._v[i][lo:hi])
-            lists[4].append(self._host_step[i])  # type: ignore[arg-type]
-        for gi, (ps, gs, ms, vs, steps) in by_group.items():
-            adamw_pieces(ps, gs, ms, vs, steps, hypers[gi])  # type: ignore[arg-type]
+            lists[4].append(i)
+        for gi, (ps, gs, ms, vs, owners) in by_group.items():
+            h = hypers[gi]
+            assert isinstance(h, AdamWHyper)
+            if h.fused:  # torch's fused kernel, as torch itself would run it
+                adamw_fused_pieces(ps, gs, ms, vs, [self._step[i] for i in owners], h)
+            else:
+                adamw_pieces(ps, gs, ms, vs, [self._host_step[i] for i in owners], h)
         if chunk.installs_rng:
             self._rng.copy_(self.rng_next)
 

@@ -82,7 +82,7 @@ def test_data_parallel_oom_reclaims_the_shadows_and_retries(board, ctx) -> None:
     ctrl.spawned(ShadowLevel.L3)
     state, fn, stop = _retained(ctx, GradSync()), _OomOnce(), threading.Event()
     for region in state.grad_regions.values():
-        region.fill_(1)  # a retry starts from zeroed gradients
+        region.fill_(1)  # what the failed attempt's backward wrote: the retry discards it
     agent = threading.Thread(target=_answer_reclaims, args=(ctrl, stop))
     agent.start()
     try:
@@ -91,7 +91,11 @@ def test_data_parallel_oom_reclaims_the_shadows_and_retries(board, ctx) -> None:
         stop.set()
         agent.join(5)
     assert float(loss) == 1.5 and fn.calls == 2
-    assert all(bool((r == 0).all()) for r in state.grad_regions.values())
+    # No gradient landed in the retry (leto.trainer.grad_landing): the step's gradients are
+    # the retry's alone, and one that never lands is committed as zero.
+    assert all(p.grad is None for p in state.params)
+    state.step(loss=loss)
+    assert all(bool((g == 0).all()) for g in state.grad_views())
     assert ctrl.reclaims == 1 and ctrl.state is ShadowState.RECLAIMED
 
 
