@@ -168,6 +168,8 @@ class ResumableUpdater:
         self._host_step: list[float] | None = None
         """The step counters on the host, kept in step with the device after a whole update
         (None: read them, once, at the next update)."""
+        self._views_by_chunk: dict[int, dict[int, tuple[list[Any], ...]]] = {}
+        """Each chunk's piece views (``_piece_views``)."""
         self._step_owner = {p.param: c.index for c in self.chunks for p in c.pieces if p.owns_step}
         """The chunk that advances each parameter's step counter."""
         self._counters = [
@@ -458,16 +460,7 @@ class ResumableUpdater:
             if chunk.installs_rng:
                 self._rng.copy_(self.rng_next)
             return
-        by_group: dict[int, tuple[list[Any], ...]] = {}
-        for p in chunk.pieces:
-            i, lo, hi = p.param, p.lo, p.hi
-            lists = by_group.setdefault(self._group_of[i], ([], [], [], [], []))
-            lists[0].append(self._param[i][lo:hi])
-            lists[1].append(self._grad[i][lo:hi])
-            lists[2].append(self._m[i][lo:hi])
-            lists[3].append(self._v[i][lo:hi])
-            lists[4].append(i)
-        for gi, (ps, gs, ms, vs, owners) in by_group.items():
+        for gi, (ps, gs, ms, vs, owners) in self._piece_views(chunk).items():
             h = hypers[gi]
             assert isinstance(h, AdamWHyper)
             if h.fused:  # torch's fused kernel, as torch itself would run it
@@ -476,6 +469,24 @@ class ResumableUpdater:
                 adamw_pieces(ps, gs, ms, vs, [self._host_step[i] for i in owners], h)
         if chunk.installs_rng:
             self._rng.copy_(self.rng_next)
+
+    def _piece_views(self, chunk: Chunk) -> dict[int, tuple[list[Any], ...]]:
+        """The chunk's pieces by parameter group: parameter, gradient, moment views and the
+        parameter indices. Built at the chunk's first update and kept (the layout and the
+        regions' addresses are fixed for the process): slicing a few hundred views is host
+        time a small model's step would otherwise pay every update."""
+        views = self._views_by_chunk.get(chunk.index)
+        if views is None:
+            views = self._views_by_chunk[chunk.index] = {}
+            for p in chunk.pieces:
+                i, lo, hi = p.param, p.lo, p.hi
+                lists = views.setdefault(self._group_of[i], ([], [], [], [], []))
+                lists[0].append(self._param[i][lo:hi])
+                lists[1].append(self._grad[i][lo:hi])
+                lists[2].append(self._m[i][lo:hi])
+                lists[3].append(self._v[i][lo:hi])
+                lists[4].append(i)
+        return views
 
     def _fold_parity(
         self, chunk: Chunk, auth: list[ProtectionGroup], spare: list[ProtectionGroup]
