@@ -325,7 +325,13 @@ class LetoAgent(LocalElasticAgent):
         if self._phase.uses_leto:
             self._shadows.answer_oom(attempt, worker_group)
         if self._phase.uses_leto:
-            record = attempt.epochs.poll(attempt.generation + 1)
+            # Another node's decision, a store round trip a poll; alone, this agent publishes
+            # every record itself and follows it at once.
+            record = (
+                attempt.epochs.poll(attempt.generation + 1)
+                if worker_group.group_world_size > 1
+                else None
+            )
             if record is not None:  # another node saw a failure: do as it decided
                 return self._follow(worker_group, record, None)
             if attempt.detection is None and self._pcontext is not None:
