@@ -99,6 +99,10 @@ class Context:
         self.injector.kill_shadow = self._kill_own_shadow
         self.checkpointer: Checkpointer | None = None
         self.promoted_at: float | None = None
+        self.exits_cleanly = False
+        """Whether the process leaves by ``os._exit(0)`` once training finished
+        (``_CleanExit``): a trainer process that ``leto.init()`` started, never a process
+        that only hosts a ``Context`` (a test runner's exit status is its own)."""
         self._started = time.time()
         self._build_group: Callable[[], None] = lambda: None
         self.collective_device = torch.device("cpu")
@@ -268,7 +272,8 @@ class Context:
             self.heartbeat.finished()
         if self.checkpointer is not None:  # the job's last checkpoint completes before the exit
             self.checkpointer.close()
-        _CleanExit.arm()
+        if self.exits_cleanly:
+            _CleanExit.arm()
 
     def _install_heartbeat(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Progress beats inside long phases: at ``BEATS_PER_PASS`` leaf modules spread over
@@ -450,6 +455,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     base = dist.PrefixStore(contract.store_prefix(env.restart_count, env.job_token), raw)
     t_store = time.time()
     ctx = Context(env, base, raw)
+    ctx.exits_cleanly = True
     ctx.report_fatal_on_unrecoverable()
     now = time.time()
     ctx.events.emit(
