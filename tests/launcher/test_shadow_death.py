@@ -95,9 +95,12 @@ def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_gr
     assert_exact(reference, events)
     (restart,) = _kinds(events, Kind.GROUP_RESTART)
     before = [e for e in events if e["t"] < restart["t"]]
-    died = _kinds(before, Kind.SHADOW_DIED)
+    # Generation 1's shadows died LIMIT times, then were given up; the replacements spawned
+    # at each promotion die as well, and one may be seen before the restart, or not.
+    died = [e for e in _kinds(before, Kind.SHADOW_DIED) if e["gen"] == 1]
     assert [e["deaths"] for e in died] == list(range(1, LIMIT + 1)), died
-    assert all(e["rank"] == 1 and e["gen"] == 1 for e in died), died
+    later = [e for e in _kinds(before, Kind.SHADOW_DIED) if e["gen"] != 1]
+    assert all(e["rank"] == 1 for e in died + later) and all(e["gen"] > 1 for e in later), later
     launches = [(e["gen"], e["launch"]) for e in _kinds(before, Kind.SHADOWS_SPAWNED)]
     # gen 1 launched LIMIT times, then a cold gen 1; then at each promotion replacements
     # (which die as well: the next generation is theirs if still alive, else cold)
