@@ -1,12 +1,13 @@
 """A shadow pre-initialises at nice 19 and its promotion raises every thread back: a real
-leto-run job (one CPU rank, its shadow, a SIGKILL once the shadow is ready); the digests
-equal the fault-free run's. Where this process could not raise a thread back (no
+leto-run job (one CPU rank, its shadow, a SIGKILL); the digests equal the fault-free
+run's. Where this process could not raise a thread back (no
 CAP_SYS_NICE, a low RLIMIT_NICE) the shadow is never lowered, and the test checks that."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from leto.config import FaultSpec
 from leto.events import Kind
@@ -16,30 +17,27 @@ from tests.launcher.harness import REPO, assert_exact, fault_free_digests, run_l
 SCRIPT = str(REPO / "tests" / "launcher" / "scripts" / "nice_trace.py")
 
 
+def _job(tmp_path: Path, steps: int, script_args: list[str], faults: list[FaultSpec]) -> list[dict]:
+    """The traced one-rank job with ``faults``, checked digest for digest against the same job
+    without them; returns the faulted job's trace records (the reference's are dropped)."""
+    trace = tmp_path / "trace.jsonl"
+    run = {"steps": steps, "nproc": 1, "model_args": [], "script": SCRIPT}
+    script_args = ["--trace", str(trace), *script_args]
+    reference = fault_free_digests(tmp_path, script_args=script_args, **run)
+    trace.unlink()
+    proc, events = run_leto(tmp_path, script_args=script_args, faults=faults, **run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact(reference, events)
+    assert [e["kind"] for e in events].count(Kind.SHADOWS_PROMOTED) == len(faults)
+    return [json.loads(line) for line in trace.read_text().splitlines()]
+
+
 def test_a_shadow_waits_at_the_lowest_priority_and_is_raised_back_when_promoted(
     tmp_path,
 ) -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    trace = tmp_path / "trace.jsonl"
-    script_args = ["--trace", str(trace)]
-    reference = fault_free_digests(
-        tmp_path, steps=8, nproc=1, model_args=[], script=SCRIPT, script_args=script_args
-    )
-    trace.unlink()
     fault = FaultSpec(rank=0, step=5, phase="forward", shadow_ready_steps_before=2)
-    proc, events = run_leto(
-        tmp_path,
-        steps=8,
-        nproc=1,
-        model_args=[],
-        script=SCRIPT,
-        script_args=script_args,
-        faults=[fault],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_exact(reference, events)
-    assert [e["kind"] for e in events].count(Kind.SHADOWS_PROMOTED) == 1
-    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    records = _job(tmp_path, 8, [], [fault])
     by_pid: dict[int, list[dict]] = {}
     for r in records:
         by_pid.setdefault(r["pid"], []).append(r)
@@ -65,18 +63,12 @@ def test_a_shadow_promoted_before_it_is_ready_is_raised_at_once(tmp_path) -> Non
     only at its wait): the rest of its pre-initialisation and its steps run at the trainer's
     priority, every thread of it."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    trace = tmp_path / "trace.jsonl"
-    proc, _ = run_leto(
+    records = _job(
         tmp_path,
-        steps=4,
-        nproc=1,
-        model_args=[],
-        script=SCRIPT,
-        script_args=["--trace", str(trace), "--shadow-sleep", "4", "--await-shadow-at", "1"],
-        faults=[FaultSpec(rank=0, step=1, phase="forward")],
+        4,
+        ["--shadow-sleep", "4", "--await-shadow-at", "1"],
+        [FaultSpec(rank=0, step=1, phase="forward")],
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in trace.read_text().splitlines()]
     (first,) = [r["pid"] for r in records if r["at"] == "init" and r["shadow"]][:1]
     mine = [r for r in records if r["pid"] == first]
     assert [r["at"] for r in mine][:2] == ["init", "slept"], mine
