@@ -131,6 +131,7 @@ class Bench:
         nbytes = padded_bytes(lay.state_bytes, erasure) if erasure is not None else lay.state_bytes
         self.state = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.grads = torch.zeros(lay.grad_bytes, dtype=torch.uint8, device=device)
+        lay.grad_scale.view(self.grads).fill_(1.0)  # the fused kernel's factor: no clipping
         for p, ps, gs in zip(params, lay.params, lay.grads, strict=True):
             data = ps.view(self.state)
             data.copy_(p.detach())

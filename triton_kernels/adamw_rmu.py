@@ -4,6 +4,8 @@ The unfused RMU path (``leto.updater.rmu`` with ``fused=False``) copies a chunk'
 the undo buffer, then runs torch's foreach AdamW ops over it: about eight passes over
 param / exp_avg / exp_avg_sq. This kernel reads param, grad, exp_avg and exp_avg_sq once
 and writes the undo copy and the new values once (10 words per element instead of ~30).
+It scales each gradient by a retained factor as it reads it (the clipping coefficient,
+``leto.retained.layout.Layout.grad_scale``), so clipping costs the norm alone.
 Its pure-PyTorch reference is ``leto.updater.adamw.adamw_pieces`` plus the undo copy.
 
 One launch covers every piece of a chunk (a slice of one parameter), so a step costs the
@@ -63,6 +65,7 @@ _SF: tl.constexpr = tl.constexpr(SCALAR_FIELDS)
 def _adamw_chunk_kernel(
     state_ptr,
     grad_ptr,
+    scale_ptr,
     undo_ptr,
     flag_ptr,
     piece_ptr,
@@ -99,7 +102,7 @@ def _adamw_chunk_kernel(
     p = tl.load(state_ptr + p_off + idx, mask=ok, other=0.0)
     m = tl.load(state_ptr + m_off + idx, mask=ok, other=0.0)
     v = tl.load(state_ptr + v_off + idx, mask=ok, other=0.0)
-    g = tl.load(grad_ptr + g_off + idx, mask=ok, other=0.0)
+    g = tl.load(grad_ptr + g_off + idx, mask=ok, other=0.0) * tl.load(scale_ptr)
     tl.store(undo_ptr + up_off + idx, p, mask=ok)
     tl.store(undo_ptr + um_off + idx, m, mask=ok)
     tl.store(undo_ptr + uv_off + idx, v, mask=ok)
@@ -195,6 +198,7 @@ def scalar_row(
 def adamw_chunk(
     state: torch.Tensor,
     grads: torch.Tensor,
+    scale: torch.Tensor,
     undo: torch.Tensor,
     flags: torch.Tensor,
     table: PieceTable,
@@ -205,10 +209,14 @@ def adamw_chunk(
 
     ``state``/``grads``/``undo`` are flat float32 views, ``flags`` flat int64 (one per
     program of the chunk), ``scalars`` float32 ``[parameters, SCALAR_FIELDS]`` on the device.
+    Every gradient is multiplied by the float32 scalar ``scale`` as it is read (the clipping
+    coefficient: torch's ``clip_grad_norm_`` multiplies the gradients by it in place, a pass
+    over them that this saves; the product is the same float32 multiply).
     """
     for name, t, dt in (
         ("state", state, torch.float32),
         ("grads", grads, torch.float32),
+        ("scale", scale.view(-1), torch.float32),
         ("undo", undo, torch.float32),
         ("flags", flags, torch.int64),
     ):
@@ -219,6 +227,7 @@ def adamw_chunk(
     _adamw_chunk_kernel[(table.programs,)](
         state,
         grads,
+        scale,
         undo,
         flags,
         table.pieces,
@@ -257,5 +266,5 @@ def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
             torch.zeros(1, dtype=torch.int32, device=device),
             align,
         )
-        adamw_chunk(scratch, scratch, scratch, flags, empty, scalars, token)
+        adamw_chunk(scratch, scratch, scratch[:1], scratch, flags, empty, scalars, token)
     return len(seen)

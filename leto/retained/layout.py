@@ -52,6 +52,11 @@ class Layout:
     buffers: tuple[Slot, ...]
     grads: tuple[Slot, ...]
     """Each parameter's gradient, at an offset of its region ``grad_region``."""
+    grad_scale: Slot | None
+    """A float32 scalar after the gradients of Leto's "grads" region: the factor the fused
+    update multiplies every gradient by (the clipping coefficient), retained and protected
+    with the gradients it scales so that a finishing update applies the one every rank
+    applied. None where an integration placed the gradients."""
     optim: tuple[dict[str, Slot], ...]
     """Each parameter's optimizer state (``leto.retained.optim_state``: found by running the
     optimizer, with its ``PRESENT`` byte when torch creates the state lazily)."""
@@ -115,8 +120,11 @@ class Layout:
             for p in params:
                 grad_slots.append(Slot(cursor, tuple(p.shape), p.dtype))
                 cursor = _align(cursor + grad_slots[-1].nbytes)
-            grad_regions, grad_region = (("grads", max(cursor, ALIGN)),), ("grads",) * len(params)
+            grad_scale: Slot | None = Slot(cursor, (), torch.float32)
+            cursor = _align(cursor + grad_scale.nbytes)
+            grad_regions, grad_region = (("grads", cursor),), ("grads",) * len(params)
         else:
+            grad_scale = None
             grad_regions, grad_region = grads.regions, _place_grads(params, grads, grad_slots)
         described_keys = (
             tuple(k.name for k in state_keys[0])
@@ -149,6 +157,7 @@ class Layout:
             params=tuple(param_slots),
             buffers=tuple(buffer_slots),
             grads=tuple(grad_slots),
+            grad_scale=grad_scale,
             optim=tuple(optim_slots),
             rule=rule,
             rng=rng,

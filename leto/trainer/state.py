@@ -467,8 +467,7 @@ class RetainedState:
             for p, grad in zip(self.params, self.grad_views(), strict=True):
                 p.grad = grad
         self._phases.mark("allreduce")
-        if max_grad_norm is not None:  # the norm the update (RMU chunks included) applies
-            self.services.grad_sync().clip_(self.params, max_grad_norm)
+        self._clip(max_grad_norm)
         self._rng_next_host = rng_blob(self.device)
         self._rng_next.copy_(staged(self._rng_next_host, self.device), non_blocking=True)
         self._phases.mark("clip")
@@ -515,6 +514,24 @@ class RetainedState:
             )
             self._announced = True
         self.services.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
+
+    def _clip(self, max_grad_norm: float | None) -> None:
+        """Clip to ``max_grad_norm``: where the updater scales the gradients as it reads
+        them (``Updater.grad_scale``), by writing the coefficient there (a pass over the
+        gradients saved); else in place. Either way before GRADS_READY, so a finishing
+        update applies the gradients every rank applied."""
+        scale = self.updater.grad_scale
+        sync = self.services.grad_sync()
+        coef = None
+        if max_grad_norm is not None and scale is not None and self.shards is None:
+            coef = sync.clip_coef(self.params, max_grad_norm)
+        if coef is None and max_grad_norm is not None:
+            sync.clip_(self.params, max_grad_norm)
+        if scale is not None:
+            if coef is None:
+                scale.fill_(1.0)
+            else:
+                scale.copy_(coef)
 
     def _check_lent_memory_returned(self) -> None:
         """Refuse a tensor of the compute phase kept in the lent undo memory (``ProtocolError``).

@@ -32,6 +32,14 @@ class Buffer:
 class Updater(Protocol):
     """Applies one step's optimizer update to the retained state crash-consistently."""
 
+    @property
+    def grad_scale(self) -> torch.Tensor | None:
+        """The retained float32 scalar this updater multiplies every gradient by as it reads
+        it (``Layout.grad_scale``): the trainer writes the clipping coefficient there, or 1,
+        before GRADS_READY, instead of scaling the gradients in place. None: the gradients
+        must arrive scaled."""
+        ...
+
     def run(self, step: int) -> None:
         """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1)."""
         ...

@@ -122,6 +122,15 @@ class FusedChunks:
         self.state = state
         self.state_f = _f32(state)
         self.grads_f = _f32(grads)
+        self.grad_scale = None if layout.grad_scale is None else layout.grad_scale.view(grads)
+        """The retained factor the kernel multiplies every gradient by (``Layout.grad_scale``),
+        written by the trainer before GRADS_READY; None where an integration placed the
+        gradients (they arrive clipped, and the factor is 1)."""
+        self._scale = (
+            torch.ones((), dtype=torch.float32, device=state.device)
+            if self.grad_scale is None
+            else self.grad_scale
+        )
         self.plans = [self._plan(layout, c) for c in chunks]
         self._gaps = [_GapMoves.of(plan.gaps, state.device) for plan in self.plans]
         self.tables = [
@@ -208,6 +217,7 @@ class FusedChunks:
         self._kernel(
             self.state_f,
             self.grads_f,
+            self._scale,
             self.undo_f,
             self.flags,
             self.tables[j],

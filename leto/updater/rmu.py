@@ -256,6 +256,12 @@ class ResumableUpdater:
                 for i, g in enumerate(self._working[s]):
                     g.tier1 = parity[(s * n + i) * h1 : (s * n + i + 1) * h1]
 
+    @property
+    def grad_scale(self) -> torch.Tensor | None:
+        """The fused kernel's gradient factor (``FusedChunks.grad_scale``); the unfused
+        paths read the gradients as clipping left them."""
+        return None if self.fused is None else self.fused.grad_scale
+
     def lendable(self) -> dict[str, torch.Tensor]:
         """The undo buffer: read and written only between GRADS_READY and IDLE."""
         return {UNDO: self.undo}

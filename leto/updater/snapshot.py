@@ -51,6 +51,9 @@ class SnapshotUpdater:
         self.protected, self.injector, self.fence = protected, injector, fence
         self._rng = layout.rng.view(state)
 
+    grad_scale = None
+    """``optimizer.step()`` reads the gradients as clipping left them."""
+
     @classmethod
     def buffers(cls, state_nbytes: int) -> list[Buffer]:
         """The host snapshot of a state region of ``state_nbytes``."""

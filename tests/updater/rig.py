@@ -101,6 +101,7 @@ class Rig:
         nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
         state = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         grads = torch.zeros(layout.grad_bytes, dtype=torch.uint8, device=device)
+        layout.grad_scale.view(grads).fill_(1.0)  # what a trainer writes when it does not clip
         pin = torch.device(device).type == "cuda"
         for p, slot in zip(params, layout.params, strict=True):
             slot.view(state).copy_(p.detach())

@@ -65,6 +65,23 @@ def test_fused_matches_unfused_to_rounding_over_steps() -> None:
         assert torch.equal(t1, g.tier1) and torch.equal(t2, g.tier2)
 
 
+def test_the_kernel_applies_the_gradient_factor_as_clipping_in_place_would() -> None:
+    """The factor in ``Layout.grad_scale`` is one float32 multiply of each gradient as the
+    kernel reads it: the same bytes as torch's in-place ``_foreach_mul_`` and a factor of 1."""
+    folded, in_place = (
+        Rig.build(model(dim=24), erasure=None, chunk_bytes=CHUNK, fused=True) for _ in range(2)
+    )
+    coef = torch.tensor(0.3711, dtype=torch.float32)
+    for rig, factor in ((folded, coef), (in_place, torch.ones(()))):
+        rig.set_grads(seed=7)
+        if rig is in_place:
+            torch._foreach_mul_([s.view(rig.grads) for s in rig.layout.grads], coef)
+        rig.layout.grad_scale.view(rig.grads).copy_(factor)
+        rig.grads_ready(1e-2)
+        rig.updater(no_faults()).run(0)
+    assert torch.equal(folded.state, in_place.state)
+
+
 def test_fused_is_deterministic() -> None:
     assert torch.equal(_run(True).state, _run(True).state)
 

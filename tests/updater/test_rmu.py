@@ -26,10 +26,19 @@ def _params(rig: Rig) -> list[torch.Tensor]:
 
 
 def _clip(rig: Rig, max_norm: float = 1.0) -> None:
-    """clip_grad_norm_'s arithmetic on the retained gradient views (they have no .grad)."""
+    """clip_grad_norm_'s arithmetic on the retained gradient views (they have no .grad), as
+    a trainer clips: the fused kernel gets the coefficient as its gradient factor
+    (``Layout.grad_scale``), the unfused paths clipped gradients."""
     grads = [s.view(rig.grads) for s in rig.layout.grads]
     total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    assert coef < 1, "the tests' gradients are clipped"
+    scale = rig.layout.grad_scale.view(rig.grads)
+    if rig.fused:
+        scale.copy_(coef)
+    else:
+        torch._foreach_mul_(grads, coef)
+        scale.fill_(1.0)
 
 
 def _step(rig: Rig, step: int, injector: FaultInjector) -> None:

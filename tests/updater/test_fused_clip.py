@@ -1,0 +1,65 @@
+"""Clipping folded into the fused update: a trainer on the fused RMU path (the Triton
+interpreter on CPU) writes the clipping coefficient to ``Layout.grad_scale`` instead of
+scaling its gradients in place, and trains as plain torch does with ``clip_grad_norm_``.
+A real trainer ``Context`` in this process (tests/trainer/local.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.local import local_context
+
+STEPS = 4
+MAX_NORM = 0.05
+"""Below every step's gradient norm: each step is clipped, by a different factor."""
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # A large eps: Adam's step then depends on the gradients' scale, so an unclipped update
+    # shows (with eps ~ 0 one clipping factor would cancel in m / sqrt(v)).
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.1, weight_decay=0.1)
+
+
+def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 2, generator=g)
+    return (model(x) - y).square().mean()
+
+
+def _plain() -> tuple[list[torch.Tensor], list[float]]:
+    model = _model()
+    opt = _optimizer(model)
+    coefs = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        coefs.append(float(MAX_NORM / (norm + 1e-6)))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], coefs
+
+
+def test_a_fused_trainer_clips_by_the_update_s_gradient_factor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    want, coefs = _plain()
+    assert max(coefs) < 1, "every step must clip"
+    with local_context(monkeypatch, rmu_fused=True) as ctx:
+        model = _model()
+        state = ctx.retain(model, _optimizer(model))
+        scale = state.updater.grad_scale
+        assert scale is not None, "the fused updater scales the gradients it reads"
+        for step in state.steps(STEPS):
+            loss = state.compute(lambda step=step: _loss(model, step).backward())
+            state.step(max_grad_norm=MAX_NORM, loss=loss)
+            # the factor is torch's coefficient; the retained gradients stay unscaled
+            assert float(scale) == pytest.approx(coefs[step], rel=1e-6)
+        got = [p.detach().clone() for p in model.parameters()]
+    for g, w in zip(got, want, strict=True):  # the fused kernel: torch's ops to a few ulps
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
