@@ -8,6 +8,12 @@ the trainers leave idle. Promotion gives every thread of the process its old pri
 back (the shadow itself when its wait ends, and the agent at once, for a shadow promoted
 before it was ready): the promoted trainer must not run slower than the one it replaces.
 
+Where the kernel schedules by autogroups (``kernel.sched_autogroup_enabled``, the default of
+many distributions), a thread's nice value only ranks it within its session's autogroup,
+and every worker leads a session of its own (``setsid``, as torchrun's workers do): between
+the trainers' and the shadow's sessions the autogroups' own nice values decide, so the
+shadow's autogroup is lowered too (``/proc/self/autogroup``), and raised with the threads.
+
 Lowering is easy; raising back needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows
 the old value. A shadow that could not be raised back is never lowered.
 """
@@ -20,6 +26,9 @@ from pathlib import Path
 
 LOWEST = 19
 CAP_SYS_NICE = 23
+AUTOGROUPS = Path("/proc/sys/kernel/sched_autogroup_enabled")
+DEFAULT_AUTOGROUP_NICE = 0
+"""The nice value of the autogroup that ``setsid`` creates."""
 
 
 def _capable_sys_nice() -> bool:
@@ -46,22 +55,51 @@ class ShadowPriority:
     def __init__(self) -> None:
         self.original: int | None = None
         """The nice value before ``lower``; None while not lowered."""
+        self.original_autogroup: int | None = None
+        """Its session's autogroup nice value before ``lower``; None where it was not lowered."""
 
     def lower(self) -> bool:
-        """Every thread of the process (and so every thread started later) to nice 19, if
-        it can be raised back."""
+        """Every thread of the process (and so every thread started later) to nice 19, and
+        the autogroup of the session it leads, if it can be raised back."""
         original = os.getpriority(os.PRIO_PROCESS, 0)
         if original >= LOWEST or not can_raise_to(original):
             return False
         _set_every_thread(LOWEST)
         self.original = original
+        group = own_autogroup_nice()
+        if group is not None and group < LOWEST and can_raise_to(group):
+            _set_autogroup(LOWEST)
+            self.original_autogroup = group
         return True
 
     def restore(self) -> None:
-        """Every thread of the process back to the nice value it had before ``lower``."""
+        """Every thread of the process back to the nice value it had before ``lower``, and
+        its autogroup."""
+        if self.original_autogroup is not None:
+            _set_autogroup(self.original_autogroup)
+            self.original_autogroup = None
         if self.original is not None:
             _set_every_thread(self.original)
             self.original = None
+
+
+def own_autogroup_nice(pid: int | str = "self") -> int | None:
+    """The nice value of the autogroup of the session that process ``pid`` leads; None where
+    the kernel does not schedule by autogroups or ``pid`` shares its session's group with
+    others (it does not lead it: lowering the group would lower them too)."""
+    try:
+        if AUTOGROUPS.read_text().strip() != "1":
+            return None
+        number = os.getpid() if pid == "self" else int(pid)
+        if os.getsid(number) != number:
+            return None
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_autogroup(nice: int, pid: int | str = "self") -> None:
+    Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
 def _set_every_thread(nice: int, pid: int | str = "self") -> None:
@@ -74,12 +112,16 @@ def _set_every_thread(nice: int, pid: int | str = "self") -> None:
 
 
 def raise_promoted(pid: int) -> None:
-    """Every thread of the promoted trainer ``pid`` to the caller's own nice value: the
-    agent's, at promotion, for a shadow promoted while still pre-initialising (it raises
-    itself only once it reaches its wait). Best effort: a process that is gone, or one the
+    """Every thread of the promoted trainer ``pid`` to the caller's own nice value, and the
+    autogroup of the session it leads to a new session's default: the agent's call, at
+    promotion, for a shadow promoted while still pre-initialising (it raises itself only
+    once it reaches its wait). Best effort: a process that is gone, or one the
     caller may not raise (then it was never lowered), is left as it is."""
     try:
         _set_every_thread(os.getpriority(os.PRIO_PROCESS, 0), pid)
+        group = own_autogroup_nice(pid)
+        if group is not None:  # to the default of a new session's group
+            _set_autogroup(min(group, DEFAULT_AUTOGROUP_NICE), pid)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return
 

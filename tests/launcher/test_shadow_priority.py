@@ -1,6 +1,8 @@
 """A shadow pre-initialises at nice 19 and its promotion raises every thread back: a real
 leto-run job (one CPU rank, its shadow, a SIGKILL); the digests equal the fault-free
-run's. Where this process could not raise a thread back (no
+run's. Where the kernel schedules by autogroups, the autogroup of the shadow's session is
+lowered and raised with it (else its threads' nice values would rank them only against
+each other). Where this process could not raise a thread back (no
 CAP_SYS_NICE, a low RLIMIT_NICE) the shadow is never lowered, and the test checks that."""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from leto.config import FaultSpec
 from leto.events import Kind
-from leto.priority import LOWEST, can_raise_to
+from leto.priority import AUTOGROUPS, DEFAULT_AUTOGROUP_NICE, LOWEST, can_raise_to
 from tests.launcher.harness import REPO, assert_exact, fault_free_digests, run_leto
 
 SCRIPT = str(REPO / "tests" / "launcher" / "scripts" / "nice_trace.py")
@@ -44,8 +46,12 @@ def test_a_shadow_waits_at_the_lowest_priority_and_is_raised_back_when_promoted(
     shadow_inits = [r for r in records if r["at"] == "init" and r["shadow"]]
     assert shadow_inits, "no shadow started"
     lowered = LOWEST if can_raise_to(base) and base < LOWEST else base
+    grouped = AUTOGROUPS.exists() and AUTOGROUPS.read_text().strip() == "1"
+    group = LOWEST if lowered != base else DEFAULT_AUTOGROUP_NICE
     for r in shadow_inits:
         assert set(r["nices"]) == {lowered}, r
+        # a worker leads its own session: its autogroup is its own
+        assert r["autogroup"] == (group if grouped else None), r
     promoted = [
         rs
         for rs in by_pid.values()
@@ -56,6 +62,7 @@ def test_a_shadow_waits_at_the_lowest_priority_and_is_raised_back_when_promoted(
     assert [r["step"] for r in steps] == [5, 6, 7]
     for r in steps:  # every thread, those the shadow started at nice 19 included
         assert set(r["nices"]) == {base}, r
+        assert r["autogroup"] == (DEFAULT_AUTOGROUP_NICE if grouped else None), r
 
 
 def test_a_shadow_promoted_before_it_is_ready_is_raised_at_once(tmp_path) -> None:
@@ -77,3 +84,4 @@ def test_a_shadow_promoted_before_it_is_ready_is_raised_at_once(tmp_path) -> Non
         assert set(mine[0]["nices"]) == {LOWEST}, mine[0]
     for r in mine[1:]:  # raised by the agent during its sleep, before its own wait
         assert set(r["nices"]) == {base}, r
+        assert r["autogroup"] in (None, DEFAULT_AUTOGROUP_NICE), r

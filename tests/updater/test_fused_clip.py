@@ -10,6 +10,8 @@ import torch
 
 from tests.trainer.local import local_context
 
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+"""A trainer's device (``Context``): the kernel itself on a GPU, its interpreter on CPU."""
 STEPS = 4
 MAX_NORM = 0.05
 """Below every step's gradient norm: each step is clipped, by a different factor."""
@@ -17,7 +19,8 @@ MAX_NORM = 0.05
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    return net.to(DEVICE)
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -29,7 +32,7 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(32, 8, generator=g), torch.randn(32, 2, generator=g)
-    return (model(x) - y).square().mean()
+    return (model(x.to(DEVICE)) - y.to(DEVICE)).square().mean()
 
 
 def _plain() -> tuple[list[torch.Tensor], list[float]]:

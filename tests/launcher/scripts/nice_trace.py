@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import leto
-from leto.priority import thread_nices
+from leto.priority import own_autogroup_nice, thread_nices
 
 
 def main() -> None:
@@ -30,7 +30,17 @@ def main() -> None:
 
     def record(**fields: object) -> None:
         with open(args.trace, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "shadow": ctx.is_shadow, **fields}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "pid": os.getpid(),
+                        "shadow": ctx.is_shadow,
+                        "autogroup": own_autogroup_nice(),
+                        **fields,
+                    }
+                )
+                + "\n"
+            )
 
     record(at="init", nices=thread_nices())
     if ctx.is_shadow and args.shadow_sleep:
