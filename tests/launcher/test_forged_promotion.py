@@ -18,7 +18,9 @@ import torch.distributed as dist
 from leto.events import Kind, read_events
 from tests.launcher.harness import GPT, GPT_ARGS, LETO_RUN, _env, assert_exact, fault_free_digests
 
-STEPS = 40
+STEPS = 1000
+"""Long enough for both shadows, pre-initialising at a lowered priority, to become ready
+while the actives train."""
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -177,7 +177,8 @@ def test_a_finished_job_leaves_no_directory_and_sweeps_a_dead_one(tmp_path, monk
     tmpdir = _own_tmp(tmp_path, monkeypatch)
     shm_before = _leto_entries(Path("/dev/shm"))
     stale = _dead_state_manager_dir(tmpdir)
-    proc, events = run_leto(tmp_path, steps=3, nproc=2)
+    # Long enough for the shadows, at a lowered priority, to become ready before it ends.
+    proc, events = run_leto(tmp_path, steps=1000, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Shadows ran, so every kind of file the agent makes was made.
     assert any(e["kind"] == Kind.SHADOW_READY for e in events)

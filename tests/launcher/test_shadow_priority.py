@@ -13,7 +13,13 @@ from pathlib import Path
 
 from leto.config import FaultSpec
 from leto.events import Kind
-from leto.priority import AUTOGROUPS, DEFAULT_AUTOGROUP_NICE, LOWEST, can_raise_to
+from leto.priority import (
+    AUTOGROUPS,
+    DEFAULT_AUTOGROUP_NICE,
+    LOWEST,
+    SHADOW_AUTOGROUP_NICE,
+    can_raise_to,
+)
 from tests.launcher.harness import REPO, assert_exact, fault_free_digests, run_leto
 
 SCRIPT = str(REPO / "tests" / "launcher" / "scripts" / "nice_trace.py")
@@ -47,7 +53,7 @@ def test_a_shadow_waits_at_the_lowest_priority_and_is_raised_back_when_promoted(
     assert shadow_inits, "no shadow started"
     lowered = LOWEST if can_raise_to(base) and base < LOWEST else base
     grouped = AUTOGROUPS.exists() and AUTOGROUPS.read_text().strip() == "1"
-    group = LOWEST if lowered != base else DEFAULT_AUTOGROUP_NICE
+    group = SHADOW_AUTOGROUP_NICE if lowered != base else DEFAULT_AUTOGROUP_NICE
     for r in shadow_inits:
         assert set(r["nices"]) == {lowered}, r
         # a worker leads its own session: its autogroup is its own
