@@ -99,8 +99,10 @@ def run_leto(
     nproc: int,
     consistency: str,
     extra: tuple[str, ...] = (),
+    output: list[str] | None = None,
     **env: str,
 ) -> list[dict]:
+    """One leto-run job's events; ``output`` (if given) gets its stdout and stderr."""
     events = tmp / "leto.jsonl"
     events.unlink(missing_ok=True)
     cmd = [
@@ -126,6 +128,8 @@ def run_leto(
     )
     if proc.returncode:
         raise SystemExit(f"leto-run failed:\n{proc.stderr[-4000:]}")
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     return read_events(events)
 
 
@@ -281,8 +285,9 @@ def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]
     return {**phases, "total": statistics.median(e["iter_s"] for e in timed)}
 
 
-def torchrun_phases(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
-    """:func:`median_phases` of a torchrun run on the same kernels."""
+def torchrun_phases(tmp: Path, args: argparse.Namespace, mode: str = "1") -> dict[str, float]:
+    """:func:`median_phases` of a torchrun run on the same kernels (``mode``: the value of
+    ``LETO_PHASE_TIMES``, ``1`` synchronised or ``host``)."""
     return median_phases(
         run_torchrun(
             tmp,
@@ -290,11 +295,48 @@ def torchrun_phases(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
             args.steps + 1,
             -1,
             args.steps,
-            "plain_phases",
+            f"plain_phases_{mode}",
             args.nproc,
-            LETO_PHASE_TIMES="1",
+            LETO_PHASE_TIMES=mode,
         )
     )
+
+
+def host_phases(tmp: Path, args: argparse.Namespace) -> None:
+    """leto-run's and torchrun's host time per phase (``LETO_PHASE_TIMES=host``: nothing
+    waits for the device at a boundary, so each phase's time is the host's), and the calls at
+    which leto-run's host waited for the device from its second step on (``LETO_SYNC_DEBUG``,
+    torch's sync debug mode: one warning per call site, printed once each)."""
+    output: list[str] = []
+    leto = median_phases(
+        run_leto(
+            tmp,
+            args.steps,
+            [],
+            args.nproc,
+            args.consistency,
+            output=output,
+            LETO_PHASE_TIMES="host",
+            LETO_SYNC_DEBUG="1",
+        ),
+        settled=True,
+    )
+    torchrun = torchrun_phases(tmp, args, "host")
+    for name, phases in (("leto-run", leto), ("torchrun", torchrun)):
+        print(
+            f"{name} phases, host time (ms): "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()),
+            flush=True,
+        )
+    lines = output[0].splitlines()
+    waits = [  # a warning's line names the call site; the next one quotes its source
+        f"{line.strip()} | {lines[i + 1].strip() if i + 1 < len(lines) else ''}"
+        for i, line in enumerate(lines)
+        if "synchronizing CUDA operation" in line
+    ]
+    print(f"leto-run waits for the device ({len(set(waits))} call sites):", flush=True)
+    for site in dict.fromkeys(waits):
+        print(f"  {site}", flush=True)
 
 
 def print_phases(timed: dict[str, dict[str, float]]) -> None:
@@ -445,6 +487,8 @@ def iteration_only(args: argparse.Namespace) -> None:
                 ),
                 flush=True,
             )
+        if args.host_phases:  # where the host's time goes, and what makes it wait
+            host_phases(tmp, args)
         phases: dict = {}
         if args.phase_times:  # synchronised at every phase boundary
             phases = {
@@ -580,6 +624,13 @@ def main() -> None:
         "--phase-times",
         action="store_true",
         help="with --iteration-only: a second leto-run, each step's phases timed (LETO_PHASE_TIMES=1)",
+    )
+    p.add_argument(
+        "--host-phases",
+        action="store_true",
+        help="with --iteration-only: leto-run and torchrun timed by phase on the host alone "
+        "(LETO_PHASE_TIMES=host), and the calls at which leto-run waited for the device "
+        "(LETO_SYNC_DEBUG=1)",
     )
     p.add_argument(
         "--no-shadows-only",

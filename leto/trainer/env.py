@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from leto import contract
 from leto.contract import ROLE_SHADOW
 from leto.errors import LetoError, ProtocolError
-from leto.trainer.timing import phase_times_enabled
+from leto.trainer.timing import phase_times_enabled, sync_debug_enabled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,7 +24,10 @@ class TrainerEnv(contract.GenerationEnv):
     master_addr: str
     master_port: int
     phase_times: bool = False
-    """``LETO_PHASE_TIMES=1``: each step's phases in ``step_done`` (``leto.trainer.timing``)."""
+    """``LETO_PHASE_TIMES=1`` (or ``host``): each step's phases in ``step_done``
+    (``leto.trainer.timing``)."""
+    sync_debug: bool = False
+    """``LETO_SYNC_DEBUG=1``: warn at every wait for the device from the second step on."""
 
     @property
     def holds_device(self) -> bool:
@@ -53,4 +56,5 @@ class TrainerEnv(contract.GenerationEnv):
             **contract.GenerationEnv.fields_from_environ(env),
             **torch_env,  # type: ignore[arg-type]
             phase_times=phase_times_enabled(),
+            sync_debug=sync_debug_enabled(),
         )

@@ -57,7 +57,7 @@ from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
 from leto.trainer.sharding import local
-from leto.trainer.timing import PhaseTimes
+from leto.trainer.timing import PhaseTimes, warn_on_device_waits
 
 if TYPE_CHECKING:
     from leto.trainer.placement import Plan
@@ -370,7 +370,10 @@ class RetainedState:
             if not self.reattached:
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+        first = step
         while step < total:
+            if step == first + 1 and self.services.env.sync_debug:
+                warn_on_device_waits(self.device)
             self._begin(step)
             yield step
             if not self._committed_this_step:

@@ -1,0 +1,55 @@
+"""The step-timing diagnostics (``leto.trainer.timing``): ``LETO_PHASE_TIMES=1`` waits for the
+device at each phase boundary, ``LETO_PHASE_TIMES=host`` times the host alone without waiting,
+and both reach a trainer through its environment, as ``LETO_SYNC_DEBUG`` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leto.contract import GenerationEnv
+from leto.trainer.env import TrainerEnv
+from leto.trainer.timing import ENV_PHASE_TIMES, ENV_SYNC_DEBUG, PhaseTimes
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows the wait by its failure without CUDA")
+def test_host_phase_times_do_not_wait_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_PHASE_TIMES, "host")
+    phases = PhaseTimes(CUDA, 0.0)
+    phases.mark("compute")  # no torch.cuda.synchronize: this build has no CUDA to wait for
+    assert phases.enabled and set(phases.fields()["phases_s"]) == {"compute"}
+    monkeypatch.setenv(ENV_PHASE_TIMES, "1")
+    with pytest.raises((AssertionError, RuntimeError)):  # the synchronised mode waits
+        PhaseTimes(CUDA, 0.0).mark("compute")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    generation = GenerationEnv(
+        role="active", generation=0, pool_socket="/nonexistent", job_token="t"
+    )
+    return {
+        **generation.to_environ(),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("setting", "phase_times", "sync_debug"),
+    [({}, False, False), ({ENV_PHASE_TIMES: "host", ENV_SYNC_DEBUG: "1"}, True, True)],
+)
+def test_the_diagnostics_reach_the_trainer_s_environment(
+    monkeypatch: pytest.MonkeyPatch, setting: dict[str, str], phase_times: bool, sync_debug: bool
+) -> None:
+    for name in (ENV_PHASE_TIMES, ENV_SYNC_DEBUG):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    env = TrainerEnv.from_environ(_env())
+    assert (env.phase_times, env.sync_debug) == (phase_times, sync_debug)
