@@ -552,13 +552,18 @@ class RetainedState:
         gradients are final). NCCL with a stream-ordered marker: a one-word all-reduce on the
         current stream, which no rank's later marker write can pass, and which leaves the
         host free to queue the update; otherwise the device work is waited for and the ranks
-        meet in a barrier. Alone in the world there is no one to wait for."""
+        meet: on CPU in the same one-word all-reduce (no rank's returns before every rank's
+        began, as in a barrier, and gloo runs it in about half the time of its barrier),
+        else in a barrier. Alone in the world there is no one to wait for."""
         if self.services.world_size == 1:
             return
         if self.marker.stream_ordered and dist.get_backend() == "nccl":
             dist.all_reduce(self._barrier_word, op=dist.ReduceOp.MAX)
             return
         self.memory.fence()
+        if self.device.type == "cpu":
+            dist.all_reduce(self._barrier_word, op=dist.ReduceOp.MAX)
+            return
         dist.barrier()
 
     def _device_peak_bytes(self) -> int:
