@@ -526,15 +526,15 @@ class RetainedState:
         scale = self.updater.grad_scale
         sync = self.services.grad_sync()
         coef = None
-        if max_grad_norm is not None and scale is not None and self.shards is None:
-            coef = sync.clip_coef(self.params, max_grad_norm)
-        if coef is None and max_grad_norm is not None:
-            sync.clip_(self.params, max_grad_norm)
-        if scale is not None:
+        if max_grad_norm is not None:
+            if scale is not None and self.shards is None:  # FSDP2's norm is a DTensor
+                coef = sync.clip_coef(self.params, max_grad_norm)
             if coef is None:
-                scale.fill_(1.0)
-            else:
-                scale.copy_(coef)
+                sync.clip_(self.params, max_grad_norm)
+        if scale is not None and coef is not None:
+            scale.copy_(coef)
+        elif scale is not None:
+            scale.fill_(1.0)  # the gradients arrive clipped, or unclipped on purpose
 
     def _check_lent_memory_returned(self) -> None:
         """Refuse a tensor of the compute phase kept in the lent undo memory (``ProtocolError``).

@@ -45,7 +45,9 @@ class PhaseTimes:
         self.enabled = phase_times_enabled() if enabled is None else enabled
         self.seconds: dict[str, float] = {}
         self._mark = started
-        self._sync = device.type == "cuda" and os.environ.get(ENV_PHASE_TIMES) != "host"
+        self._sync = (
+            self.enabled and device.type == "cuda" and os.environ.get(ENV_PHASE_TIMES) != "host"
+        )
 
     def mark(self, name: str) -> None:
         """The phase ``name`` ended now: the seconds since the previous boundary."""
