@@ -553,7 +553,7 @@ class RetainedState:
         current stream, which no rank's later marker write can pass, and which leaves the
         host free to queue the update; otherwise the device work is waited for and the ranks
         meet: on CPU in the same one-word all-reduce (no rank's returns before every rank's
-        began, as in a barrier, and gloo runs it in about half the time of its barrier),
+        began, as in a barrier, and gloo runs it faster than its barrier),
         else in a barrier. Alone in the world there is no one to wait for."""
         if self.services.world_size == 1:
             return
