@@ -65,6 +65,7 @@ if PEERS.is_dir():
     sys.path.append(str(PEERS))
 
 from bench.recovery_gpu import _env as gpu_env
+from leto import summary
 from leto.events import read_events
 
 CPU_MODEL: list[str] = []  # examples/train_gpt.py's defaults: the demo GPT
@@ -311,13 +312,16 @@ class Job:
         # a step a promoted trainer finished for its predecessor is committed once, not re-run
         done = [e for e in committed if not e.get("finished_in_recovery")]
         unique = {e["step"] for e in done}
+        # neither loop waits for the device at each step's end: the period between steps,
+        # not a step's own iter_s (the host's queueing time), is the step time
+        periods = summary.step_periods(evs)
         return {
             "wall_s": wall,
             "rc": rc,
             "kills": delivered,
             "steps_done": len({e["step"] for e in committed}),
             "recomputed_steps": len(done) - len(unique),
-            "iter_s": statistics.median(e["iter_s"] for e in done) if done else None,
+            "iter_s": statistics.median(periods) if periods else None,
             "save_s": [
                 e["save_s"] - e.get("wait_s", 0.0)
                 for e in evs

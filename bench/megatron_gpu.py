@@ -205,11 +205,7 @@ def leto_result(
 ) -> dict[str, Any]:
     recs = [r for r in summary.recoveries(events) if r.total_s is not None]
     iter_s = leto_iteration_s(events, clean_steps(kills, warm, total))
-    losses = {
-        e["step"]: e["loss"]
-        for e in events
-        if e["kind"] == "step_done" and e["rank"] == 0 and e["loss"] is not None
-    }
+    losses = summary.losses(events, rank=0)
     common = [s for s in sorted(losses) if s < len(plain_loss)]
     return {
         "iteration_s": iter_s,

@@ -176,13 +176,8 @@ def run_torchrun(
 def baseline(events: list[dict]) -> dict[str, float]:
     fault = next(e for e in events if e["kind"] == "fault_injected")
     loaded = min(e["t"] for e in events if e["kind"] == "resumed")
-    iters = [
-        e["iter_s"]
-        for e in events
-        if e["kind"] == "step_done" and e.get("attempt") == 0 and e["step"] > 1
-    ]
     save = statistics.median(e["save_s"] for e in events if e["kind"] == "digest")
-    iter_s = statistics.median(iters)
+    iter_s = statistics.median(summary.step_periods(events, first_step=2))
     interval = max(1, round(math.sqrt(2 * save * MTTF_S) / iter_s))
     init = loaded - fault["t"]
     recompute = interval / 2 * iter_s
@@ -251,19 +246,16 @@ def _settled_t(events: list[dict]) -> float:
 
 
 def after_shadows_settled(events: list[dict]) -> tuple[float, int]:
-    """Median iteration of the steps that began after the shadows' last warm-up event, and
-    how many there were (a shadow warming up shares the GPU with the active trainer)."""
-    t0 = _settled_t(events)
-    iters = [
-        e["iter_s"]
-        for e in events
-        if e["kind"] == "step_done" and e["step"] >= 5 and e["t"] - e["iter_s"] > t0
-    ]
-    if len(iters) < 5:
+    """Median step period (``leto.summary.step_periods``: neither loop waits for the device
+    at a step's end, so a step's own ``iter_s`` is the host's) of the steps >= 5 that began
+    after the shadows' last warm-up event, and how many there were (a shadow warming up
+    shares the GPU with the active trainer)."""
+    periods = summary.step_periods(events, first_step=5, after_t=_settled_t(events))
+    if len(periods) < 5:
         raise SystemExit(
-            f"recovery_gpu: only {len(iters)} steps ran after the shadows settled: raise --steps"
+            f"recovery_gpu: only {len(periods)} steps ran after the shadows settled: raise --steps"
         )
-    return statistics.median(iters), len(iters)
+    return statistics.median(periods), len(periods)
 
 
 def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]:
@@ -392,9 +384,7 @@ def ablate(args: argparse.Namespace) -> None:
         for name, extra in runs.items():
             events = run_leto(tmp, args.steps, [], args.nproc, args.consistency, extra)
             iters[name] = after_shadows_settled(events)[0]
-            spread = sorted(
-                e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5
-            )
+            spread = sorted(summary.step_periods(events, first_step=5))
             print(
                 f"{name}: step time p10 / p50 / p90 "
                 + " / ".join(
@@ -428,9 +418,7 @@ def iteration_only(args: argparse.Namespace) -> None:
         tmp = Path(d)
 
         def steady(events: list[dict]) -> float:
-            return statistics.median(
-                e["iter_s"] for e in events if e["kind"] == "step_done" and e["step"] >= 5
-            )
+            return statistics.median(summary.step_periods(events, first_step=5))
 
         if args.no_shadows_only:  # diagnostic: leto-run without shadows on the GPU, and torchrun
             timed = {

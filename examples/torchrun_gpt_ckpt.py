@@ -115,6 +115,11 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return build_llama(args)
 
 
+def logged(step: int, args: argparse.Namespace) -> bool:
+    """Whether step ``step`` reads and reports its loss (``--log-every``)."""
+    return args.log_every > 0 and step % args.log_every == 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
@@ -127,6 +132,14 @@ def main() -> None:
         help="the demo GPT, or transformers' LlamaForCausalLM of examples/train_hf_llama.py",
     )
     p.add_argument("--kill-at-step", type=int, default=-1)
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="read the loss (a wait for the device) and report it every N steps, as "
+        "torchtitan's log_freq does (0: never)",
+    )
     p.add_argument(
         "--allreduce",
         choices=("flat", "per-param"),
@@ -180,7 +193,11 @@ def main() -> None:
         "fresh gradients, no fill and no accumulation) or zeros (gradients accumulate in place)",
     )
     args = p.parse_args()
-    for flag, value, least in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1)):
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--ckpt-every", args.ckpt_every, 1),
+        ("--log-every", args.log_every, 0),
+    ):
         if value < least:  # one line, as leto-run's errors (argparse's error adds the usage)
             p.exit(2, f"{p.prog}: error: {flag} must be >= {least}, got {value}\n")
     torch.set_num_threads(1)
@@ -269,9 +286,7 @@ def main() -> None:
         phases.mark("allreduce")
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
         phases.mark("clip")
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        opt.step()  # no wait for the device: the host queues the next step meanwhile
         phases.mark("update")
         events.emit(
             Kind.STEP_DONE,
@@ -280,6 +295,7 @@ def main() -> None:
             iter_s=time.perf_counter() - began,
             attempt=attempt,
             **phases.fields(),
+            **({"loss": float(loss.detach())} if logged(step, args) else {}),
         )
         if (step + 1) % args.ckpt_every == 0:
             t0 = time.perf_counter()

@@ -307,6 +307,7 @@ SCHEMA: dict[Kind, EventSpec] = {
             "iter_s": Field(float, "s"),
             "total": _opt(int | None),
             "loss": _opt(float | None),
+            "prev_loss": _opt(float),
             "finished_in_recovery": _opt(bool),
             "phases_s": _opt(dict[str, float], "s"),
             "device_peak_bytes": _opt(int, "bytes"),

@@ -257,5 +257,56 @@ def shadow_line(events: list[dict[str, Any]]) -> str | None:
     return Summary.of(events).shadow_line()
 
 
+def losses(events: Iterable[dict[str, Any]], rank: int = 0) -> dict[int, float]:
+    """Step -> the loss ``rank`` reported for it: a ``step_done``'s own ``loss``, or the
+    next one's ``prev_loss`` (CUDA reports a loss a step late, ``leto.trainer.loss``). A
+    step that ran more than once (a group restart) keeps its last report."""
+    out: dict[int, float] = {}
+    for e in events:
+        if e["kind"] != "step_done" or e["rank"] != rank:
+            continue
+        if e.get("prev_loss") is not None:
+            out[e["step"] - 1] = e["prev_loss"]
+        if e.get("loss") is not None:
+            out[e["step"]] = e["loss"]
+    return out
+
+
+def step_periods(
+    events: Iterable[dict[str, Any]], rank: int = 0, *, first_step: int = 0, after_t: float = 0.0
+) -> list[float]:
+    """Seconds from each step's ``step_done`` to the next step's, for ``rank``: the rate the
+    device sustains where the loop does not wait for it at every step's end (a step's own
+    ``iter_s`` is then the host's time to queue it), with whatever runs between steps
+    included. Only pairs of consecutive steps from ``first_step`` on, the earlier one
+    written after ``after_t``; a pair across a process's start or promotion (a recovery, a
+    restart) or a checkpoint save (an event with ``save_s``) is left out."""
+    periods, prev = [], None
+    for e in sorted(events, key=lambda e: e["t"]):
+        if e.get("rank") != rank:
+            continue
+        if "save_s" in e or e["kind"] in ("trainer_started", "promoted", "resumed"):
+            prev = None
+        elif e["kind"] == "step_done":
+            if e.get("finished_in_recovery"):
+                prev = None
+                continue
+            if (
+                prev is not None
+                and e["step"] == prev["step"] + 1
+                and e["step"] >= first_step
+                and prev["t"] > after_t
+            ):
+                periods.append(e["t"] - prev["t"])
+            prev = e
+    return periods
+
+
+def latest_loss(event: dict[str, Any]) -> float | None:
+    """The newest loss a ``step_done`` carries: its own, else the previous step's."""
+    loss = event.get("loss")
+    return event.get("prev_loss") if loss is None else loss
+
+
 def _gib(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB"

@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from leto.events import SCHEMA_VERSION, EventTail, Kind
-from leto.summary import Summary
+from leto.summary import Summary, latest_loss
 
 
 @dataclass(slots=True)
@@ -332,7 +332,10 @@ class Dashboard:
             elif kind == "promoted":
                 r.role, r.gen, r.shadow = "promoted", e["gen"], "-"
             elif kind == "step_done":
-                r.step, r.iter_s, r.loss = e["step"], e["iter_s"], e.get("loss")
+                r.step, r.iter_s = e["step"], e["iter_s"]
+                loss = latest_loss(e)  # on CUDA a step late; none after a promotion
+                if loss is not None:
+                    r.loss = loss
         if kind == "step_done":
             if self.state in ("starting", "restarting"):
                 self.state = "training"

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from leto.errors import ConfigError
 from leto.events import EventLog, EventTail, Kind
-from leto.summary import Summary
+from leto.summary import Summary, latest_loss
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ class _State:
             r.last_step = e["step"]
             if not e.get("finished_in_recovery"):  # then iter_s is the recovery's finishing work
                 r.iter_s = e["iter_s"]
-            if e.get("loss") is not None:
-                r.loss = e["loss"]
+            loss = latest_loss(e)
+            if loss is not None:
+                r.loss = loss
         elif kind == "pages_rebuilt":
             self._rank(e).pages_rebuilt += sum(
                 n for counts in e["lost"].values() for n in counts.values()

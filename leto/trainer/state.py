@@ -53,6 +53,7 @@ from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.compute import ComputePhase, lends
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, freeze_heap, map_records
 from leto.trainer.grad_landing import GradLanding
+from leto.trainer.loss import LossReport
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
@@ -140,6 +141,8 @@ class RetainedState:
         """The RNG slot's bytes on the host while known (set at each commit)."""
         self._rng_next_host = self._rng_host
         self._barrier_word = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._loss = LossReport(self.device)
+        """Each step's loss for its ``step_done``, read without a wait for the device."""
 
     # -- construction: plan (Context.retain) → map → wait → recover -------------------------
     def _map(self, plan: Plan) -> None:
@@ -460,6 +463,7 @@ class RetainedState:
     def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
+        self._loss.stage(loss)
         self._phases.mark("compute")
         if self._landing is not None:
             self._landing.settle()
@@ -501,7 +505,7 @@ class RetainedState:
             step=step,
             total=self._total,
             iter_s=time.perf_counter() - self._step_started,
-            loss=None if loss is None else float(loss.detach()),
+            **self._loss.fields(last=step + 1 == self._total),
             **self._phases.fields(),
             **(
                 {}

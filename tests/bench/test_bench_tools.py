@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.gpu_timeline import busy_us, gpu_activity, group_of
+from leto import summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,3 +49,30 @@ def test_goodput_refuses_a_fault_free_system_it_does_not_run() -> None:
     assert proc.stderr.strip().splitlines() == [
         "goodput.py: error: --fault-free: not in --systems: dcp"
     ]
+
+
+def _done(t: float, step: int, rank: int = 0, **extra) -> dict:
+    return {"t": t, "kind": "step_done", "rank": rank, "step": step, "iter_s": 0.001, **extra}
+
+
+def test_step_periods_span_only_consecutive_steps_of_one_run() -> None:
+    """The step time of a loop that does not wait for the device at each step's end: the
+    time between two steps' step_done, never across a save, a restart or a recovery."""
+    events = [
+        _done(1.0, 0),
+        _done(1.5, 1),
+        _done(1.6, 1, rank=1),  # another rank
+        _done(2.0, 2),
+        {"t": 2.9, "kind": "digest", "rank": 0, "step": 3, "save_s": 0.8},  # a checkpoint
+        _done(3.0, 3),
+        _done(3.5, 4),
+        {"t": 4.0, "kind": "resumed", "rank": 0, "step": 2},  # a restart from step 2
+        _done(5.0, 2),
+        _done(5.4, 3),
+        _done(6.0, 4, finished_in_recovery=True),  # a recovery finished step 4
+        _done(7.0, 5),
+        _done(7.25, 6),
+    ]
+    assert summary.step_periods(events) == pytest.approx([0.5, 0.5, 0.5, 0.4, 0.25])
+    assert summary.step_periods(events, first_step=4) == [0.5, 0.25]
+    assert summary.step_periods(events, after_t=5.0) == [0.25]

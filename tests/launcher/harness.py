@@ -36,13 +36,15 @@ def run_leto(
     script: str = GPT,
     steps_flag: str = "--steps",
     deterministic: bool | None = None,
+    digest: bool = True,
 ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """One leto-run job; ``leto`` is a job file's ``leto:`` section (faults go there too).
 
     ``script`` (default: the demo GPT) gets ``steps_flag`` (its step-count argument) and
     ``model_args`` then ``script_args``. ``deterministic`` (None: where there is a GPU)
     runs it with ``--deterministic``, as a comparison with a fault-free run needs on a GPU
-    (on CPU the default kernels are deterministic already)."""
+    (on CPU the default kernels are deterministic already). ``digest``: every rank digests
+    its state at every commit (``--digest``), which reads the state back from the device."""
     events = tmp / f"events-{len(list(tmp.glob('events-*')))}.jsonl"
     if deterministic is None:
         import torch
@@ -54,7 +56,7 @@ def run_leto(
         "--nproc-per-node",
         str(nproc),
         "--no-dashboard",
-        "--digest",
+        *(["--digest"] if digest else []),
         "--events",
         str(events),
         *(["--deterministic"] if deterministic else []),

@@ -296,3 +296,26 @@ def test_a_running_job_is_scraped_over_http(tmp_path) -> None:
     assert proc.returncode == 0, err[-3000:]
     assert err.count("leto-run: metrics at http://") == 1
     assert f"leto-run: metrics at http://{socket.gethostname()}:{port}/metrics" in err.splitlines()
+
+
+def test_a_loss_reported_a_step_late_is_the_latest_loss() -> None:
+    """On CUDA a step's ``step_done`` carries the previous step's loss (``prev_loss``), the
+    last step its own; a promoted trainer's first step carries none and keeps the gauge."""
+    state = _State()
+    for step, fields in enumerate(({}, {"prev_loss": 4.0}, {}, {"loss": 3.0, "prev_loss": 3.5})):
+        state.add(
+            {
+                "t": float(step),
+                "kind": "step_done",
+                "rank": 0,
+                "step": step,
+                "iter_s": 0.1,
+                "loss": None,
+                **fields,
+            }
+        )
+        if step == 1:
+            assert state.ranks[0].loss == 4.0
+        if step == 2:
+            assert state.ranks[0].loss == 4.0
+    assert state.ranks[0].loss == 3.0
