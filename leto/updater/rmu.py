@@ -459,8 +459,10 @@ class ResumableUpdater:
         owners = [p.param for p in chunk.pieces if p.owns_step]
         if owners:  # one launch for the chunk's step counters, not one per parameter
             torch._foreach_add_([self._step[i] for i in owners], 1.0)
+            host = self._host_step
+            bumped = {s: f32_add_one(s) for s in {host[i] for i in owners}}  # a few counts
             for i in owners:
-                self._host_step[i] = f32_add_one(self._host_step[i])
+                host[i] = bumped[host[i]]
         if self.fused is not None:
             self.fused.apply(chunk.index, self.marker.step)
             if chunk.installs_rng:
