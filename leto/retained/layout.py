@@ -50,6 +50,10 @@ class Layout:
 
     params: tuple[Slot, ...]
     buffers: tuple[Slot, ...]
+    frozen: tuple[Slot, ...]
+    """The model's parameters outside the optimizer (frozen: ``requires_grad=False``, e.g.
+    a fine-tuned model's base under LoRA adapters), after everything the update writes:
+    retained so a successor finds them, never copied per step or written by the update."""
     grads: tuple[Slot, ...]
     """Each parameter's gradient, at an offset of its region ``grad_region``."""
     grad_scale: Slot | None
@@ -91,12 +95,14 @@ class Layout:
         grads: GradPlacement | None = None,
         mirror: tuple[tuple[str, int], ...] = (),
         sharding: str = "",
+        frozen: tuple[torch.nn.Parameter, ...] = (),
     ) -> Layout:
         """``rng_bytes``: size of the retained RNG blob (default: the CPU generator's state);
         ``grads``: gradient placement of an integration's buffers (default: Leto's "grads");
         ``mirror``: (name, bytes) of its full parameter buffers, when ``params`` are shards;
         ``sharding``: what else a reattaching trainer must match when ``params`` are local
-        shards (FSDP2: the mesh and the global shapes, ``leto.trainer.sharding``)."""
+        shards (FSDP2: the mesh and the global shapes, ``leto.trainer.sharding``); ``frozen``:
+        the model's parameters outside the optimizer (:attr:`frozen`)."""
         rule, state_keys = optimizer_state(optimizer, params)
         cursor = 0
         param_slots, optim_slots = [], []
@@ -114,7 +120,12 @@ class Layout:
                 cursor = _align(cursor + slots[key.name].nbytes)
             optim_slots.append(slots)
         rng = Slot(cursor, (rng_bytes or torch.get_rng_state().numel(),), torch.uint8)
-        state_bytes = _align(cursor + rng.nbytes)
+        cursor = _align(cursor + rng.nbytes)
+        frozen_slots = []
+        for f in frozen:
+            frozen_slots.append(Slot(cursor, tuple(f.shape), f.dtype))
+            cursor = _align(cursor + frozen_slots[-1].nbytes)
+        state_bytes = cursor
         cursor, grad_slots = 0, []
         if grads is None:
             for p in params:
@@ -138,6 +149,8 @@ class Layout:
                 [(s.shape, str(s.dtype)) for s in param_slots + buffer_slots],
             )
         )
+        if frozen_slots:
+            description += repr(("frozen", [(s.shape, str(s.dtype)) for s in frozen_slots]))
         description += sharding
         if grads is not None:  # a job must reattach with the gradient placement it started with
             description += repr((grad_regions, [s.offset for s in grad_slots]))
@@ -156,6 +169,7 @@ class Layout:
         return cls(
             params=tuple(param_slots),
             buffers=tuple(buffer_slots),
+            frozen=tuple(frozen_slots),
             grads=tuple(grad_slots),
             grad_scale=grad_scale,
             optim=tuple(optim_slots),

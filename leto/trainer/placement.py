@@ -52,6 +52,8 @@ class Plan:
     """The optimizer's parameters, in its groups' order (the layout's order)."""
     buffers: list[torch.Tensor]
     """The module's buffers."""
+    frozen: list[torch.nn.Parameter]
+    """The model's parameters outside the optimizer (``Layout.frozen``)."""
     device: torch.device
     """Where the retained regions live: the parameters' device, or the rank's for a meta model."""
     shards: FsdpShards | None
@@ -79,8 +81,16 @@ def plan(
         raise ProtocolError("a parameter appears twice in the optimizer's groups")
     buffers = list(model.buffers())
     device = device if params[0].is_meta else params[0].device
+    # a sharded optimizer holds shards: the full parameters are its mirror regions
+    frozen = [] if mirror else outside_optimizer(model, params)
     shards = None
     if has_dtensor_params(params):
+        if frozen:
+            raise ConfigError(
+                f"{_named(model, frozen)} is a parameter outside the optimizer (frozen?): "
+                "leto does not retain those under fully_shard yet; give every parameter to "
+                "the optimizer (requires_grad=False ones get no update)"
+            )
         shards = FsdpShards.find(model, optimizer, params, world_size)
         if grads is not None or mirror or grad_sync != GradSync():
             raise ConfigError(
@@ -95,6 +105,7 @@ def plan(
         grads=grads,
         mirror=mirror,
         sharding="" if shards is None else shards.description(params),
+        frozen=tuple(frozen),
     )
     if env.erasure is not None:
         refuse_buffer_updates(model)
@@ -103,7 +114,22 @@ def plan(
             "a sharded optimizer (Megatron's distributed optimizer) needs consistency: rmu; "
             "the snapshot path steps torch's optimizer over full parameters"
         )
-    return Plan(model, optimizer, params, buffers, device, shards, layout)
+    return Plan(model, optimizer, params, buffers, frozen, device, shards, layout)
+
+
+def outside_optimizer(
+    model: torch.nn.Module, params: list[torch.nn.Parameter]
+) -> list[torch.nn.Parameter]:
+    """The model's parameters the optimizer does not hold (frozen ones: a fine-tuning job's
+    base model under its adapters), once each, in the model's order."""
+    held = {id(p) for p in params}
+    return [p for p in model.parameters() if id(p) not in held]
+
+
+def _named(model: torch.nn.Module, tensors: list[torch.nn.Parameter]) -> str:
+    names = {id(p): n for n, p in model.named_parameters()}
+    first = names.get(id(tensors[0]), "?")
+    return first if len(tensors) == 1 else f"{first} (and {len(tensors) - 1} more)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,7 @@ class RetainedState:
         self.optimizer = plan.optimizer
         self.params = plan.params
         self.buffers = plan.buffers
+        self.frozen = plan.frozen
         self.device = plan.device
         self.shards = plan.shards
         """FSDP2's shards among the parameters (``leto.trainer.sharding``), or None."""
@@ -203,7 +204,9 @@ class RetainedState:
         regions and seals them."""
         rank = self.services.rank
         self.reattached = self._recovery.attach(self.layout.digest)
-        if not self.reattached and any(t.is_meta for t in self.params + self.buffers):
+        if not self.reattached and any(
+            t.is_meta for t in self.params + self.buffers + self.frozen
+        ):
             raise UnrecoverableStateError(
                 f"rank {rank}: no retained state to reattach to, but the model was built on "
                 "the meta device; build it for real (ctx.init_device() does this)"
@@ -228,7 +231,8 @@ class RetainedState:
             self.memory.seal(identity)
 
     def _bind(self) -> None:
-        """Make params, grads and optimizer state views of retained memory (zero copy).
+        """Make params, grads, optimizer state, buffers and the parameters outside the
+        optimizer views of retained memory (zero copy).
         Parameters and buffers get a version counter each (``own_view``): a buffer updated
         in place in forward (BatchNorm) must not invalidate the parameters saved for backward."""
         fresh = not self.reattached
@@ -264,6 +268,12 @@ class RetainedState:
             if fresh:
                 data.copy_(b)
             torch.utils.swap_tensors(b, data)
+        for f, slot in zip(self.frozen, self.layout.frozen, strict=True):
+            data = own_view(self.state_region, slot)
+            if fresh:
+                data.copy_(f.detach())
+            torch.utils.swap_tensors(f, torch.nn.Parameter(data, requires_grad=f.requires_grad))
+        self._frozen_versions = [f._version for f in self.frozen]
 
     def _attach_extras(
         self, stateful: Mapping[str, Any] | None, stateful_bytes: int | None
@@ -464,6 +474,7 @@ class RetainedState:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
         step = self.marker.step
         self._loss.stage(loss)
+        self._check_frozen_unchanged()
         self._phases.mark("compute")
         if self._landing is not None:
             self._landing.settle()
@@ -539,6 +550,20 @@ class RetainedState:
             scale.copy_(coef)
         elif scale is not None:
             scale.fill_(1.0)  # the gradients arrive clipped, or unclipped on purpose
+
+    def _check_frozen_unchanged(self) -> None:
+        """Refuse a parameter outside the optimizer that was written in place (``ProtocolError``):
+        it is retained as it was built, but no update of it is crash-consistent (an EMA copy
+        among the model's parameters, say), so a recovery would resume it torn or stale."""
+        for i, f in enumerate(self.frozen):
+            if f._version != self._frozen_versions[i]:
+                names = {id(p): n for n, p in self.model.named_parameters()}
+                raise ProtocolError(
+                    f"parameter {names.get(id(f), '?')} is outside the optimizer but was written "
+                    "in place; leto retains such parameters as built and cannot make their "
+                    "updates crash-consistent: give it to the optimizer, or keep it out of the "
+                    "model and name its owner in ctx.retain(..., stateful=...)"
+                )
 
     def _check_lent_memory_returned(self) -> None:
         """Refuse a tensor of the compute phase kept in the lent undo memory (``ProtocolError``).

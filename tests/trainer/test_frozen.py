@@ -1,0 +1,106 @@
+"""Parameters outside the optimizer (a fine-tuning job's frozen base) live in retained
+memory, unchanged by the steps; one written in place is refused, as is one under
+``fully_shard`` (a real trainer ``Context`` in this process, tests/trainer/local.py; FSDP2 on
+torch's fake process group). Recovery with them: tests/launcher/test_frozen_params_recovery.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from leto.errors import ConfigError, ProtocolError
+from leto.trainer import placement
+from leto.trainer.env import TrainerEnv
+from leto.trainer.grad_sync import GradSync
+from tests.trainer.local import local_context
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)  # the frozen base
+    return model
+
+
+def _train(state, model: nn.Module, steps: int, meddle=lambda step: None) -> None:
+    x = torch.ones(3, 4)
+    for step in state.steps(steps):
+
+        def fb() -> torch.Tensor:
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        loss = state.compute(fb)
+        meddle(step)
+        state.step(loss=loss)
+
+
+def test_frozen_parameters_live_in_the_state_region_and_stay(monkeypatch) -> None:
+    with local_context(monkeypatch) as ctx:
+        model = _model()
+        built = [p.detach().clone() for p in model[0].parameters()]
+        opt = torch.optim.AdamW(model[2].parameters(), lr=0.1)
+        state = ctx.retain(model, opt)
+        lo = state.state_region.data_ptr()
+        hi = lo + state.state_region.numel()
+        for p in model[0].parameters():
+            assert lo <= p.data_ptr() < hi and not p.requires_grad
+        assert len(state.layout.frozen) == 2
+        trained = model[2].weight.detach().clone()
+        _train(state, model, 3)
+        assert all(torch.equal(p, b) for p, b in zip(model[0].parameters(), built, strict=True))
+        assert not torch.equal(model[2].weight, trained)
+
+
+def test_a_frozen_parameter_written_in_place_is_refused(monkeypatch) -> None:
+    with local_context(monkeypatch) as ctx:
+        model = _model()
+        opt = torch.optim.AdamW(model[2].parameters(), lr=0.1)
+        state = ctx.retain(model, opt)
+
+        def ema(step: int) -> None:
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight.mul_(0.99)
+
+        with pytest.raises(ProtocolError, match=r"parameter 0\.weight is outside the optimizer"):
+            _train(state, model, 3, ema)
+
+
+def test_a_frozen_parameter_under_fully_shard_is_refused() -> None:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with torch.device("meta"):
+            model = _model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        opt = torch.optim.AdamW(model[2].parameters(), lr=0.1)
+        env = dataclasses.replace(_env(), world_size=2)
+        with pytest.raises(ConfigError, match=r"0\.weight \(and 1 more\) is a parameter outside"):
+            placement.plan(
+                model, opt, env=env, device=torch.device("cpu"), world_size=2, grad_sync=GradSync()
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def _env() -> TrainerEnv:
+    return TrainerEnv(
+        role="active",
+        generation=0,
+        pool_socket="",
+        job_token="test",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        restart_count=0,
+        master_addr="127.0.0.1",
+        master_port=0,
+    )
