@@ -204,9 +204,7 @@ class RetainedState:
         regions and seals them."""
         rank = self.services.rank
         self.reattached = self._recovery.attach(self.layout.digest)
-        if not self.reattached and any(
-            t.is_meta for t in self.params + self.buffers + self.frozen
-        ):
+        if not self.reattached and any(t.is_meta for t in self.params + self.buffers + self.frozen):
             raise UnrecoverableStateError(
                 f"rank {rank}: no retained state to reattach to, but the model was built on "
                 "the meta device; build it for real (ctx.init_device() does this)"

@@ -34,23 +34,28 @@ def local_context(
         monkeypatch.delenv(ENV_HEARTBEAT, raising=False)
     sm = StateManagerProcess.start()
     try:
-        trainer_env = TrainerEnv(
-            role="active",
-            generation=0,
-            pool_socket=sm.socket_path,
-            job_token="test",
-            rank=0,
-            local_rank=0,
-            world_size=1,
-            restart_count=0,
-            master_addr="127.0.0.1",
-            master_port=0,
-        )
         store = dist.HashStore()
-        ctx = Context(dataclasses.replace(trainer_env, **env), store, store)
+        ctx = Context(trainer_env(pool_socket=sm.socket_path, **env), store, store)
         try:
             yield ctx
         finally:
             ctx.pool.close()
     finally:
         sm.stop()
+
+
+def trainer_env(**env: object) -> TrainerEnv:
+    """A rank-0 active's ``TrainerEnv`` in a world of one; ``env`` overrides fields."""
+    base = TrainerEnv(
+        role="active",
+        generation=0,
+        pool_socket="",
+        job_token="test",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        restart_count=0,
+        master_addr="127.0.0.1",
+        master_port=0,
+    )
+    return dataclasses.replace(base, **env)

@@ -5,8 +5,6 @@ torch's fake process group). Recovery with them: tests/launcher/test_frozen_para
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,9 +15,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from leto.errors import ConfigError, ProtocolError
 from leto.trainer import placement
-from leto.trainer.env import TrainerEnv
 from leto.trainer.grad_sync import GradSync
-from tests.trainer.local import local_context
+from tests.trainer.local import local_context, trainer_env
 
 
 def _model() -> nn.Module:
@@ -82,25 +79,10 @@ def test_a_frozen_parameter_under_fully_shard_is_refused() -> None:
             model = _model()
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
         opt = torch.optim.AdamW(model[2].parameters(), lr=0.1)
-        env = dataclasses.replace(_env(), world_size=2)
+        env = trainer_env(world_size=2)
         with pytest.raises(ConfigError, match=r"0\.weight \(and 1 more\) is a parameter outside"):
             placement.plan(
                 model, opt, env=env, device=torch.device("cpu"), world_size=2, grad_sync=GradSync()
             )
     finally:
         dist.destroy_process_group()
-
-
-def _env() -> TrainerEnv:
-    return TrainerEnv(
-        role="active",
-        generation=0,
-        pool_socket="",
-        job_token="test",
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        restart_count=0,
-        master_addr="127.0.0.1",
-        master_port=0,
-    )
