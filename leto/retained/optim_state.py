@@ -106,6 +106,9 @@ def optimizer_state(
 
     Raises ``ConfigError`` naming the reason when the optimizer's state cannot be retained."""
     refusal = adamw_refusal(optimizer)
+    dtypes = {p.dtype for p in params}
+    if refusal is None and len(dtypes) > 1:  # Leto's AdamW walks one flat space of one dtype
+        refusal = f"parameters of {len(dtypes)} dtypes"
     if refusal is None:
         name = type(optimizer).__name__
         if any(g.get("fused") for g in optimizer.param_groups) and name not in _FUSED_SAID:

@@ -64,6 +64,8 @@ OPTIMIZERS: dict[str, Factory] = {
     "rprop": lambda n: torch.optim.Rprop(n.parameters()),
     "adafactor": lambda n: torch.optim.Adafactor(n.parameters(), lr=1e-2),
     "muon": lambda n: torch.optim.Muon(n.parameters(), lr=2e-2),
+    # AdamW over parameters of two dtypes: its own step, Leto's AdamW walks one dtype
+    "adamw-mixed-dtypes": lambda n: torch.optim.AdamW(_groups(n, weight_decay=0.1)),
 }
 """Optimizers whose state is found by the probe (the ``torch`` rule)."""
 LETO_ADAMW: dict[str, Factory] = {
@@ -75,7 +77,12 @@ FACTORIES = {**OPTIMIZERS, **LETO_ADAMW}
 
 
 def _net(name: str) -> nn.Module:
-    """The rig's model (4 chunks at CHUNK bytes); Muon takes matrices only."""
+    """The rig's model (4 chunks at CHUNK bytes); Muon takes matrices only; the last layer
+    in bfloat16 for the mixed-dtype case."""
+    if name == "adamw-mixed-dtypes":
+        net = model()
+        net[3].to(torch.bfloat16)
+        return net
     if name != "muon":
         return model()
     torch.manual_seed(0)
@@ -197,7 +204,17 @@ def _reference(name: str, erasure: ErasureConfig | None) -> Rig:
 
 @pytest.mark.parametrize("kill_step", [0, 1], ids=["first-step", "later-step"])
 @pytest.mark.parametrize(
-    "name", ["sgd-dampening", "nadam", "rmsprop", "adam-amsgrad", "adagrad", "muon", "adafactor"]
+    "name",
+    [
+        "sgd-dampening",
+        "nadam",
+        "rmsprop",
+        "adam-amsgrad",
+        "adagrad",
+        "muon",
+        "adafactor",
+        "adamw-mixed-dtypes",
+    ],
 )
 def test_every_kill_point_finishes_exactly(name: str, kill_step: int) -> None:
     """A kill at every chunk boundary, mid-chunk (the chunk's bytes scribbled), inside the
