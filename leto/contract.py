@@ -108,6 +108,12 @@ def fatal(rank: int) -> str:
     return f"fatal/{rank}"
 
 
+def config_error(rank: int) -> str:
+    """Set by a trainer that stopped on a ``ConfigError`` (the job's settings cannot run):
+    the message, which the agent prints as the job's one-line error instead of restarting."""
+    return f"config_error/{rank}"
+
+
 def fault_claim(fault: int) -> str:
     """Claimed (``add``) by the trainer that fires injected fault ``fault``, job-wide."""
     return f"/leto/faults/{fault}"

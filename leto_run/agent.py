@@ -178,6 +178,9 @@ class LetoAgent(LocalElasticAgent):
         """Set by launch: group restarts start their workers from it (warm restarts)."""
         self.recoveries = 0
         self.restarts = 0
+        self.config_error: str | None = None
+        """The ``ConfigError`` a trainer stopped on (``contract.config_error``): the job ends
+        with it, as one line, without restarts."""
 
     @property
     def _current(self) -> Attempt:
@@ -339,11 +342,27 @@ class LetoAgent(LocalElasticAgent):
         self._detect_killed_active()
         self._shadows.watch(attempt, worker_group)
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and (error := self._config_error(result)):
+            self.config_error = error
+            self._remaining_restarts = 0  # the same settings would stop every attempt
+            return result
         if result.state == WorkerState.FAILED and self._phase.uses_leto:
             return self._decide(worker_group, result)
         if result.state == WorkerState.SUCCEEDED:
             self._shadows.retire(self._attempt)
         return result
+
+    def _config_error(self, result: RunResult) -> str | None:
+        """The message of the lowest failed rank that stopped on a ``ConfigError``."""
+        store = self._current.store
+        try:
+            for rank in sorted(result.failures):
+                key = contract.config_error(rank)
+                if store.check([key]):
+                    return store.get(key).decode()
+        except dist.DistError:  # the store is gone: torch's report says what failed
+            return None
+        return None
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torchrun's group restart (counted against --max-restarts), recorded as an event."""

@@ -124,6 +124,8 @@ def launch(
         metrics.start()  # a port in use ends the job here, as any launch error does
         result = agent.run()
         elastic_events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed() and agent.config_error is not None:
+            raise ConfigError(agent.config_error)  # one line (leto-run's exit 2), no report
         if result.is_failed():
             raise ChildFailedError(
                 name=_get_entrypoint_name(entrypoint, args), failures=result.failures

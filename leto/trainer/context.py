@@ -34,7 +34,7 @@ from leto import contract, kernels
 from leto.config import default_rmu_chunk_bytes
 from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import DeviceUnhealthyError, check_device
-from leto.errors import ProtocolError, UnrecoverableStateError
+from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
 from leto.health import Heartbeat
@@ -253,12 +253,21 @@ class Context:
             if self.heartbeat is not None:
                 self.heartbeat.beat()
 
-    def report_fatal_on_unrecoverable(self) -> None:
+    def report_errors_to_agent(self) -> None:
         """An uncaught ``UnrecoverableStateError`` or ``DeviceUnhealthyError`` tells the agent
-        before the trainer dies, so it is classified as a fatal failure (group restart from the checkpoint)."""
+        before the trainer dies, so it is classified as a fatal failure (group restart from
+        the checkpoint). A ``ConfigError`` (settings this job cannot run with) is handed to
+        the agent, which ends the job with it as one line, without a traceback or restarts;
+        if the store cannot take it, the trainer prints that line itself."""
         previous = sys.excepthook
 
         def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+            if issubclass(tp, ConfigError):
+                try:
+                    self.store.set(contract.config_error(self.rank), str(value)[:2000])
+                except Exception:  # noqa: BLE001 - the agent is gone: say it here
+                    print(f"leto-run: error: {' '.join(str(value).split())}", file=sys.stderr)
+                return
             if issubclass(tp, (UnrecoverableStateError, DeviceUnhealthyError)):
                 with contextlib.suppress(Exception):
                     self.store.set(contract.fatal(self.rank), f"{tp.__name__}: {value}"[:500])
@@ -456,7 +465,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
     t_store = time.time()
     ctx = Context(env, base, raw)
     ctx.exits_cleanly = True
-    ctx.report_fatal_on_unrecoverable()
+    ctx.report_errors_to_agent()
     now = time.time()
     ctx.events.emit(
         Kind.TRAINER_STARTED,

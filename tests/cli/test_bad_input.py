@@ -306,6 +306,7 @@ EXAMPLES: dict[str, tuple[str, list[str], str]] = {
     "train_gpt-negative": ("train_gpt.py", ["--steps", "-5"], "--steps"),
     "train_gpt-zero": ("train_gpt.py", ["--steps", "0"], "--steps"),
     "train_scheduled": ("train_scheduled.py", ["--steps", "0"], "--steps"),
+    "finetune_lora": ("finetune_lora.py", ["--steps", "0"], "--steps"),
     "plain_ddp": ("plain_ddp.py", ["--steps", "0"], "--steps"),
     "torchrun_gpt_ckpt": (
         "torchrun_gpt_ckpt.py",
