@@ -19,6 +19,8 @@ WIDE = 16384
 """Chunk bytes for tests that need several kernel blocks per chunk (4096 elements)..."""
 DIM = 48
 """...and a model big enough for several such chunks (14 k parameters)."""
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""The kernels run on the GPU where there is one, else in Triton's interpreter (conftest)."""
 
 
 def _run(
@@ -28,7 +30,7 @@ def _run(
     chunk: int = CHUNK,
     dim: int = 24,
 ) -> Rig:
-    rig = Rig.build(model(dim=dim), erasure=erasure, chunk_bytes=chunk, fused=fused)
+    rig = Rig.build(model(dim=dim), erasure=erasure, chunk_bytes=chunk, fused=fused, device=DEVICE)
     for s in range(steps):
         _step(rig, s, no_faults())
     return rig
@@ -69,10 +71,11 @@ def test_the_kernel_applies_the_gradient_factor_as_clipping_in_place_would() -> 
     """The factor in ``Layout.grad_scale`` is one float32 multiply of each gradient as the
     kernel reads it: the same bytes as torch's in-place ``_foreach_mul_`` and a factor of 1."""
     folded, in_place = (
-        Rig.build(model(dim=24), erasure=None, chunk_bytes=CHUNK, fused=True) for _ in range(2)
+        Rig.build(model(dim=24), erasure=None, chunk_bytes=CHUNK, fused=True, device=DEVICE)
+        for _ in range(2)
     )
-    coef = torch.tensor(0.3711, dtype=torch.float32)
-    for rig, factor in ((folded, coef), (in_place, torch.ones(()))):
+    coef = torch.tensor(0.3711, dtype=torch.float32, device=DEVICE)
+    for rig, factor in ((folded, coef), (in_place, torch.ones((), device=DEVICE))):
         rig.set_grads(seed=7)
         if rig is in_place:
             torch._foreach_mul_([s.view(rig.grads) for s in rig.layout.grads], coef)
@@ -90,13 +93,13 @@ def test_fused_is_deterministic() -> None:
 def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
     """Kill inside chunk ``chunk``'s kernel (half its blocks done, one torn): prepare()
     puts back exactly the bytes of before the chunk."""
-    rig = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
+    rig = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True, device=DEVICE)
     _step(rig, 0, no_faults())
     fresh = rig.updater(no_faults())
     n_chunks = len(fresh.chunks)
     assert n_chunks > chunk
     # the state just before chunk `chunk` of step 1: a fault-free run killed at its boundary
-    before = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True)
+    before = Rig.build(model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True, device=DEVICE)
     _step(before, 0, no_faults())
     with pytest.raises(Killed):
         _step(before, 1, kill_at(1, "boundary", chunk))
@@ -126,7 +129,9 @@ def test_every_kill_point_of_a_fused_update_finishes_exactly(erasure: ErasureCon
         ref,
         n_chunks,
         erasure,
-        lambda: Rig.build(model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True),
+        lambda: Rig.build(
+            model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True, device=DEVICE
+        ),
     )
 
 
