@@ -125,7 +125,7 @@ class Bench:
                 0.0,
                 bias=args.optimizer != "muon",
             )
-        self.opt = gpt.OPTIMIZERS[args.optimizer](self.model.parameters(), LR)
+        self.opt = gpt.OPTIMIZERS[args.optimizer](self.model, LR)
         params = list(self.model.parameters())
         self.layout = lay = Layout.plan(params, [], self.opt)
         nbytes = padded_bytes(lay.state_bytes, erasure) if erasure is not None else lay.state_bytes

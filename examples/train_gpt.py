@@ -75,18 +75,36 @@ class GPT(nn.Module):
 
 OPTIMIZERS = {
     # fused=True: what a careful user runs (torch's fused kernel on CPU, Leto's on CUDA)
-    "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, fused=True),
-    "sgd": lambda ps, lr: torch.optim.SGD(
-        ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01
+    "adamw": lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.1, fused=True),
+    "sgd": lambda m, lr: torch.optim.SGD(
+        m.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01
     ),
-    "rmsprop": lambda ps, lr: torch.optim.RMSprop(
-        ps, lr=lr, momentum=0.9, centered=True, weight_decay=0.01
+    "rmsprop": lambda m, lr: torch.optim.RMSprop(
+        m.parameters(), lr=lr, momentum=0.9, centered=True, weight_decay=0.01
     ),
-    "nadam": lambda ps, lr: torch.optim.NAdam(ps, lr=lr, weight_decay=0.01),
-    "adam-amsgrad": lambda ps, lr: torch.optim.Adam(ps, lr=lr, amsgrad=True, weight_decay=0.01),
-    "muon": lambda ps, lr: torch.optim.Muon(ps, lr=lr),  # matrices only: the model has no vectors
+    "nadam": lambda m, lr: torch.optim.NAdam(m.parameters(), lr=lr, weight_decay=0.01),
+    "adam-amsgrad": lambda m, lr: torch.optim.Adam(
+        m.parameters(), lr=lr, amsgrad=True, weight_decay=0.01
+    ),
+    # matrices only: the model is built without vectors (no biases, no LayerNorm affine)
+    "muon": lambda m, lr: torch.optim.Muon(m.parameters(), lr=lr),
+    "muon+adamw": lambda m, lr: muon_and_adamw(m, lr),
 }
 """``--optimizer`` choices: any torch.optim optimizer is retained (leto.retained.optim_state)."""
+
+
+def muon_and_adamw(model: GPT, lr: float) -> leto.ChainedOptimizer:
+    """Muon for the blocks' matrices, AdamW for embeddings, head, biases and norms (Muon takes
+    2-D parameters only, and is not meant for embeddings), chained into one optimizer."""
+    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return leto.ChainedOptimizer(
+        [
+            torch.optim.Muon(hidden, lr=lr),
+            torch.optim.AdamW(rest, lr=lr, weight_decay=0.1, fused=True),
+        ]
+    )
 
 
 def batch(
@@ -214,7 +232,7 @@ def main() -> None:
             args.dropout,
             bias=args.optimizer != "muon",
         )
-    opt = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
+    opt = OPTIMIZERS[args.optimizer](model, args.lr)
     state = ctx.retain(model, opt)
     ballast = ActivationBallast(ctx, args)
     for step in state.steps(args.steps):

@@ -18,9 +18,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Context", "RetainedState", "init"]
+__all__ = ["ChainedOptimizer", "Context", "RetainedState", "init"]
 
 _LAZY = {
+    "ChainedOptimizer": "leto.optim",
     "Context": "leto.trainer.context",
     "init": "leto.trainer.context",
     "RetainedState": "leto.trainer.state",

@@ -267,7 +267,11 @@ def attached_schedulers(
         for r in gc.get_referrers(optimizer)
         if isinstance(r, LRScheduler) and getattr(r, "optimizer", None) is optimizer
     ]
-    found += [s for s in frozen if all(s is not f for f in found)]
+    found += [
+        s
+        for s in frozen
+        if getattr(s, "optimizer", None) is optimizer and all(s is not f for f in found)
+    ]
     inner = {id(s) for r in found for s in getattr(r, "_schedulers", ())}
     return [s for s in found if id(s) not in inner]
 
@@ -285,6 +289,8 @@ def freeze_heap(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
     before is the returned list. :meth:`RetainedExtras` unfreezes after the second scan.
     """
     found = attached_schedulers(optimizer)
+    for part in getattr(optimizer, "parts", ()):  # a ChainedOptimizer's: discover() refuses them
+        found += attached_schedulers(part)
     gc.freeze()
     return found
 
@@ -351,6 +357,14 @@ class RetainedExtras:
         shadow's script builds them after ``retain()``, which it waits in)."""
         self._discoveries += 1
         self._wrapped = bool(getattr(self.optimizer.step, "_wrapped_by_lr_sched", False))
+        for i, part in enumerate(getattr(self.optimizer, "parts", ())):  # a ChainedOptimizer
+            on_part = attached_schedulers(part, self._frozen or ())
+            if on_part:
+                raise ConfigError(
+                    f"{type(on_part[0]).__name__} is built on part {i} of the ChainedOptimizer "
+                    "leto retains, so leto cannot retain it: build it on the ChainedOptimizer "
+                    "(LambdaLR takes one function per parameter group)"
+                )
         known = {id(t.obj) for t in self._tracked.values()}
         found = [
             s for s in attached_schedulers(self.optimizer, self._frozen or ()) if id(s) not in known

@@ -6,7 +6,7 @@ runs chunk by chunk over whole parameters): kills in forward, backward, at a chu
 mid-chunk (the chunk's bytes scribbled) and after the last chunk, with lost model-state pages
 at the update kills. Every (rank, step) digest (parameters, every state tensor the probe
 found, the PRESENT bytes, RNG) equals the fault-free run's. CI runs SGD (momentum, Nesterov,
-weight decay); ``--run-slow`` runs RMSprop, NAdam, Adam with amsgrad, Muon and SGD under
+weight decay) and Muon chained with AdamW (``leto.ChainedOptimizer``); ``--run-slow`` runs RMSprop, NAdam, Adam with amsgrad, Muon and SGD under
 ``consistency: snapshot`` (their in-process twins: tests/updater/test_any_optimizer.py).
 """
 
@@ -78,6 +78,15 @@ def test_sgd_with_nesterov_momentum_recovers_exactly_from_kills_in_every_phase(
 ) -> None:
     (tmp_path / "ref").mkdir()
     _recovers_exactly(tmp_path, "sgd")
+
+
+@pytest.mark.timeout(900)
+def test_muon_chained_with_adamw_recovers_exactly_from_kills_in_every_phase(
+    tmp_path: Path,
+) -> None:
+    """Muon for the blocks' matrices and AdamW for the rest, one ``leto.ChainedOptimizer``."""
+    (tmp_path / "ref").mkdir()
+    _recovers_exactly(tmp_path, "muon+adamw")
 
 
 @pytest.mark.slow

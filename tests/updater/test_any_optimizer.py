@@ -16,6 +16,7 @@ from torch import nn
 
 from leto.erasure import ErasureConfig
 from leto.errors import ConfigError, UnrecoverableStateError
+from leto.optim import ChainedOptimizer
 from leto.retained.layout import Layout
 from leto.retained.marker import Phase
 from leto.retained.optim_state import PRESENT, StateSlots, optimizer_state
@@ -64,6 +65,13 @@ OPTIMIZERS: dict[str, Factory] = {
     "rprop": lambda n: torch.optim.Rprop(n.parameters()),
     "adafactor": lambda n: torch.optim.Adafactor(n.parameters(), lr=1e-2),
     "muon": lambda n: torch.optim.Muon(n.parameters(), lr=2e-2),
+    # Muon for the matrices, AdamW for the rest, chained into one optimizer (leto.optim)
+    "muon+adamw": lambda n: ChainedOptimizer(
+        [
+            torch.optim.Muon([p for p in n.parameters() if p.dim() == 2], lr=2e-2),
+            torch.optim.AdamW([p for p in n.parameters() if p.dim() != 2], weight_decay=0.1),
+        ]
+    ),
     # AdamW over parameters of two dtypes: its own step, Leto's AdamW walks one dtype
     "adamw-mixed-dtypes": lambda n: torch.optim.AdamW(_groups(n, weight_decay=0.1)),
 }
@@ -214,6 +222,7 @@ def _reference(name: str, erasure: ErasureConfig | None) -> Rig:
         "muon",
         "adafactor",
         "adamw-mixed-dtypes",
+        "muon+adamw",
     ],
 )
 def test_every_kill_point_finishes_exactly(name: str, kill_step: int) -> None:
