@@ -3,9 +3,13 @@
 On CUDA the phase allocates from the updater's idle buffers (``leto.pool.lend``: rmu's undo
 buffer, needed only after backward). An out-of-memory error while the node has shadows is
 theirs to pay for: the shadows are reclaimed (``leto.preinit.guard.OomGuard.reclaim``, which
-also says why this is the hook into PyTorch's allocator), the step is brought back to its
-start and run again — the same step, bit for bit, since model state is read-only here. A
-compute phase whose collectives the other ranks would not repeat is never retried.
+also says why this is the hook into PyTorch's allocator), the step is brought back to the
+start of its compute phase and run again — the same step, bit for bit, since model state is
+read-only here. A step may call ``compute`` more than once (gradient accumulation, one call
+per micro-batch): gradients are zeroed once per step, so a retry runs this step's earlier
+calls again before the failed one, each from the RNG state it started with (whatever the
+script drew between calls is not drawn again). A compute phase whose collectives the other
+ranks would not repeat is never retried.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from leto.errors import LetoError
 from leto.pool.lend import ActivationLender
+from leto.trainer.rng import rng_blob, set_rng_blob
 
 if TYPE_CHECKING:
     from leto.preinit.guard import OomGuard
@@ -52,8 +57,8 @@ class ComputePhase:
     ) -> None:
         """``guard``: this trainer's side of the pre-initialisation controller; ``grad_sync``:
         the context's as it is now (a model-parallel one turns retries off); ``restart``:
-        brings the step back to the start of its compute phase (RNG, buffers, zeroed
-        gradients). ``lent``: the regions to lend to activations (empty: none), built into a
+        brings the step back to the start of its compute phase (buffers, zeroed gradients;
+        the RNG is set here). ``lent``: the regions to lend to activations (empty: none), built into a
         lender at the first phase; ``lend_asked``: ``leto.lend_activation_memory`` (True: a
         lender that cannot be built is an error, else a warning)."""
         self.rank, self.device, self.guard = rank, device, guard
@@ -61,6 +66,9 @@ class ComputePhase:
         self.lent, self.lend_asked = lent, lend_asked
         self.lender: ActivationLender | None = None
         """The lender, once the first phase has built it."""
+        self._step = -1
+        self._calls: list[tuple[Callable[[], object], torch.Tensor]] = []
+        """This step's compute calls so far, each with the RNG state it began with."""
 
     @property
     def lending(self) -> bool:
@@ -84,10 +92,21 @@ class ComputePhase:
                     "[rank %d] not lending the undo buffer to activations: %s", self.rank, e
                 )
                 self.lent = {}
+        if step != self._step:
+            self._step, self._calls = step, []
+        rng = rng_blob(self.device)  # host only: a few microseconds
+        retry = False
         while True:
             try:
                 with self.lender.lending() if self.lender is not None else contextlib.nullcontext():
-                    return fn()
+                    if retry:  # the step's earlier calls, then this one, each from its RNG
+                        for again, began in self._calls:
+                            set_rng_blob(began, self.device)
+                            again()
+                        set_rng_blob(rng, self.device)
+                    result = fn()
+                self._calls.append((fn, rng))
+                return result
             except torch.OutOfMemoryError as e:
                 if not self.guard.can_reclaim():
                     raise
@@ -112,6 +131,7 @@ class ComputePhase:
             if not self.guard.reclaim(step):
                 raise torch.OutOfMemoryError(f"{message} (no shadows left to reclaim)")
             self.restart()
+            retry = True
 
     def _not_repeated(self) -> str:
         """The collectives of this compute phase that the other ranks would not repeat with

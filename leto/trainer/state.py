@@ -462,8 +462,8 @@ class RetainedState:
         return self._compute.run(self.marker.step, fn)
 
     def _restart_compute(self) -> None:
-        """Back to the start of this step's compute phase (its RNG, buffers, zero gradients)."""
-        set_rng_blob(self._step_rng(), self.device)
+        """Back to the start of this step's compute phase (buffers, zero gradients; the
+        retry sets the RNG each compute call began with)."""
         if self.buffer_undo is not None:
             self.buffer_undo.restart()
         self._zero_grads()
