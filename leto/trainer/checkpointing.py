@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from leto.checkpoint import Checkpointer
-from leto.errors import ProtocolError
 
 if TYPE_CHECKING:
     from leto.config import CheckpointConfig
@@ -29,11 +28,9 @@ def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
     for i, (p, pslot, oslots) in enumerate(
         zip(state.params, state.layout.params, state.layout.optim, strict=True)
     ):
-        name = pnames.get(id(p))
-        if name is None:
-            raise ProtocolError(
-                "the optimizer holds a parameter that is not in the model; cannot name it"
-            )
+        # a parameter the optimizer holds outside the model (a learned temperature, say) is
+        # named by its place in the optimizer's order, the same in every process of the job
+        name = pnames.get(id(p), f"<optimizer param {i}>")
         views[f"model.{name}"] = state.seen(i, pslot.view(region))  # an FSDP2 shard: its DTensor
         for key, slot in oslots.items():
             views[f"optim.{name}.{key}"] = state.seen(i, slot.view(region))
