@@ -28,6 +28,29 @@ from tests.updater.test_rmu import CHUNK, ERASURE, LRS, _clip, _points, _recover
 Factory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
+class Lion(torch.optim.Optimizer):
+    """A user's own optimizer class, written the way most are (Lion, Chen et al. 2023): its
+    state made lazily at the first step, a Python loop over parameters."""
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = state["exp_avg"] * beta1 + p.grad * (1 - beta1)
+                p.add_(update.sign_(), alpha=-group["lr"])
+                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
 def _groups(net: nn.Module, **decay: float) -> list[dict]:
     """Two groups, as training scripts build them: matrices with weight decay, the rest without."""
     mats = [p for p in net.parameters() if p.dim() >= 2]
@@ -65,6 +88,7 @@ OPTIMIZERS: dict[str, Factory] = {
     "rprop": lambda n: torch.optim.Rprop(n.parameters()),
     "adafactor": lambda n: torch.optim.Adafactor(n.parameters(), lr=1e-2),
     "muon": lambda n: torch.optim.Muon(n.parameters(), lr=2e-2),
+    "lion-user-class": lambda n: Lion(_groups(n, weight_decay=0.1), lr=1e-3),
     # Muon for the matrices, AdamW for the rest, chained into one optimizer (leto.optim)
     "muon+adamw": lambda n: ChainedOptimizer(
         [
@@ -223,6 +247,7 @@ def _reference(name: str, erasure: ErasureConfig | None) -> Rig:
         "adafactor",
         "adamw-mixed-dtypes",
         "muon+adamw",
+        "lion-user-class",
     ],
 )
 def test_every_kill_point_finishes_exactly(name: str, kill_step: int) -> None:
