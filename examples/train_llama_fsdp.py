@@ -144,10 +144,14 @@ def materialise(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """Over the trainable parameters (``--frozen-embedding`` leaves the embedding out)."""
+    if args.frozen_embedding:
+        model.tok.weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
     if args.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     fused = {"fused": True} if args.fused else {"foreach": True}
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, **fused)
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, **fused)
 
 
 def main() -> None:
@@ -169,6 +173,11 @@ def main() -> None:
     )
     p.add_argument("--reshard", action="store_true", help="fully_shard(reshard_after_forward=True)")
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True) (GPU)")
+    p.add_argument(
+        "--frozen-embedding",
+        action="store_true",
+        help="the token embedding frozen, outside the optimizer (as a fine-tuning job keeps it)",
+    )
     p.add_argument("--plain", action="store_true", help="torch alone (run under torchrun)")
     args = p.parse_args()
     if args.steps < 1:

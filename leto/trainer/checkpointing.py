@@ -34,8 +34,8 @@ def named_views(state: RetainedState) -> dict[str, torch.Tensor]:
         views[f"model.{name}"] = state.seen(i, pslot.view(region))  # an FSDP2 shard: its DTensor
         for key, slot in oslots.items():
             views[f"optim.{name}.{key}"] = state.seen(i, slot.view(region))
-    for f, slot in zip(state.frozen, state.layout.frozen, strict=True):
-        views[f"model.{pnames[id(f)]}"] = slot.view(region)
+    for j, (f, slot) in enumerate(zip(state.frozen, state.layout.frozen, strict=True)):
+        views[f"model.{pnames[id(f)]}"] = state.seen(len(state.params) + j, slot.view(region))
     for b, slot in zip(state.buffers, state.layout.buffers, strict=True):
         views[f"buffer.rank{rank}.{bnames[id(b)]}"] = slot.view(region)
     views[f"rng.rank{rank}"] = state.layout.rng.view(region)

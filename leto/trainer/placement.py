@@ -84,28 +84,24 @@ def plan(
     # a sharded optimizer holds shards: the full parameters are its mirror regions
     frozen = [] if mirror else outside_optimizer(model, params)
     shards = None
-    if has_dtensor_params(params):
-        if frozen:
-            raise ConfigError(
-                f"{_named(model, frozen)} is a parameter outside the optimizer (frozen?): "
-                "leto does not retain those under fully_shard yet; give every parameter to "
-                "the optimizer (requires_grad=False ones get no update)"
-            )
-        shards = FsdpShards.find(model, optimizer, params, world_size)
+    retained: list[torch.Tensor] = [*params, *frozen]
+    if has_dtensor_params(params):  # the frozen ones' shards follow the optimizer's
+        shards = FsdpShards.find(model, optimizer, retained, world_size)
         if grads is not None or mirror or grad_sync != GradSync():
             raise ConfigError(
                 "fully_shard reduces its own gradients: no integration's gradient buffers, "
                 "full-parameter mirror or ctx.grad_sync with it"
             )
+        retained = shards.stand_ins(retained)
     layout = Layout.plan(
-        params if shards is None else shards.stand_ins(params),
+        retained[: len(params)],
         buffers,
         optimizer,
         rng_bytes=rng_blob(device).numel(),
         grads=grads,
         mirror=mirror,
-        sharding="" if shards is None else shards.description(params),
-        frozen=tuple(frozen),
+        sharding="" if shards is None else shards.description([*params, *frozen]),
+        frozen=tuple(retained[len(params) :]),
     )
     if env.erasure is not None:
         refuse_buffer_updates(model)
@@ -124,12 +120,6 @@ def outside_optimizer(
     base model under its adapters), once each, in the model's order."""
     held = {id(p) for p in params}
     return [p for p in model.parameters() if id(p) not in held]
-
-
-def _named(model: torch.nn.Module, tensors: list[torch.nn.Parameter]) -> str:
-    names = {id(p): n for n, p in model.named_parameters()}
-    first = names.get(id(tensors[0]), "?")
-    return first if len(tensors) == 1 else f"{first} (and {len(tensors) - 1} more)"
 
 
 @dataclass(frozen=True, slots=True)

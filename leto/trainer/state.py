@@ -266,8 +266,11 @@ class RetainedState:
             if fresh:
                 data.copy_(b)
             torch.utils.swap_tensors(b, data)
-        for f, slot in zip(self.frozen, self.layout.frozen, strict=True):
+        for j, (f, slot) in enumerate(zip(self.frozen, self.layout.frozen, strict=True)):
             data = own_view(self.state_region, slot)
+            if shards is not None:  # FSDP2: indexed after the optimizer's parameters
+                shards.bind_param(len(self.params) + j, f, data, fresh)
+                continue
             if fresh:
                 data.copy_(f.detach())
             torch.utils.swap_tensors(f, torch.nn.Parameter(data, requires_grad=f.requires_grad))

@@ -147,3 +147,40 @@ def test_sharded_checkpoint_resumes_a_relaunch(tmp_path: Path, mixed) -> None:
     assert sorted((e["rank"], e["step"]) for e in loaded) == [(0, 8), (1, 8)]
     assert min(step for _, step in digests(events)) == 8
     assert_exact({k: v for k, v in mixed[0].items() if 8 <= k[1] <= 12}, events)
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_embedding_outside_the_optimizer_is_retained(tmp_path: Path) -> None:
+    """A fine-tuning job's frozen parameter under fully_shard (the token embedding, outside
+    the optimizer): its shards are retained with the rest, kills in backward and inside the
+    update recover bit for bit, and the job trains as torch alone does."""
+    args = [*MODEL, "--frozen-embedding"]
+    section = {"consistency": "rmu", "rmu_chunk_bytes": 16384}
+    steps = 10
+    (tmp_path / "ref").mkdir()
+    ref, ref_events = fault_free_run(
+        tmp_path / "ref", steps=steps, leto=section, script=SCRIPT, model_args=args
+    )
+    faults = [
+        FaultSpec(rank=0, step=3, phase="backward"),
+        FaultSpec(rank=1, step=6, phase="update", point="optimizer", chunk=0),
+    ]
+    proc, events = run_leto(
+        tmp_path, steps=steps, faults=faults, leto=section, script=SCRIPT, model_args=args
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_recovered(ref, events, faults, nproc=2, resumed_at=[3, 7])
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [SCRIPT, "--plain", "--steps", str(steps), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=_env(),
+        check=False,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    (last,) = re.findall(r"last loss (\S+)", plain.stdout)
+    done = [e for e in ref_events if e["kind"] == Kind.STEP_DONE and e["rank"] == 0]
+    assert repr(done[-1]["loss"]) == last

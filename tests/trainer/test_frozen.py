@@ -1,6 +1,6 @@
 """Parameters outside the optimizer (a fine-tuning job's frozen base) live in retained
-memory, unchanged by the steps; one written in place is refused, as is one under
-``fully_shard`` (a real trainer ``Context`` in this process, tests/trainer/local.py; FSDP2 on
+memory, unchanged by the steps, and are planned as shards under ``fully_shard``; one written
+in place is refused (a real trainer ``Context`` in this process, tests/trainer/local.py; FSDP2 on
 torch's fake process group). Recovery with them: tests/launcher/test_frozen_params_recovery.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from leto.errors import ConfigError, ProtocolError
+from leto.errors import ProtocolError
 from leto.trainer import placement
 from leto.trainer.grad_sync import GradSync
 from tests.trainer.local import local_context, trainer_env
@@ -72,17 +72,24 @@ def test_a_frozen_parameter_written_in_place_is_refused(monkeypatch) -> None:
             _train(state, model, 3, ema)
 
 
-def test_a_frozen_parameter_under_fully_shard_is_refused() -> None:
+def test_frozen_parameters_under_fully_shard_are_planned_as_shards() -> None:
+    """Their slots are the padded local chunks FSDP2 keeps, as the optimizer's parameters'."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with torch.device("meta"):
             model = _model()
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
         opt = torch.optim.AdamW(model[2].parameters(), lr=0.1)
-        env = trainer_env(world_size=2)
-        with pytest.raises(ConfigError, match=r"0\.weight \(and 1 more\) is a parameter outside"):
-            placement.plan(
-                model, opt, env=env, device=torch.device("cpu"), world_size=2, grad_sync=GradSync()
-            )
+        plan = placement.plan(
+            model,
+            opt,
+            env=trainer_env(world_size=2),
+            device=torch.device("cpu"),
+            world_size=2,
+            grad_sync=GradSync(),
+        )
+        assert plan.shards is not None and plan.frozen == list(model[0].parameters())
+        assert [s.shape for s in plan.layout.frozen] == [(4, 4), (4,)]  # 8 rows over 2 ranks
+        assert [s.shape for s in plan.layout.params] == [(1, 8), (1,)]  # 2 rows over 2 ranks
     finally:
         dist.destroy_process_group()
