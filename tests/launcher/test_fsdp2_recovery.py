@@ -69,31 +69,7 @@ def test_kills_in_every_phase_with_lost_pages_recover_bit_identically(tmp_path, 
 def test_trains_exactly_as_torch_alone(tmp_path, mixed) -> None:
     """The retained shards are what FSDP2 all-gathers: leto-run's last loss equals that of
     the same script with torch's own optimizer step under torchrun (bits of the float)."""
-    proc = subprocess.run(
-        [
-            *(
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-            ),
-            SCRIPT,
-            "--plain",
-            "--steps",
-            str(STEPS),
-            *MIXED,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        env=_env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (plain,) = re.findall(r"last loss (\S+)", proc.stdout)
+    plain = _plain_last_loss(tmp_path, STEPS, MIXED)
     done = [e for e in mixed[1] if e["kind"] == Kind.STEP_DONE and e["rank"] == 0]
     assert done[-1]["step"] == STEPS - 1
     assert repr(done[-1]["loss"]) == plain
@@ -170,17 +146,23 @@ def test_a_frozen_embedding_outside_the_optimizer_is_retained(tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_recovered(ref, events, faults, nproc=2, resumed_at=[3, 7])
-    plain = subprocess.run(
+    last = _plain_last_loss(tmp_path, steps, args)
+    done = [e for e in ref_events if e["kind"] == Kind.STEP_DONE and e["rank"] == 0]
+    assert repr(done[-1]["loss"]) == last
+
+
+def _plain_last_loss(tmp: Path, steps: int, args: list[str]) -> str:
+    """The last loss (repr) of the same script under torch alone, torchrun on 2 ranks."""
+    proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + [SCRIPT, "--plain", "--steps", str(steps), *args],
         capture_output=True,
         text=True,
         timeout=240,
-        cwd=tmp_path,
+        cwd=tmp,
         env=_env(),
         check=False,
     )
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    (last,) = re.findall(r"last loss (\S+)", plain.stdout)
-    done = [e for e in ref_events if e["kind"] == Kind.STEP_DONE and e["rank"] == 0]
-    assert repr(done[-1]["loss"]) == last
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (last,) = re.findall(r"last loss (\S+)", proc.stdout)
+    return last
