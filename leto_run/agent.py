@@ -69,6 +69,7 @@ from leto_run.agent_state import (
     Attempt,
     Phase,
     Recovery,
+    close_processes,
     detect_kill,
 )
 from leto_run.failures import classify, kill_hung, log_group_restart, stop_for_restart
@@ -569,7 +570,7 @@ class LetoAgent(LocalElasticAgent):
         assert self._pcontext is not None
         assert record.epoch == attempt.generation + 1, (record.epoch, attempt.generation)
         epoch = record.epoch
-        self._pcontext.close(death_sig=signal.SIGKILL, timeout=5)
+        close_processes(self._pcontext, signal.SIGKILL)
         t_stopped = time.time()
         self._events.emit(Kind.ACTIVES_STOPPED, gen=attempt.generation, stop_s=t_stopped - t_detect)
         attempt.actives_stopped()

@@ -88,6 +88,19 @@ class ProcessExit:
     exitcode: int | None = None
 
 
+def close_processes(pcontext: PContext, sig: signal.Signals, timeout: float = 5.0) -> None:
+    """Signal and reap every process of ``pcontext`` (torch's ``close``). A process that
+    exits between torch's poll and its ``killpg`` makes that raise ``ProcessLookupError``
+    half-way, the rest unsignalled: closing again skips the ones gone (they are reaped)."""
+    for attempt in range(3):
+        try:
+            pcontext.close(death_sig=sig, timeout=timeout)
+            return
+        except ProcessLookupError:
+            if attempt == 2:
+                raise
+
+
 class Pidfds:
     """One pidfd per watched child, opened on first look and kept until :meth:`close`."""
 
@@ -205,7 +218,7 @@ class ShadowGeneration:
         self.done = True
         pids = self.pcontext.pids()
         self.pidfds.close()
-        self.pcontext.close(death_sig=sig, timeout=5)
+        close_processes(self.pcontext, sig)
         return pids
 
     def promote(self) -> tuple[PContext, Pidfds]:

@@ -23,6 +23,7 @@ from leto.epoch import EpochBoard
 from leto.events import EventLog, Kind
 from leto.health import FailureClass, HangWatch, proc_state
 from leto.pool.process import StateManagerProcess
+from leto_run.agent_state import close_processes
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def log_group_restart(
 def stop_for_restart(worker_group: WorkerGroup, pcontext: PContext) -> RunResult:
     """Healthy workers of a job that restarts: SIGKILL and reap them, report them failed."""
     pids = pcontext.pids()
-    pcontext.close(death_sig=signal.SIGKILL, timeout=5)
+    close_processes(pcontext, signal.SIGKILL)
     failures = {
         w.global_rank: ProcessFailure(
             local_rank=w.local_rank,

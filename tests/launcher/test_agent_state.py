@@ -201,3 +201,28 @@ def test_a_promoted_generation_is_handed_over_and_never_retired(generation) -> N
     assert _open_pidfds() == before
     with pytest.raises(AssertionError):
         gen.promote()  # processes are handed over once
+
+
+def test_retire_stops_every_shadow_when_one_exits_under_torchs_close(
+    generation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shadow that exits between torch's poll and its ``killpg`` made torch's close raise
+    ``ProcessLookupError`` half-way, leaving the other shadow running (a job's end that
+    failed with a traceback); retire closes again and every shadow is stopped and reaped."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    gen, _ = generation
+    pids = gen.pids()
+    real_killpg, raised = os.killpg, []
+
+    def killpg(pgid: int, sig: int) -> None:
+        if not raised:  # the first shadow ends on its own just before torch's signal
+            raised.append(pgid)
+            real_killpg(pgid, signal.SIGKILL)
+            os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOWAIT)
+            raise ProcessLookupError(3, "No such process")
+        real_killpg(pgid, sig)
+
+    monkeypatch.setattr(subprocess_handler.os, "killpg", killpg)
+    assert gen.retire(signal.SIGTERM) == pids
+    assert raised and all(_reaped(pid) for pid in pids.values())
