@@ -258,22 +258,31 @@ class Context:
         before the trainer dies, so it is classified as a fatal failure (group restart from
         the checkpoint). A ``ConfigError`` (settings this job cannot run with) is handed to
         the agent, which ends the job with it as one line, without a traceback or restarts;
-        if the store cannot take it, the trainer prints that line itself."""
+        a shadow (whose death the agent handles as a shadow's), or a trainer whose store
+        cannot take it, prints that line itself."""
         previous = sys.excepthook
 
         def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
             if issubclass(tp, ConfigError):
-                try:
-                    self.store.set(contract.config_error(self.rank), str(value)[:2000])
-                except Exception:  # noqa: BLE001 - the agent is gone: say it here
+                # a shadow's is its own (the agent sees it die), not the job's to end
+                if self.is_shadow or not self._tell_agent(
+                    contract.config_error(self.rank), str(value)
+                ):
                     print(f"leto-run: error: {' '.join(str(value).split())}", file=sys.stderr)
                 return
             if issubclass(tp, (UnrecoverableStateError, DeviceUnhealthyError)):
-                with contextlib.suppress(Exception):
-                    self.store.set(contract.fatal(self.rank), f"{tp.__name__}: {value}"[:500])
+                self._tell_agent(contract.fatal(self.rank), f"{tp.__name__}: {value}"[:500])
             previous(tp, value, tb)
 
         sys.excepthook = hook
+
+    def _tell_agent(self, key: str, text: str) -> bool:
+        """Set ``key`` in the job's store; False when the store cannot take it."""
+        try:
+            self.store.set(key, text[:2000])
+        except Exception:  # noqa: BLE001 - the store is gone with the agent
+            return False
+        return True
 
     def finished(self) -> None:
         """Called by ``RetainedState.steps()`` after the last step (exit may take a while)."""
