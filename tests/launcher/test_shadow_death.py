@@ -108,11 +108,12 @@ def test_shadows_that_keep_dying_are_given_up_and_a_failure_loop_restarts_the_gr
     assert all(launch in (0, COLD_LAUNCH) and gen > 1 for gen, launch in launches[LIMIT + 1 :]), (
         launches
     )
-    # gen 1's shadows are given up first; on a loaded machine the replacements spawned at a
-    # promotion may die LIMIT times before the restart too, and be given up in turn
+    # gen 1's shadows are given up first; on a loaded machine a replacement spawned at a
+    # promotion may die before the restart too and be given up at once (the attempt's count
+    # of deaths in a row is past the limit already)
     given_up, *more = _kinds(before, Kind.SHADOWS_GIVEN_UP)
     assert (given_up["gen"], given_up["deaths"], given_up["rank"]) == (1, LIMIT, 1), given_up
-    assert all(e["deaths"] == LIMIT and e["rank"] == 1 for e in more), more
+    assert all(e["deaths"] >= LIMIT and e["rank"] == 1 for e in more), more
     epochs = _kinds(before, Kind.EPOCH)
     assert [(e["action"], e["failure"]) for e in epochs] == [("in_place", "hof")] * (LOOP - 1) + [
         ("restart", "hof")
