@@ -37,9 +37,11 @@ class LossReport:
         self._previous: Staged | None = None
         """The previous step's, not yet reported (deferred)."""
 
-    def stage(self, loss: torch.Tensor | None) -> None:
+    def stage(self, loss: torch.Tensor | float | None) -> None:
         """The step's loss as its compute phase left it (None: the script passed none). Call
         at the start of ``RetainedState.step``, so the copy is queued ahead of the update."""
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            loss = torch.tensor(float(loss))  # a number the script read itself
         if loss is None:
             self._current = None
         elif not self.defer:

@@ -471,8 +471,11 @@ class RetainedState:
             self.buffer_undo.restart()
         self._zero_grads()
 
-    def step(self, max_grad_norm: float | None = None, loss: torch.Tensor | None = None) -> None:
-        """Synchronise gradients, clip, and apply the optimizer update crash-consistently."""
+    def step(
+        self, max_grad_norm: float | None = None, loss: torch.Tensor | float | None = None
+    ) -> None:
+        """Synchronise gradients, clip, and apply the optimizer update crash-consistently;
+        ``loss`` is reported in ``step_done`` (on CUDA a step late, ``leto.trainer.loss``)."""
         step = self.marker.step
         self._loss.stage(loss)
         self._check_frozen_unchanged()

@@ -54,3 +54,9 @@ def test_latest_loss_prefers_the_step_s_own() -> None:
     assert summary.latest_loss({"loss": 1.0, "prev_loss": 2.0}) == 1.0
     assert summary.latest_loss({"loss": None, "prev_loss": 2.0}) == 2.0
     assert summary.latest_loss({"loss": None}) is None
+
+
+def test_a_number_passed_as_the_loss_is_reported() -> None:
+    for report in (LossReport(CPU), LossReport(CPU, defer=True)):
+        report.stage(2.5)
+        assert report.fields(last=True)["loss"] == 2.5
