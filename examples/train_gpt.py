@@ -112,8 +112,17 @@ def batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic synthetic tokens: the data position is the step itself."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
+    data = to_device(torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g), device)
     return data[:, :-1], data[:, 1:]
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; onto a GPU from page-locked memory without waiting for the device
+    (what a ``DataLoader(pin_memory=True)`` and a ``non_blocking`` copy do): a copy from
+    pageable memory would wait for every kernel queued before it, every step."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:

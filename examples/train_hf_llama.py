@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from train_gpt import to_device
 from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 import leto
@@ -57,7 +58,7 @@ def batch(
     """Deterministic synthetic tokens: the data position is the step itself. ``labels`` are
     the inputs (transformers shifts them)."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    ids = to_device(torch.randint(0, args.vocab, (args.batch, args.seq), generator=g), device)
     return ids, ids
 
 
