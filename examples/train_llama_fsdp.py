@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from train_gpt import to_device
 
 import leto
 
@@ -117,7 +118,7 @@ def batch(
     step: int, rank: int, args: argparse.Namespace, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
+    data = to_device(torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g), device)
     return data[:, :-1], data[:, 1:]
 
 
