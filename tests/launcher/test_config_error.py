@@ -6,41 +6,27 @@ way)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from leto.events import Kind, read_events
-from tests.launcher.harness import GPT, GPT_ARGS, LETO_RUN, _env
+from leto.events import Kind
+from tests.launcher.harness import run_leto
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="rmu_fused runs where there is CUDA")
-def test_a_setting_refused_in_the_trainer_ends_the_job_in_one_line(tmp_path: Path) -> None:
-    (tmp_path / "job.yaml").write_text("leto:\n  rmu_fused: true\n")
-    events = tmp_path / "events.jsonl"
-    cmd = [
-        *LETO_RUN,
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--no-dashboard",
-        "--max-restarts",
-        "2",
-        "--events",
-        str(events),
-        "--config",
-        "job.yaml",
-        GPT,
-        "--steps",
-        "3",
-        *GPT_ARGS,
-    ]
-    env = _env()
-    env.pop("TRITON_INTERPRET", None)  # the interpreter would run the kernel on CPU tensors
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env, check=False
+def test_a_setting_refused_in_the_trainer_ends_the_job_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the updater tests' conftest sets it for the suite: the interpreter would run the kernel
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    proc, events = run_leto(
+        tmp_path,
+        steps=3,
+        leto={"rmu_fused": True},
+        extra=["--max-restarts", "2"],
+        digest=False,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
@@ -48,7 +34,6 @@ def test_a_setting_refused_in_the_trainer_ends_the_job_in_one_line(tmp_path: Pat
         "leto-run: error: leto.rmu_fused: true needs a CUDA device (or TRITON_INTERPRET=1 for "
         "tests); set rmu_fused: false or leave it unset"
     )
-    kinds = [e["kind"] for e in read_events(events)]
-    assert Kind.GROUP_RESTART not in kinds
-    finished = [e for e in read_events(events) if e["kind"] == Kind.JOB_FINISHED]
+    assert Kind.GROUP_RESTART not in [e["kind"] for e in events]
+    finished = [e for e in events if e["kind"] == Kind.JOB_FINISHED]
     assert [(e["ok"], e.get("error")) for e in finished] == [(False, "ConfigError")]
