@@ -532,11 +532,7 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
         extra = no_lend_args(Path(d)) if args.no_lend else ()
         events = run_leto(Path(d), steps, kills, args.nproc, args.consistency, extra, **env)
     recs = [r for r in summary.recoveries(events) if r.total_s is not None]
-    iters = sorted(
-        e["iter_s"]
-        for e in events
-        if e["kind"] == "step_done" and not e.get("finished_in_recovery")
-    )
+    iters = summary.step_periods(events)  # across no recovery: steady steps only
     print(
         f"kernels: {KERNELS['mode']}; {len(recs)} recoveries of {len(kills)} kills; "
         f"median step {statistics.median(iters) * 1e3:.1f} ms"
@@ -722,11 +718,7 @@ def main() -> None:
         print(f"[{time.time() - t_start:.0f}s] torchrun + in-memory checkpoint done", flush=True)
         disk = baseline(run_torchrun(tmp, Path(args.disk_dir), 5, 6, 9, "disk", args.nproc))
         print(f"[{time.time() - t_start:.0f}s] torchrun + disk checkpoint done", flush=True)
-    leto_iter = statistics.median(
-        e["iter_s"]
-        for e in leto_events
-        if e["kind"] == "step_done" and not e.get("finished_in_recovery")
-    )
+    leto_iter = statistics.median(summary.step_periods(leto_events))
     params = next((e for e in leto_events if e["kind"] == "step_done"), {})
     leto_median = statistics.median(r.total_s for r in recs)
     print(
