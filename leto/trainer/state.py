@@ -58,6 +58,7 @@ from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
 from leto.trainer.sharding import local
+from leto.trainer.step_guard import OptimizerStepGuard
 from leto.trainer.timing import PhaseTimes, warn_on_device_waits
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ class RetainedState:
         self._step_started = 0.0
         self._phases = PhaseTimes(self.device, 0.0, enabled=False)
         self._install_fault_hooks()
+        OptimizerStepGuard(self.optimizer, self.marker)  # the update is Leto's to run
         self._rng_host: torch.Tensor | None = None
         """The RNG slot's bytes on the host while known (set at each commit)."""
         self._rng_next_host = self._rng_host

@@ -37,3 +37,42 @@ def test_a_setting_refused_in_the_trainer_ends_the_job_in_one_line(
     assert Kind.GROUP_RESTART not in [e["kind"] for e in events]
     finished = [e for e in events if e["kind"] == Kind.JOB_FINISHED]
     assert [(e["ok"], e.get("error")) for e in finished] == [(False, "ConfigError")]
+
+
+LEFTOVER_STEP = """
+import torch
+import leto
+
+ctx = leto.init()
+torch.manual_seed(0)
+with ctx.init_device(ctx.device):
+    model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+state = ctx.retain(model, opt)
+for step in state.steps(3):
+    loss = state.compute(lambda: (l := model(torch.ones(2, 4)).square().mean(), l.backward(), l)[2])
+    opt.step()  # left over from the torchrun loop
+    state.step(loss=loss)
+"""
+
+
+def test_a_scripts_own_optimizer_step_ends_the_job_in_one_line(tmp_path: Path) -> None:
+    """A torchrun loop ported with its ``opt.step()`` left in would update twice per step
+    (``leto.trainer.step_guard``): refused, one line, exit 2, no restart."""
+    script = tmp_path / "leftover_step.py"
+    script.write_text(LEFTOVER_STEP)
+    proc, events = run_leto(
+        tmp_path,
+        steps=3,
+        nproc=1,
+        script=str(script),
+        steps_flag="",
+        model_args=[],
+        extra=["--max-restarts", "2"],
+        digest=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("leto-run: error: the script calls AdamW.step() itself"), last
+    assert Kind.GROUP_RESTART not in [e["kind"] for e in events]
