@@ -61,6 +61,26 @@ class Plan:
     layout: Layout
 
 
+def refuse_wrappers(model: torch.nn.Module) -> None:
+    """A model wrapped for torch's data parallelism is refused with what to pass instead:
+    the wrapper holds its parameters (they cannot become views of retained memory) and its
+    buckets would hold the gradients; ``state.step()`` all-reduces them itself."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError(
+            "ctx.retain() got a DistributedDataParallel: do not wrap the model (the wrapper "
+            "holds its parameters and buckets its gradients); pass the model itself, "
+            "state.step() all-reduces the gradients"
+        )
+    if isinstance(model, FullyShardedDataParallel):
+        raise ConfigError(
+            "ctx.retain() got a FullyShardedDataParallel (FSDP1), which leto does not retain: "
+            "shard the model with torch.distributed.fsdp.fully_shard (FSDP2) instead"
+        )
+
+
 def plan(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -76,6 +96,7 @@ def plan(
     ``grad_sync``: the context's, before the plan (an integration may have set it).
     ``grads`` and ``mirror``: as ``RetainedState`` describes them. Raises ``ConfigError``
     for settings that cannot go together."""
+    refuse_wrappers(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in params}) != len(params):
         raise ProtocolError("a parameter appears twice in the optimizer's groups")
