@@ -55,7 +55,10 @@ its first program (and flag); its parameter (row of the scalar table)."""
 SCALAR_FIELDS = 9
 """A parameter's row of :func:`scalar_rows`: decay, l2 weight decay, 1 - beta1, beta2,
 1 - beta2, step size, sqrt of the second bias correction, eps, and the weight-decay mode
-(0 none, 1 decoupled, 2 L2 in the gradient)."""
+(0 none, 1 decoupled, 2 L2 in the gradient; ``SKIP``: the parameter is left unchanged)."""
+SKIP = 3.0
+"""The mode of a parameter this update skips (no gradient on any rank): its old values are
+saved and flagged as any piece's, and nothing new is stored."""
 
 _PF: tl.constexpr = tl.constexpr(PIECE_FIELDS)
 _SF: tl.constexpr = tl.constexpr(SCALAR_FIELDS)
@@ -121,6 +124,8 @@ def _adamw_chunk_kernel(
     v = v + tl.load(sc + 4) * (g * g)
     denom = tl.div_rn(tl.sqrt_rn(v), tl.load(sc + 6)) + tl.load(sc + 7)
     p = p + tl.load(sc + 5) * tl.div_rn(m, denom)
+    if mode == 3.0:  # SKIP: nothing new is stored
+        ok = idx < 0
     tl.store(state_ptr + m_off + idx, m, mask=ok)
     tl.store(state_ptr + v_off + idx, v, mask=ok)
     tl.store(state_ptr + p_off + idx, p, mask=ok)

@@ -61,6 +61,13 @@ class Layout:
     update multiplies every gradient by (the clipping coefficient), retained and protected
     with the gradients it scales so that a finishing update applies the one every rank
     applied. None where an integration placed the gradients."""
+    grad_present: Slot | None
+    """One word per parameter after ``grad_scale``, in the gradients' dtype (float32 when
+    they have several): 0 where no rank's backward produced the parameter's gradient this
+    step, so the update skips it as torch's optimizers do; and one more, set once the step
+    counters may differ between parameters (``leto.retained.presence``).
+    Inside the "grads" region, so the gradients' all-reduce carries it. None where an
+    integration placed the gradients."""
     optim: tuple[dict[str, Slot], ...]
     """Each parameter's optimizer state (``leto.retained.optim_state``: found by running the
     optimizer, with its ``PRESENT`` byte when torch creates the state lazily)."""
@@ -133,9 +140,13 @@ class Layout:
                 cursor = _align(cursor + grad_slots[-1].nbytes)
             grad_scale: Slot | None = Slot(cursor, (), torch.float32)
             cursor = _align(cursor + grad_scale.nbytes)
+            dtypes = {p.dtype for p in params}
+            word = dtypes.pop() if len(dtypes) == 1 else torch.float32
+            grad_present: Slot | None = Slot(cursor, (len(params) + 1,), word)
+            cursor = _align(cursor + grad_present.nbytes)
             grad_regions, grad_region = (("grads", cursor),), ("grads",) * len(params)
         else:
-            grad_scale = None
+            grad_scale = grad_present = None
             grad_regions, grad_region = grads.regions, _place_grads(params, grads, grad_slots)
         described_keys = (
             tuple(k.name for k in state_keys[0])
@@ -172,6 +183,7 @@ class Layout:
             frozen=tuple(frozen_slots),
             grads=tuple(grad_slots),
             grad_scale=grad_scale,
+            grad_present=grad_present,
             optim=tuple(optim_slots),
             rule=rule,
             rng=rng,

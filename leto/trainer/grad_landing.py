@@ -11,8 +11,10 @@ gradient more at most. Later backward passes of the same step (gradient accumula
 the view bound and accumulate into it in place, as before.
 
 After the compute phase, ``settle`` binds the zeroed view of every parameter that received
-no gradient (what the zero fill gave it) and refuses a gradient that arrived and was unset
-again (``zero_grad()`` after backward): the update must never read a stale view.
+no gradient (what it adds to the all-reduce) and returns them: the update skips one that no
+rank had a gradient for, as torch's optimizers skip a None ``.grad``
+(``leto.retained.presence``). It refuses a gradient that arrived and was unset again
+(``zero_grad()`` after backward): the update must never read a stale view.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ class GradLanding:
             p.grad = None
             self.arrived[i] = False
 
-    def settle(self) -> None:
+    def settle(self) -> list[int]:
         """After the compute phase: every parameter's ``.grad`` is its retained view; one
-        that received no gradient gets its view zeroed (``ProtocolError`` for a gradient
-        unset after it landed)."""
+        that received no gradient gets its view zeroed (what it adds to the mean
+        all-reduce) and is returned, for the update to skip where no rank had one
+        (``leto.retained.presence``). ``ProtocolError`` for a gradient unset after it landed."""
+        absent = []
         for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):
             if p.grad is view:
                 continue
@@ -73,3 +77,5 @@ class GradLanding:
                 )
             view.zero_()
             p.grad = view
+            absent.append(i)
+        return absent

@@ -26,6 +26,7 @@ from leto.pool.pagemap import plan_chunk_bytes
 from leto.retained.layout import GradPlacement, Layout
 from leto.retained.marker import MARKER_BYTES, Marker
 from leto.retained.optim_state import StateSlots
+from leto.retained.presence import GradPresence
 from leto.trainer.buffers import refuse_buffer_updates
 from leto.trainer.env import TrainerEnv
 from leto.trainer.grad_sync import GradSync
@@ -160,6 +161,9 @@ class Regions:
     protected: dict[str, ProtectedRegion]
     """The erasure-protected regions by name ("state" and the gradients); empty without
     ``leto.erasure``."""
+    presence: GradPresence | None
+    """Which parameters the step's update skips (``Layout.grad_present``); None where an
+    integration placed the gradients."""
     updater: Updater
 
 
@@ -216,6 +220,11 @@ def map_regions(plan: Plan, services: TrainerServices, slots: Callable[[], State
         }
     )
     grads = {name: views[name] for name in grad_nbytes}
+    presence = (
+        None
+        if layout.grad_present is None
+        else GradPresence(layout.grad_present.view(grads["grads"]))
+    )
     updater: Updater
     if env.consistency == "rmu":
         updater = ResumableUpdater(
@@ -232,6 +241,7 @@ def map_regions(plan: Plan, services: TrainerServices, slots: Callable[[], State
             chunk_bytes=env.rmu_chunk_bytes,
             incremental_parity=os.environ.get(ENV_RMU_PARITY, "1") != "0",
             fused=fused,
+            presence=presence,
         )
     else:
         updater = SnapshotUpdater(
@@ -245,6 +255,7 @@ def map_regions(plan: Plan, services: TrainerServices, slots: Callable[[], State
             protected=protected.get("state"),
             injector=services.injector,
             fence=mem.fence,
+            presence=presence,
         )
     return Regions(
         memory=mem,
@@ -254,5 +265,6 @@ def map_regions(plan: Plan, services: TrainerServices, slots: Callable[[], State
         marker=marker,
         rng_next=views["rng_next"],
         protected=protected,
+        presence=presence,
         updater=updater,
     )

@@ -163,6 +163,7 @@ class RetainedState:
         self.protected = regions.protected
         self.updater = regions.updater
         self._recovery = Recovery(regions, self.services)
+        self._presence = regions.presence
         self._grad_view_list: list[torch.Tensor] | None = None
         self._seen_grad_list: list[torch.Tensor] | None = None
         self._seen_grad_ptrs: list[int] | None = None
@@ -332,6 +333,12 @@ class RetainedState:
         for an FSDP2 shard its ``DTensor`` (``FsdpShards.seen``), else the view itself."""
         return view if self.shards is None else self.shards.seen(i, view)
 
+    def counts_may_differ(self) -> None:
+        """The parameters' step counters may differ from here on (a checkpoint was loaded:
+        its history is unknown), which a resume's counter check must allow."""
+        if self._presence is not None:
+            self._presence.note_uneven()
+
     def encode(self, name: str) -> None:
         """Recompute retained region ``name``'s parity from its contents (nothing for an
         unprotected region): after something other than the update protocol wrote it, a
@@ -482,16 +489,18 @@ class RetainedState:
         self._loss.stage(loss)
         self._check_frozen_unchanged()
         self._phases.mark("compute")
-        if self._landing is not None:
-            self._landing.settle()
+        absent = self._landing.settle() if self._landing is not None else []
         self._check_grads_bound()
+        if self._presence is not None:
+            self._presence.mark(absent)
         self.services.injector.point("sync")
         self._allreduce_grads()
+        skipped = self._skipped(absent)
         if self.layout.main_grad:  # clipping and the update read .grad
             for p, grad in zip(self.params, self.grad_views(), strict=True):
                 p.grad = grad
         self._phases.mark("allreduce")
-        self._clip(max_grad_norm)
+        self._clip(max_grad_norm, skipped)
         self._rng_next_host = rng_blob(self.device)
         self._rng_next.copy_(staged(self._rng_next_host, self.device), non_blocking=True)
         self._phases.mark("clip")
@@ -508,7 +517,7 @@ class RetainedState:
         self.marker.advance(Phase.GRADS_READY)
         self._commit_barrier()
         self._phases.mark("barrier")
-        self._update(step)
+        self._update(step, skipped)
         self._rng_host = self._rng_next_host  # what the commit installed in the RNG slot
         self._phases.mark("update")
         self._check_lent_memory_returned()
@@ -539,19 +548,23 @@ class RetainedState:
             self._announced = True
         self.services.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
 
-    def _clip(self, max_grad_norm: float | None) -> None:
+    def _clip(self, max_grad_norm: float | None, skipped: frozenset[int]) -> None:
         """Clip to ``max_grad_norm``: where the updater scales the gradients as it reads
         them (``Updater.grad_scale``), by writing the coefficient there (a pass over the
         gradients saved); else in place. Either way before GRADS_READY, so a finishing
-        update applies the gradients every rank applied."""
+        update applies the gradients every rank applied. The ``skipped`` parameters (no
+        gradient) are left out of the norm, as torch's clipping leaves out a None ``.grad``."""
         scale = self.updater.grad_scale
         sync = self.services.grad_sync()
         coef = None
         if max_grad_norm is not None:
+            params = self.params
+            if skipped:
+                params = [p for i, p in enumerate(params) if i not in skipped]
             if scale is not None and self.shards is None:  # FSDP2's norm is a DTensor
-                coef = sync.clip_coef(self.params, max_grad_norm)
+                coef = sync.clip_coef(params, max_grad_norm)
             if coef is None:
-                sync.clip_(self.params, max_grad_norm)
+                sync.clip_(params, max_grad_norm)
         if scale is not None and coef is not None:
             scale.copy_(coef)
         elif scale is not None:
@@ -610,8 +623,24 @@ class RetainedState:
         lent = lender.arena.lent_bytes() if lender is not None else 0
         return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
 
-    def _update(self, step: int) -> None:
-        self.updater.run(step)
+    def _skipped(self, absent: list[int]) -> frozenset[int]:
+        """The parameters without a gradient on any rank, which the update leaves as torch's
+        optimizers leave a parameter whose ``.grad`` is None (``leto.retained.presence``).
+        One that does not require a gradient has none on any rank (every rank runs the same
+        script); the others are read from the all-reduced presence words, a wait for the
+        device paid only on a step where this rank had a parameter without a gradient."""
+        if self._presence is None or not absent:
+            return frozenset()
+        if all(not self.params[i].requires_grad for i in absent):
+            skipped = frozenset(absent)
+        else:
+            skipped = self._presence.skipped(absent)
+        if skipped:
+            self._presence.note_uneven()
+        return skipped
+
+    def _update(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
+        self.updater.run(step, skipped)
         self._gather()
         self._committed()
 
@@ -688,6 +717,8 @@ class RetainedState:
         else:
             for p in self.params:
                 sync.all_reduce_mean_(p.grad)
+            if self._presence is not None:  # in the flat case the region's reduction carries it
+                sync.all_reduce_mean_(self._presence.words)
 
     # -- resume ------------------------------------------------------------------------------
     def _resume(self) -> int:

@@ -40,8 +40,10 @@ class Updater(Protocol):
         must arrive scaled."""
         ...
 
-    def run(self, step: int) -> None:
-        """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1)."""
+    def run(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
+        """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1), leaving
+        the ``skipped`` parameters (no gradient on any rank, ``leto.retained.presence``)
+        as they are. A finishing update (:meth:`resume`) reads them from retained memory."""
         ...
 
     def join(self) -> None:

@@ -141,6 +141,7 @@ class FusedChunks:
         ]
         self._scalars = _StepScalars(len(layout.params), adamw_rmu.SCALAR_FIELDS, state.device)
         self._row = adamw_rmu.scalar_row
+        self._skip_row = (0.0,) * 6 + (1.0, 1.0, adamw_rmu.SKIP)
         self.bind(undo)
 
     def bind(self, undo: torch.Tensor) -> None:
@@ -190,13 +191,26 @@ class FusedChunks:
     def save_gaps(self, j: int) -> None:
         self._gaps[j].save(self.state, self.undo_bytes)
 
-    def begin(self, hypers: list[AdamWHyper], group_of: list[int], steps: list[float]) -> None:
+    def begin(
+        self,
+        hypers: list[AdamWHyper],
+        group_of: list[int],
+        steps: list[float],
+        skipped: frozenset[int] = frozenset(),
+    ) -> None:
         """The scalars of the next update: ``steps`` are each parameter's step count in it
-        (post-increment), ``group_of`` its parameter group."""
-        keys = list(zip(group_of, steps, strict=True))
+        (post-increment), ``group_of`` its parameter group; ``skipped`` parameters keep
+        their values (``adamw_rmu.SKIP``)."""
+        keys = [
+            (-1, 0.0) if i in skipped else k
+            for i, k in enumerate(zip(group_of, steps, strict=True))
+        ]
         rows = {k: i for i, k in enumerate(dict.fromkeys(keys))}
         values = []
         for g, s in rows:
+            if g < 0:
+                values.append(self._skip_row)
+                continue
             h = hypers[g]
             values.append(
                 self._row(

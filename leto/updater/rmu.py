@@ -57,6 +57,7 @@ from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
 from leto.faults import FaultInjector
 from leto.retained.layout import Layout
 from leto.retained.marker import Marker, Phase
+from leto.retained.presence import GradPresence
 from leto.updater.adamw import AdamWHyper, adamw_fused_pieces, adamw_pieces, f32_add_one
 from leto.updater.base import Buffer
 from leto.updater.fused import FusedChunks, flag_bytes
@@ -124,6 +125,7 @@ class ResumableUpdater:
         chunk_bytes: int,
         incremental_parity: bool = True,
         fused: bool = False,
+        presence: GradPresence | None = None,
     ) -> None:
         """``state``/``grads``/``undo``/``parity`` are flat uint8 views of retained regions;
         ``grads`` maps the layout's gradient region names to theirs (a tensor: the one
@@ -138,10 +140,15 @@ class ResumableUpdater:
         ``triton_kernels.adamw_rmu`` (CUDA, or the interpreter on CPU); the undo region
         must then be sized by ``buffer_bytes(..., fused=True)``. A job must use the same
         path before and after a failure (the two save the undo copy differently).
+
+        ``presence``: the retained record of the parameters a step skips (no gradient on any
+        rank), which a finishing update reads.
         """
         self.layout, self.state, self.marker, self.injector = layout, state, marker, injector
         self.optimizer, self.rng_next, self.undo = optimizer, rng_next, undo
-        self.protected = protected
+        self.protected, self.presence = protected, presence
+        self._skipped: frozenset[int] = frozenset()
+        """The parameters the update in progress leaves alone (``leto.retained.presence``)."""
         self.incremental_parity = incremental_parity
         align = TILE_BYTES if protected is not None else 64
         self.chunks = plan_chunks(layout, chunk_bytes, align, state.numel())
@@ -282,12 +289,14 @@ class ResumableUpdater:
         return self.working_groups() if phase in WORKING_PHASES else None
 
     # -- one step ----------------------------------------------------------------------------
-    def run(self, step: int) -> None:
-        """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1).
+    def run(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
+        """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1). The
+        parameters in ``skipped`` (no gradient on any rank) are left as they are.
 
         On CUDA the step's last host copies and its IDLE store are left running on the copy
         stream (they overlap the next step's compute); :meth:`join` orders the current
         stream after them and must run before the next marker write."""
+        self._skipped = skipped
         self.join()
         self._load_parity()
         self.marker.advance(Phase.PARITY_LOADED, sel=0)
@@ -299,10 +308,11 @@ class ResumableUpdater:
         :meth:`prepare` must have run first (undo restored, parity resynchronised, lost
         pages rebuilt). Returns the action taken, for the ``resumed`` event.
         """
+        self._skipped = self.presence.retained_skipped() if self.presence else frozenset()
         self.check_counters(step)
         phase = self.marker.phase
         if phase == Phase.GRADS_READY:
-            self.run(step)
+            self.run(step, self._skipped)
             return "finish"
         if phase == Phase.PARITY_LOADED:
             self._chunks_from(step, 0)
@@ -342,9 +352,13 @@ class ResumableUpdater:
         """Refuse to resume when the retained step counters contradict the marker.
 
         Leto's AdamW: each parameter's counter is ``step`` until the chunk holding its
-        element 0 commits, then ``step + 1``. The optimizer's own step (``torch`` rule, whose
-        state may have been loaded with other counts): every counter less one where its
-        chunk committed is the same number, and every PRESENT byte is 0 or 1. Rebuilt pages
+        element 0 commits, then ``step + 1``. The optimizer's own step (``torch`` rule,
+        whose state may have been loaded with other counts): every counter less one where
+        its chunk committed is the same number, and every PRESENT byte is 0 or 1. Once an
+        update skipped a parameter (no gradient on any rank, ``leto.retained.presence``) or
+        the state came from a checkpoint, counts may differ: each counter, less one where
+        its chunk committed (and this update does not skip it), is then a whole number of
+        at most ``step`` (the torch rule: of at most the largest). Rebuilt pages
         that do not match the data (parity that lagged the update) show up here first;
         raising beats resuming on wrong data.
         """
@@ -357,6 +371,8 @@ class ResumableUpdater:
             Phase.FLUSHING: len(self.chunks),
         }[phase]
         applied = {p.param for c in self.chunks[:done] for p in c.pieces if p.owns_step}
+        applied -= self._skipped
+        uneven = self.presence is not None and self.presence.counts_may_differ()
         if self._torch is not None:
             flags = self._torch.begin()
             bad = [(i, float(f)) for i, f in enumerate(flags) if f not in (0, 1)]
@@ -369,10 +385,21 @@ class ResumableUpdater:
                 if self._torch.slots.present[i]
             ]
             if not bad and counted:
-                bad = [(i, v) for i, base, v in counted if base != counted[0][1]]
+                top = max(base for _, base, _ in counted)
+                bad = [
+                    (i, v)
+                    for i, base, v in counted
+                    if (not _whole_within(base, top) if uneven else base != counted[0][1])
+                ]
         else:
             bad = [
-                (i, float(t)) for i, t in enumerate(self._step) if float(t) != step + (i in applied)
+                (i, float(t))
+                for i, t in enumerate(self._step)
+                if (
+                    not _whole_within(float(t) - (i in applied), step)
+                    if uneven
+                    else float(t) != step + (i in applied)
+                )
             ]
         if bad:
             raise UnrecoverableStateError(
@@ -399,7 +426,7 @@ class ResumableUpdater:
             if self._host_step is None or first != 0 or saved:  # a process's first, or a resume
                 self._host_step = torch.stack(self._step).cpu().tolist() if self._step else []
             if self.fused is not None:
-                self.fused.begin(hypers, self._group_of, self._steps_from(first))
+                self.fused.begin(hypers, self._group_of, self._steps_from(first), self._skipped)
         for j in range(first, len(self.chunks)):
             self._chunk(self.chunks[j], hypers, saved=saved and j == first)
         self._flush(step)
@@ -410,7 +437,7 @@ class ResumableUpdater:
         assert self._host_step is not None
         bumped = {s: f32_add_one(s) for s in set(self._host_step)}  # a few distinct counts
         return [
-            bumped[s] if self._step_owner.get(i, -1) >= first else s
+            bumped[s] if self._step_owner.get(i, -1) >= first and i not in self._skipped else s
             for i, s in enumerate(self._host_step)
         ]
 
@@ -451,12 +478,13 @@ class ResumableUpdater:
     def _apply(self, chunk: Chunk, hypers: list[AdamWHyper] | list[float]) -> None:
         """AdamW on the chunk's pieces, one foreach call per parameter group (``torch`` rule:
         the optimizer's own step over its parameters; ``hypers`` are then the recorded lrs)."""
+        skipped = self._skipped
         if self._torch is not None:
-            self._torch.apply([p.param for p in chunk.pieces], hypers)  # type: ignore[arg-type]
+            self._torch.apply([p.param for p in chunk.pieces], hypers, skipped)  # type: ignore[arg-type]
             if chunk.installs_rng:
                 self._rng.copy_(self.rng_next)
             return
-        owners = [p.param for p in chunk.pieces if p.owns_step]
+        owners = [p.param for p in chunk.pieces if p.owns_step and p.param not in skipped]
         if owners:  # one launch for the chunk's step counters, not one per parameter
             torch._foreach_add_([self._step[i] for i in owners], 1.0)
             host = self._host_step
@@ -468,7 +496,7 @@ class ResumableUpdater:
             if chunk.installs_rng:
                 self._rng.copy_(self.rng_next)
             return
-        for gi, (ps, gs, ms, vs, owners) in self._piece_views(chunk).items():
+        for gi, (ps, gs, ms, vs, owners) in self._piece_views(chunk, skipped).items():
             h = hypers[gi]
             assert isinstance(h, AdamWHyper)
             if h.fused:  # torch's fused kernel, as torch itself would run it
@@ -478,12 +506,22 @@ class ResumableUpdater:
         if chunk.installs_rng:
             self._rng.copy_(self.rng_next)
 
-    def _piece_views(self, chunk: Chunk) -> dict[int, tuple[list[Any], ...]]:
+    def _piece_views(
+        self, chunk: Chunk, skipped: frozenset[int] = frozenset()
+    ) -> dict[int, tuple[list[Any], ...]]:
         """The chunk's pieces by parameter group: parameter, gradient, moment views and the
-        parameter indices. Built at the chunk's first update and kept (the layout and the
-        regions' addresses are fixed for the process): slicing a few hundred views is host
-        time a small model's step would otherwise pay every update."""
+        parameter indices, without those of ``skipped`` parameters. Built at the chunk's
+        first update and kept (the layout and the regions' addresses are fixed for the
+        process): slicing a few hundred views is host time a small model's step would
+        otherwise pay every update."""
         views = self._views_by_chunk.get(chunk.index)
+        if skipped:
+            kept: dict[int, tuple[list[Any], ...]] = {}
+            for gi, lists in self._piece_views(chunk).items():
+                keep = [k for k, i in enumerate(lists[4]) if i not in skipped]
+                if keep:
+                    kept[gi] = tuple([lst[k] for k in keep] for lst in lists)
+            return kept
         if views is None:
             views = self._views_by_chunk[chunk.index] = {}
             for p in chunk.pieces:
@@ -677,6 +715,11 @@ class ResumableUpdater:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=self.state.device)
         return self._copy_stream
+
+
+def _whole_within(count: float, top: float) -> bool:
+    """Whether a step counter is a whole number in ``[0, top]``."""
+    return count == int(count) and 0 <= count <= top
 
 
 def _page_runs(spans: list, pb: int) -> list[tuple[int, int, int, int, int, int]]:

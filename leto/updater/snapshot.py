@@ -19,6 +19,7 @@ from leto.faults import FaultInjector
 from leto.retained.layout import Layout
 from leto.retained.marker import Marker, Phase
 from leto.retained.optim_state import StateSlots
+from leto.retained.presence import GradPresence
 from leto.updater.base import Buffer
 
 SNAPSHOT = "snapshot"
@@ -41,15 +42,19 @@ class SnapshotUpdater:
         protected: ProtectedRegion | None,
         injector: FaultInjector,
         fence: Callable[[], None],
+        presence: GradPresence | None = None,
     ) -> None:
         """``state`` / ``snapshot`` / ``rng_next``: flat uint8 views of retained regions (the
         snapshot as large as the state). ``slots``: the optimizer state's retained slots,
         bound with the parameters after this updater is built. ``fence``: waits until the
-        device's writes to retained memory have landed."""
+        device's writes to retained memory have landed. ``presence``: the retained record
+        of the parameters a step skips (no gradient on any rank)."""
         self.state, self.snapshot, self.rng_next = state, snapshot, rng_next
         self.optimizer, self.slots, self.marker = optimizer, slots, marker
         self.protected, self.injector, self.fence = protected, injector, fence
         self._rng = layout.rng.view(state)
+        self.presence = presence
+        self._skipped: frozenset[int] = frozenset()
 
     grad_scale = None
     """``optimizer.step()`` reads the gradients as clipping left them."""
@@ -59,7 +64,8 @@ class SnapshotUpdater:
         """The host snapshot of a state region of ``state_nbytes``."""
         return [Buffer(SNAPSHOT, state_nbytes, host=True)]
 
-    def run(self, step: int) -> None:
+    def run(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
+        self._skipped = skipped
         self.snapshot.copy_(self.state)
         self.fence()
         self.marker.advance(Phase.UPDATING)
@@ -87,13 +93,14 @@ class SnapshotUpdater:
         return None
 
     def resume(self, step: int) -> str:
+        self._skipped = self.presence.retained_skipped() if self.presence else frozenset()
         phase = self.marker.phase
         if phase == Phase.UPDATING:
             self.state.copy_(self.snapshot)  # idempotent: the snapshot is intact
             self._apply(step)
             return "restore+finish"
         if phase == Phase.GRADS_READY:
-            self.run(step)
+            self.run(step, self._skipped)
             return "finish"
         raise UnrecoverableStateError(  # an RMU phase in a snapshot marker
             f"step {step}'s update cannot be finished from {phase.name}: its gradients were "
@@ -108,7 +115,14 @@ class SnapshotUpdater:
         slots = self.slots()
         slots.read_flags()  # a restored snapshot (or checkpoint) may have changed them
         slots.bind()
-        self.optimizer.step()
+        held = {i: slots.params[i].grad for i in self._skipped}
+        for i in held:  # torch's optimizers leave out a parameter without a gradient
+            slots.params[i].grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for i, grad in held.items():
+                slots.params[i].grad = grad
         slots.adopt(range(len(slots.params)))  # state torch created lazily, into its slots
         self._rng.copy_(self.rng_next)
         if self.protected is not None:

@@ -55,8 +55,14 @@ class TorchStep:
         """Before a step's first chunk (and after any restore): read the PRESENT bytes."""
         return self.slots.read_flags()
 
-    def apply(self, indices: Sequence[int], lrs: Sequence[float]) -> None:
-        """The optimizer's step over parameters ``indices``, at the recorded ``lrs``."""
+    def apply(
+        self, indices: Sequence[int], lrs: Sequence[float], skipped: frozenset[int] = frozenset()
+    ) -> None:
+        """The optimizer's step over parameters ``indices``, at the recorded ``lrs``; the
+        ``skipped`` ones are left out, as torch leaves out a parameter whose ``.grad`` is None."""
+        indices = [i for i in indices if i not in skipped]
+        if not indices:
+            return
         self.slots.bind(indices)
         members: dict[int, list[torch.Tensor]] = {}
         for i in indices:

@@ -1,0 +1,64 @@
+"""A mixture-of-experts job whose experts get no tokens on some steps, on some ranks or on
+every rank (``examples/train_moe.py``, Hugging Face Mixtral's loop over experts): leto-run
+trains it exactly as the same loop under torchrun with DDP and torch's AdamW, which leave an
+expert no rank reached without a gradient and skip it (``leto.retained.presence``); and
+kills in forward, backward and the update recover in place to the fault-free run's state,
+the finishing update skipping the experts the interrupted one skipped. The replicas stay
+equal at every step: every rank skips the same experts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leto.config import FaultSpec
+from leto.events import Kind
+from tests.launcher.harness import REPO, _env, assert_recovered, digests, run_leto
+
+SCRIPT = str(REPO / "examples/train_moe.py")
+STEPS = 12
+ARGS = ["--layers", "1"]
+DIGEST = re.compile(r"rank (\d) parameters \|sum\| ([0-9.]+\d)")
+
+
+def _final(output: str) -> dict[str, str]:
+    return dict(DIGEST.findall(output))
+
+
+@pytest.mark.timeout(600)
+def test_experts_without_tokens_train_and_recover_as_torch(tmp_path: Path) -> None:
+    (tmp_path / "ref").mkdir()
+    proc, events = run_leto(tmp_path / "ref", steps=STEPS, script=SCRIPT, model_args=ARGS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = digests(events)
+    for step in range(1, STEPS + 1):  # the replicas agree on what they skipped
+        assert reference[(0, step)] == reference[(1, step)], f"step {step}"
+
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [SCRIPT, "--plain", "--steps", str(STEPS), *ARGS],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    leto_final, torch_final = _final(proc.stdout), _final(plain.stdout)
+    assert leto_final and leto_final == torch_final
+
+    faults = [
+        FaultSpec(rank=1, step=3, phase="update"),
+        FaultSpec(rank=0, step=6, phase="backward"),
+        FaultSpec(rank=0, step=9, phase="update"),
+    ]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, script=SCRIPT, model_args=ARGS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_recovered(reference, events, faults, nproc=2, resumed_at=[4, 6, 10])
+    assert not [e for e in events if e["kind"] == Kind.GROUP_RESTART]
+    assert _final(proc.stdout) == leto_final

@@ -1,0 +1,118 @@
+"""A parameter that gets no gradient in a step is left alone by the update, as torch's
+optimizers leave a parameter whose ``.grad`` is None after ``zero_grad()`` (its default,
+``set_to_none=True``): no parameter change, no moment or weight decay, no step count
+(``leto.retained.presence``). Before, Leto zeroed its retained gradient and updated it, so
+a model with a branch some steps do not take (an MoE expert no token reached) or a frozen
+parameter left in the optimizer trained differently than under torchrun.
+
+A real trainer ``Context`` in this process (tests/trainer/local.py), against torch alone.
+The finishing update after a kill skips the same parameters: the retained record in
+``test_a_finishing_update_skips_what_the_interrupted_one_skipped`` here, and in a job with
+kills in every phase, tests/launcher/test_moe_recovery.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.trainer.local import local_context
+
+STEPS = 6
+
+
+class Branchy(nn.Module):
+    """``b`` is used on even steps only; ``frozen`` never gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.a(x) + self.frozen
+        if step % 2 == 0:
+            h = self.b(h)
+        return self.c(torch.tanh(h)).square().mean()
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1),
+}
+X = torch.linspace(-1, 1, 8).reshape(2, 4)
+
+
+def _torch_alone(optimizer: str) -> list[torch.Tensor]:
+    net = Branchy()
+    opt = OPTIMIZERS[optimizer](list(net.parameters()))
+    for step in range(STEPS):
+        opt.zero_grad()
+        net(X, step).backward()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _leto(monkeypatch: pytest.MonkeyPatch, optimizer: str, **env: object) -> list[torch.Tensor]:
+    with local_context(monkeypatch, **env) as ctx:
+        net = Branchy()
+        state = ctx.retain(net, OPTIMIZERS[optimizer](list(net.parameters())))
+        for step in state.steps(STEPS):
+            state.compute(lambda step=step: net(X, step).backward())
+            state.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "env"),
+    [
+        ("adamw", {}),
+        ("adamw-fused", {}),
+        ("sgd-momentum", {}),  # the optimizer's own step, chunk by chunk
+        ("adamw", {"consistency": "snapshot"}),
+    ],
+    ids=["adamw", "adamw-fused", "sgd-momentum", "snapshot"],
+)
+def test_a_parameter_without_a_gradient_is_updated_as_torch_would(
+    monkeypatch: pytest.MonkeyPatch, optimizer: str, env: dict
+) -> None:
+    want = _torch_alone(optimizer)
+    got = _leto(monkeypatch, optimizer, **env)
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(a, b), f"parameter {i}"
+
+
+def test_the_fused_kernel_leaves_a_skipped_parameter_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Leto's Triton AdamW (the interpreter on CPU): equal to torch within its float
+    rounding, and the parameter never given a gradient bit for bit unchanged."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    want = _torch_alone("adamw")
+    got = _leto(monkeypatch, "adamw", rmu_fused=True)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[0], Branchy().frozen)  # own parameters come first
+
+
+def test_a_finishing_update_skips_what_the_interrupted_one_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The skipped parameters are read back from retained memory, not from the process
+    that chose them: a fresh record of the same words names the same parameters."""
+    with local_context(monkeypatch) as ctx:
+        net = Branchy()
+        state = ctx.retain(net, OPTIMIZERS["adamw"](list(net.parameters())))
+        steps = state.steps(2)
+        next(steps)
+        state.compute(lambda: net(X, 1).backward())  # an odd step: b has no gradient
+        state.step()
+        presence = state.updater.presence
+        assert presence is not None
+        unused = [id(p) for p in (*net.b.parameters(), net.frozen)]
+        skipped = {i for i, p in enumerate(state.params) if id(p) in unused}
+        assert len(skipped) == 3
+        assert presence.retained_skipped() == frozenset(skipped)
+        assert presence.counts_may_differ()
