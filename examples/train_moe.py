@@ -9,6 +9,12 @@ leaves such a ``.grad`` None) leaves them alone: no weight decay, no moment deca
 count. Leto's update skips them the same way, also when it finishes an update a failure
 interrupted (``leto.retained.presence``). ``--plain`` runs the same loop without Leto
 (under torchrun), for the comparison.
+
+``--fp16`` trains under float16 autocast with its dynamic loss scale
+(``torch.amp.GradScaler``): the script scales its loss in ``compute`` and hands the scaler
+to ``ctx.retain``; ``state.step()`` unscales, skips a step whose gradients overflowed (the
+first steps' do, until the scale has backed off) and updates the scale, as torch's
+``scaler.step`` and ``scaler.update`` do.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ class TopOneMoE(nn.Module):
             (rows,) = torch.nonzero(choice == e, as_tuple=True)
             if rows.numel() == 0:  # no token: the expert is not in this step's graph
                 continue
-            out = out.index_add(0, rows, expert(flat[rows]) * weight[rows, None])
+            routed = expert(flat[rows]) * weight[rows, None]
+            out = out.index_add(0, rows, routed.to(out.dtype))  # fp16 under autocast
         return out.reshape(x.shape)
 
 
@@ -67,6 +74,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--plain", action="store_true", help="torch alone (run it under torchrun)")
+    p.add_argument("--fp16", action="store_true", help="float16 autocast and a GradScaler")
+    p.add_argument("--init-scale", type=float, default=2.0**16, help="the GradScaler's first scale")
+    p.add_argument("--growth-interval", type=int, default=2000, help="the GradScaler's")
     args = p.parse_args()
     if args.steps < 1:
         p.exit(2, f"{p.prog}: error: --steps must be >= 1, got {args.steps}\n")
@@ -80,18 +90,30 @@ def main() -> None:
     with ctx.init_device(ctx.device):
         model = build(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    state = ctx.retain(model, opt)
+    scaler = grad_scaler(args, ctx.device)
+    state = ctx.retain(model, opt, scaler=scaler)
     for step in state.steps(args.steps):
         x, y = batch(step, ctx.rank, args, ctx.device)
 
         def compute(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            loss = model(x, y)
-            loss.backward()
+            with torch.autocast(ctx.device.type, torch.float16, enabled=args.fp16):
+                loss = model(x, y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
             return loss
 
         loss = state.compute(compute)
         state.step(max_grad_norm=1.0, loss=loss)
     print(f"rank {ctx.rank} parameters |sum| {digest(model)!r}")
+
+
+def grad_scaler(
+    args: argparse.Namespace, device: torch.device | str
+) -> torch.amp.GradScaler | None:
+    if not args.fp16:
+        return None
+    return torch.amp.GradScaler(
+        torch.device(device).type, init_scale=args.init_scale, growth_interval=args.growth_interval
+    )
 
 
 def digest(model: nn.Module) -> float:
@@ -109,13 +131,22 @@ def plain(args: argparse.Namespace) -> None:
     model = build(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    scaler = grad_scaler(args, "cpu")
     rank = dist.get_rank()
     for step in range(args.steps):
         x, y = batch(step, rank, args, "cpu")
         opt.zero_grad()
-        ddp(x, y).backward()
+        with torch.autocast("cpu", torch.float16, enabled=args.fp16):
+            loss = ddp(x, y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
     print(f"rank {rank} parameters |sum| {digest(model)!r}")
     dist.destroy_process_group()
 

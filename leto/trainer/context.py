@@ -192,6 +192,7 @@ class Context:
         mirror: tuple[tuple[str, int], ...] = (),
         stateful: Mapping[str, Any] | None = None,
         stateful_bytes: int | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> RetainedState:
         """Back parameters, gradients and optimizer state by retained pool memory.
 
@@ -206,10 +207,21 @@ class Context:
         ``optimizer`` before the training loop are retained too; ``stateful`` names other
         objects with ``state_dict()`` / ``load_state_dict()`` (a stateful data loader, a
         counter), retained with each step (``leto.trainer.extras``); ``stateful_bytes``: the
-        size of each of their two record slots (default 1 MiB).
+        size of each of their two record slots (default 1 MiB). ``scaler``: fp16 training's
+        ``GradScaler``, retained and driven by ``state.step()`` (``leto.trainer.loss_scale``).
         """
         from leto.trainer import placement
+        from leto.trainer.loss_scale import LossScale
         from leto.trainer.state import RetainedState
+
+        loss_scale = None if scaler is None else LossScale(scaler, optimizer)
+        if loss_scale is not None:
+            named = dict(stateful or {})
+            if named.get(LossScale.NAME, scaler) is not scaler:
+                raise ConfigError(
+                    f"ctx.retain(stateful=...): the name {LossScale.NAME!r} is the scaler's"
+                )
+            stateful = {**named, LossScale.NAME: scaler}
 
         wait = self._wait_for_promotion if self.is_shadow else None
         if wait is not None and not self.env.holds_device:  # L1: before anything touches the device
@@ -233,6 +245,7 @@ class Context:
             wait_for_promotion=wait,
             stateful=stateful,
             stateful_bytes=stateful_bytes,
+            loss_scale=loss_scale,
         )
         self._install_heartbeat(model, optimizer)
         config = checkpoint or _checkpoint_from_env()

@@ -54,6 +54,7 @@ from leto.trainer.compute import ComputePhase, lends
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, freeze_heap, map_records
 from leto.trainer.grad_landing import GradLanding
 from leto.trainer.loss import LossReport
+from leto.trainer.loss_scale import LossScale
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
@@ -83,6 +84,7 @@ class RetainedState:
         wait_for_promotion: Callable[[Callable[[], None]], None] | None = None,
         stateful: Mapping[str, Any] | None = None,
         stateful_bytes: int | None = None,
+        loss_scale: LossScale | None = None,
     ) -> None:
         """``plan``: what is retained and where (``leto.trainer.placement.plan``, which says
         what an integration's ``grads`` and ``mirror`` are). A shadow passes
@@ -110,6 +112,13 @@ class RetainedState:
         self.shards = plan.shards
         """FSDP2's shards among the parameters (``leto.trainer.sharding``), or None."""
         self.layout = plan.layout
+        if loss_scale is not None and (plan.shards is not None or plan.layout.main_grad):
+            raise ConfigError(
+                "ctx.retain(scaler=...): a GradScaler with fully_shard or an integration's "
+                "gradient buffers is not supported; train in bfloat16"
+            )
+        self._loss_scale = loss_scale
+        """fp16's dynamic loss scale (``leto.trainer.loss_scale``), or None."""
         # Regions exist once the first trainer initialised them (marker written last); only
         # then may a shadow map them ahead: mapping never creates, never reads the data.
         mapped_ahead = wait_for_promotion is None or services.ready_to_map_ahead()
@@ -496,6 +505,10 @@ class RetainedState:
         self.services.injector.point("sync")
         self._allreduce_grads()
         skipped = self._skipped(absent)
+        if self._loss_scale is not None:
+            if self._loss_scale.unscale():  # an inf or NaN: the update leaves everything
+                skipped = self._skip_all()
+            self._loss_scale.update()  # before the step's record (extras.before_commit)
         if self.layout.main_grad:  # clipping and the update read .grad
             for p, grad in zip(self.params, self.grad_views(), strict=True):
                 p.grad = grad
@@ -638,6 +651,14 @@ class RetainedState:
         if skipped:
             self._presence.note_uneven()
         return skipped
+
+    def _skip_all(self) -> frozenset[int]:
+        """Every parameter skipped, in the retained record a finishing update reads too."""
+        if self._presence is None:  # the scaler is refused where there is none
+            raise ProtocolError("a skipped step needs the retained presence words")
+        self._presence.words.zero_()
+        self._presence.note_uneven()
+        return frozenset(range(len(self.params)))
 
     def _update(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
         self.updater.run(step, skipped)

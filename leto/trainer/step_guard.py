@@ -39,6 +39,6 @@ class OptimizerStepGuard:
         raise ConfigError(
             f"the script calls {type(optimizer).__name__}.step() itself (directly, or through "
             "GradScaler.step() or a framework); RetainedState.step() runs the optimizer's "
-            "update: remove the script's call (loss scaling is not supported: train in "
-            "bfloat16)"
+            "update: remove the script's call (a GradScaler goes to ctx.retain(..., "
+            "scaler=scaler), and the script keeps only scaler.scale(loss).backward())"
         )
