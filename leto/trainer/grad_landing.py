@@ -14,7 +14,9 @@ After the compute phase, ``settle`` binds the zeroed view of every parameter tha
 no gradient (what it adds to the all-reduce) and returns them: the update skips one that no
 rank had a gradient for, as torch's optimizers skip a None ``.grad``
 (``leto.retained.presence``). It refuses a gradient that arrived and was unset again
-(``zero_grad()`` after backward): the update must never read a stale view.
+(``zero_grad()`` after backward): the update must never read a stale view. A parameter
+frozen when the job began has no hook; once unfrozen, ``settle`` lands its first gradient
+and hooks it up (gradual unfreezing).
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ class GradLanding:
         self.params, self.views = list(params), list(views)
         self.arrived = [False] * len(self.params)
         """Whether parameter ``i``'s gradient has landed since the step began."""
+        self.hooked = [False] * len(self.params)
+        """Whether parameter ``i`` has its hook: one frozen when the job began has none
+        until it is unfrozen (``settle`` lands its first gradient)."""
         for i, p in enumerate(self.params):
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._hook(i))
+                self._hook_up(i)
+
+    def _hook_up(self, i: int) -> None:
+        self.params[i].register_post_accumulate_grad_hook(self._hook(i))
+        self.hooked[i] = True
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         view, arrived = self.views[i], self.arrived
@@ -70,6 +79,12 @@ class GradLanding:
                     "after backward (optimizer.zero_grad() between backward and "
                     "RetainedState.step()?); leto starts each step's gradients itself"
                 )
+            if p.grad is not None and not self.hooked[i] and p.requires_grad:
+                # unfrozen since the job began: land this gradient here, the next by the hook
+                view.copy_(p.grad)
+                p.grad = view
+                self._hook_up(i)
+                continue
             if p.grad is not None:
                 raise ProtocolError(
                     "a gradient no longer lives in retained memory: it was set outside "

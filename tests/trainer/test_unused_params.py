@@ -1,14 +1,15 @@
 """A parameter that gets no gradient in a step is left alone by the update, as torch's
 optimizers leave a parameter whose ``.grad`` is None after ``zero_grad()`` (its default,
 ``set_to_none=True``): no parameter change, no moment or weight decay, no step count
-(``leto.retained.presence``). Before, Leto zeroed its retained gradient and updated it, so
-a model with a branch some steps do not take (an MoE expert no token reached) or a frozen
-parameter left in the optimizer trained differently than under torchrun.
+(``leto.retained.presence``). Updating it with a zero gradient instead would train a model
+with a branch some steps do not take (an MoE expert no token reached), or with a frozen
+parameter left in the optimizer, differently than torchrun does.
 
-A real trainer ``Context`` in this process (tests/trainer/local.py), against torch alone.
-The finishing update after a kill skips the same parameters: the retained record in
-``test_a_finishing_update_skips_what_the_interrupted_one_skipped`` here, and in a job with
-kills in every phase, tests/launcher/test_moe_recovery.py."""
+A layer frozen when the job began and unfrozen later (gradual unfreezing) lands its first
+gradient when the gradients settle (``leto.trainer.grad_landing``). A real trainer
+``Context`` in this process (tests/trainer/local.py), against torch alone. The finishing
+update after a kill skips the same parameters: the retained record here, and in a job with
+kills, tests/launcher/test_moe_recovery.py."""
 
 from __future__ import annotations
 
@@ -116,3 +117,40 @@ def test_a_finishing_update_skips_what_the_interrupted_one_skipped(
         assert len(skipped) == 3
         assert presence.retained_skipped() == frozenset(skipped)
         assert presence.counts_may_differ()
+
+
+def test_unfreezing_and_freezing_during_training_trains_as_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gradual unfreezing: a layer frozen when the job began (no landing hook yet) gets its
+    first gradient landed when ``step()`` settles the gradients; a layer frozen later is
+    skipped from then on. Both as torch's loop over the same schedule."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        m[0].requires_grad_(False)
+        return m
+
+    def schedule(m: nn.Module, step: int) -> None:
+        if step == 2:
+            m[0].requires_grad_(True)
+        if step == 4:
+            m[2].requires_grad_(False)
+
+    ref = net()
+    ref_opt = OPTIMIZERS["adamw"](list(ref.parameters()))
+    for step in range(STEPS):
+        schedule(ref, step)
+        ref_opt.zero_grad()
+        ref(X).square().mean().backward()
+        ref_opt.step()
+    with local_context(monkeypatch) as ctx:
+        m = net()
+        state = ctx.retain(m, OPTIMIZERS["adamw"](list(m.parameters())))
+        for step in state.steps(STEPS):
+            schedule(m, step)
+            state.compute(lambda: m(X).square().mean().backward())
+            state.step()
+        for i, (a, b) in enumerate(zip(ref.parameters(), m.parameters(), strict=True)):
+            assert torch.equal(a, b), f"parameter {i}"
