@@ -145,10 +145,11 @@ def materialise(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """Over the trainable parameters (``--frozen-embedding`` leaves the embedding out)."""
+    """Over the trainable parameters (``--frozen-embedding`` leaves the embedding out, or
+    with ``--frozen-in-optimizer`` in, where AdamW skips it: it never has a gradient)."""
     if args.frozen_embedding:
         model.tok.weight.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad or args.frozen_in_optimizer]
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     fused = {"fused": True} if args.fused else {"foreach": True}
@@ -178,6 +179,11 @@ def main() -> None:
         "--frozen-embedding",
         action="store_true",
         help="the token embedding frozen, outside the optimizer (as a fine-tuning job keeps it)",
+    )
+    p.add_argument(
+        "--frozen-in-optimizer",
+        action="store_true",
+        help="with --frozen-embedding: the optimizer holds the frozen embedding too",
     )
     p.add_argument("--plain", action="store_true", help="torch alone (run under torchrun)")
     args = p.parse_args()

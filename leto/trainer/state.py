@@ -498,7 +498,7 @@ class RetainedState:
         self._loss.stage(loss)
         self._check_frozen_unchanged()
         self._phases.mark("compute")
-        absent = self._landing.settle() if self._landing is not None else []
+        absent = self._absent_grads()
         self._check_grads_bound()
         if self._presence is not None:
             self._presence.mark(absent)
@@ -635,6 +635,16 @@ class RetainedState:
         lender = self._compute.lender
         lent = lender.arena.lent_bytes() if lender is not None else 0
         return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
+
+    def _absent_grads(self) -> list[int]:
+        """This rank's parameters without a gradient this step: as the landing saw them;
+        under ``fully_shard`` (which reduce-scatters into the retained shards itself) those
+        that do not require one; none in an integration's buffers."""
+        if self._landing is not None:
+            return self._landing.settle()
+        if self.shards is not None:
+            return [i for i, p in enumerate(self.params) if not p.requires_grad]
+        return []
 
     def _skipped(self, absent: list[int]) -> frozenset[int]:
         """The parameters without a gradient on any rank, which the update leaves as torch's

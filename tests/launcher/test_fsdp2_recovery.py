@@ -151,6 +151,19 @@ def test_a_frozen_embedding_outside_the_optimizer_is_retained(tmp_path: Path) ->
     assert repr(done[-1]["loss"]) == last
 
 
+@pytest.mark.timeout(300)
+def test_a_frozen_embedding_in_the_optimizer_trains_as_torch(tmp_path: Path) -> None:
+    """The same frozen embedding left in the optimizer (``AdamW(model.parameters())``):
+    torch's AdamW skips it (its ``.grad`` stays None), and so does Leto's update, weight
+    decay included (``leto.retained.presence``)."""
+    args = [*MODEL, "--frozen-embedding", "--frozen-in-optimizer"]
+    steps = 6
+    proc, events = run_leto(tmp_path, steps=steps, script=SCRIPT, model_args=args, digest=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = [e for e in events if e["kind"] == Kind.STEP_DONE and e["rank"] == 0]
+    assert repr(done[-1]["loss"]) == _plain_last_loss(tmp_path, steps, args)
+
+
 def _plain_last_loss(tmp: Path, steps: int, args: list[str]) -> str:
     """The last loss (repr) of the same script under torch alone, torchrun on 2 ranks."""
     proc = subprocess.run(
