@@ -163,9 +163,15 @@ def subgroups(
     for gi, ps in members.items():
         g = {**optimizer.param_groups[gi], "params": ps}
         if lrs is not None:
-            g["lr"] = lrs[gi]
+            g["lr"] = recorded_lr(g["lr"], lrs[gi])
         groups.append(g)
     return groups
+
+
+def recorded_lr(live: float | torch.Tensor, value: float) -> float | torch.Tensor:
+    """A recorded learning rate in the form its group holds one: a tensor lr stays a tensor
+    of its dtype and device (torch's step computes with it there, not in double)."""
+    return live.new_tensor(value) if isinstance(live, torch.Tensor) else value
 
 
 class StateSlots:

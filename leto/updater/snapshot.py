@@ -18,7 +18,7 @@ from leto.errors import UnrecoverableStateError
 from leto.faults import FaultInjector
 from leto.retained.layout import Layout
 from leto.retained.marker import Marker, Phase
-from leto.retained.optim_state import StateSlots
+from leto.retained.optim_state import StateSlots, recorded_lr
 from leto.retained.presence import GradPresence
 from leto.updater.base import Buffer
 
@@ -111,7 +111,7 @@ class SnapshotUpdater:
         """Torch's step at the recorded lrs, the step's RNG installed, the parity re-encoded,
         then the commit."""
         for group, lr in zip(self.optimizer.param_groups, self.marker.recorded_lrs(), strict=True):
-            group["lr"] = lr
+            group["lr"] = recorded_lr(group["lr"], lr)
         slots = self.slots()
         slots.read_flags()  # a restored snapshot (or checkpoint) may have changed them
         slots.bind()
