@@ -35,11 +35,19 @@ class GradPresence:
         self.words, self.uneven = words[:-1], words[-1:]
         self._uneven_known = False
 
+    def attach(self) -> None:
+        """At promotion (or a fresh start): what the retained last word says, so this
+        process keeps saying it (a step may zero the whole gradient region first)."""
+        self._uneven_known = bool(self.uneven.item() != 0)
+
     def mark(self, absent: Sequence[int]) -> None:
-        """This rank's words for the step: 1, or 0 for the parameters in ``absent``."""
+        """This rank's words for the step: 1, or 0 for the parameters in ``absent``; the
+        last word again where the counts may differ."""
         self.words.fill_(1)
         for i in absent:
             self.words[i].zero_()
+        if self._uneven_known:
+            self.uneven.fill_(1)
 
     def skipped(self, absent_here: Sequence[int]) -> frozenset[int]:
         """After the all-reduce: the parameters no rank had a gradient for. Reads the device
@@ -54,9 +62,8 @@ class GradPresence:
         """Before GRADS_READY of an update that skips a parameter, and when the state is
         loaded from a checkpoint: the step counters may differ from now on (every rank
         writes the same, so the all-reduce keeps it)."""
-        if not self._uneven_known:
-            self.uneven.fill_(1)
-            self._uneven_known = True
+        self.uneven.fill_(1)
+        self._uneven_known = True
 
     def counts_may_differ(self) -> bool:
         """Whether the step counters may differ between parameters (a resume's check)."""

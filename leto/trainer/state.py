@@ -216,6 +216,8 @@ class RetainedState:
         regions and seals them."""
         rank = self.services.rank
         self.reattached = self._recovery.attach(self.layout.digest)
+        if self._presence is not None and self.reattached:
+            self._presence.attach()  # whether the predecessor's step counters may differ
         if not self.reattached and any(t.is_meta for t in self.params + self.buffers + self.frozen):
             raise UnrecoverableStateError(
                 f"rank {rank}: no retained state to reattach to, but the model was built on "

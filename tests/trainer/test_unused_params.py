@@ -154,3 +154,27 @@ def test_unfreezing_and_freezing_during_training_trains_as_torch(
             state.step()
         for i, (a, b) in enumerate(zip(ref.parameters(), m.parameters(), strict=True)):
             assert torch.equal(a, b), f"parameter {i}"
+
+
+def test_the_uneven_word_survives_a_zeroed_gradient_region() -> None:
+    """Under ``fully_shard`` every step starts by zeroing the whole gradient region, words
+    included: once the step counters may differ (a parameter was skipped, say while it was
+    frozen, or a checkpoint was loaded), every later step's ``mark`` says so again, and a
+    promoted trainer learns it from the retained word (``attach``)."""
+    from leto.retained.presence import GradPresence
+
+    region = torch.zeros(5)
+    presence = GradPresence(region)
+    presence.mark([])
+    assert not presence.counts_may_differ()
+    presence.mark([1])
+    presence.note_uneven()  # the step skipped parameter 1
+    region.zero_()  # the next step's start
+    presence.mark([])  # a step that skips nothing
+    assert presence.retained_skipped() == frozenset()
+    assert presence.counts_may_differ()
+    successor = GradPresence(region)
+    successor.attach()
+    region.zero_()
+    successor.mark([])
+    assert successor.counts_may_differ()
