@@ -49,14 +49,15 @@ class GradPresence:
         if self._uneven_known:
             self.uneven.fill_(1)
 
-    def skipped(self, absent_here: Sequence[int]) -> frozenset[int]:
-        """After the all-reduce: the parameters no rank had a gradient for. Reads the device
-        only where this rank lacked one (``absent_here``); otherwise there are none."""
-        return self.retained_skipped() if absent_here else frozenset()
-
     def retained_skipped(self) -> frozenset[int]:
-        """The parameters the retained words mark as skipped (a finishing update's)."""
+        """The parameters the (all-reduced) retained words mark as skipped: no rank had a
+        gradient for them. A read of the device."""
         return frozenset((self.words == 0).nonzero().flatten().tolist())
+
+    def skip_all(self) -> None:
+        """Every parameter skipped this step (an overflowed fp16 step), in the record."""
+        self.words.zero_()
+        self.note_uneven()
 
     def note_uneven(self) -> None:
         """Before GRADS_READY of an update that skips a parameter, and when the state is

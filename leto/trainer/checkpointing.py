@@ -50,7 +50,7 @@ def checkpointer_for(config: CheckpointConfig, state: RetainedState) -> Checkpoi
     def loaded(step: int) -> None:
         state.encode("state")  # the RMU updates parity incrementally: it must match the load
         state.marker.initialise(state.layout.digest, step=step)
-        state.counts_may_differ()
+        state.allow_uneven_counts()
         state.extras.reload()  # steps() restores the objects from the loaded records
         if services.env.digest:
             state.emit_digest()

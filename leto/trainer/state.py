@@ -344,7 +344,7 @@ class RetainedState:
         for an FSDP2 shard its ``DTensor`` (``FsdpShards.seen``), else the view itself."""
         return view if self.shards is None else self.shards.seen(i, view)
 
-    def counts_may_differ(self) -> None:
+    def allow_uneven_counts(self) -> None:
         """The parameters' step counters may differ from here on (a checkpoint was loaded:
         its history is unknown), which a resume's counter check must allow."""
         if self._presence is not None:
@@ -659,7 +659,7 @@ class RetainedState:
         if all(not self.params[i].requires_grad for i in absent):
             skipped = frozenset(absent)
         else:
-            skipped = self._presence.skipped(absent)
+            skipped = self._presence.retained_skipped()
         if skipped:
             self._presence.note_uneven()
         return skipped
@@ -668,8 +668,7 @@ class RetainedState:
         """Every parameter skipped, in the retained record a finishing update reads too."""
         if self._presence is None:  # the scaler is refused where there is none
             raise ProtocolError("a skipped step needs the retained presence words")
-        self._presence.words.zero_()
-        self._presence.note_uneven()
+        self._presence.skip_all()
         return frozenset(range(len(self.params)))
 
     def _update(self, step: int, skipped: frozenset[int] = frozenset()) -> None:

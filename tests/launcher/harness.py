@@ -74,6 +74,23 @@ def run_leto(
     return proc, read_events(events)
 
 
+def run_plain(tmp: Path, script: str, steps: int, args: list[str], timeout_s: float = 300) -> str:
+    """The stdout of ``script --plain`` (the same training with torch alone) under torchrun
+    on 2 ranks, which must succeed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [script, "--plain", "--steps", str(steps), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=tmp,
+        env=_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

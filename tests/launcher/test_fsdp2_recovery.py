@@ -12,8 +12,6 @@ a relaunch.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,12 +21,12 @@ from leto.config import FaultSpec
 from leto.events import Kind
 from tests.launcher.harness import (
     REPO,
-    _env,
     assert_exact,
     assert_recovered,
     digests,
     fault_free_run,
     run_leto,
+    run_plain,
 )
 
 SCRIPT = str(REPO / "examples" / "train_llama_fsdp.py")
@@ -177,16 +175,5 @@ def test_a_frozen_embedding_in_the_optimizer_trains_as_torch(tmp_path: Path) -> 
 
 def _plain_last_loss(tmp: Path, steps: int, args: list[str]) -> str:
     """The last loss (repr) of the same script under torch alone, torchrun on 2 ranks."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [SCRIPT, "--plain", "--steps", str(steps), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp,
-        env=_env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (last,) = re.findall(r"last loss (\S+)", proc.stdout)
+    (last,) = re.findall(r"last loss (\S+)", run_plain(tmp, SCRIPT, steps, args, timeout_s=240))
     return last

@@ -12,15 +12,13 @@ overflows (steps 4 and 9, skipped whole), and the kills in the update land on bo
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from leto.config import FaultSpec
 from leto.events import Kind
-from tests.launcher.harness import REPO, _env, assert_recovered, digests, run_leto
+from tests.launcher.harness import REPO, assert_recovered, digests, run_leto, run_plain
 
 SCRIPT = str(REPO / "examples/train_moe.py")
 STEPS = 12
@@ -46,18 +44,8 @@ def test_experts_without_tokens_train_and_recover_as_torch(tmp_path: Path, fp16:
     for step in range(1, STEPS + 1):  # the replicas agree on what they skipped
         assert reference[(0, step)] == reference[(1, step)], f"step {step}"
 
-    plain = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [SCRIPT, "--plain", "--steps", str(STEPS), *args],
-        env=_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    leto_final, torch_final = _final(proc.stdout), _final(plain.stdout)
+    leto_final = _final(proc.stdout)
+    torch_final = _final(run_plain(tmp_path, SCRIPT, STEPS, args))
     assert leto_final and leto_final == torch_final
 
     faults = [
