@@ -77,10 +77,13 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.attn = Attention(dim, heads)
         self.mlp = SwiGLU(dim, hidden)
+        self.drop_mlp = False
+        """Skip the MLP this step (LayerDrop with a schedule every rank shares): its
+        parameters get no gradient on any rank, and torch's optimizer leaves them alone."""
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        return x if self.drop_mlp else x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(nn.Module):
@@ -156,6 +159,11 @@ def optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimiz
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, **fused)
 
 
+def layer_drop(model: nn.Module, step: int, args: argparse.Namespace) -> None:
+    k = args.drop_mlp_every
+    model.blocks[0].drop_mlp = k > 0 and step % k == 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=40)
@@ -185,10 +193,20 @@ def main() -> None:
         action="store_true",
         help="with --frozen-embedding: the optimizer holds the frozen embedding too",
     )
+    p.add_argument(
+        "--drop-mlp-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="skip the first block's MLP at every K-th step (0, K, 2K, ...): its parameters "
+        "get no gradient on any rank in those steps",
+    )
     p.add_argument("--plain", action="store_true", help="torch alone (run under torchrun)")
     args = p.parse_args()
     if args.steps < 1:
         p.exit(2, f"{p.prog}: error: --steps must be >= 1, got {args.steps}\n")
+    if args.drop_mlp_every < 0:
+        p.exit(2, f"{p.prog}: error: --drop-mlp-every must be >= 0, got {args.drop_mlp_every}\n")
     torch.set_num_threads(1)
     if args.plain:
         plain(args)
@@ -202,6 +220,7 @@ def main() -> None:
     state = ctx.retain(model, opt)
     for step in state.steps(args.steps):
         x, y = batch(step, ctx.rank, args, ctx.device)
+        layer_drop(model, step, args)
 
         def compute(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             loss = model(x, y)
@@ -229,6 +248,7 @@ def plain(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         t0 = time.perf_counter()
         x, y = batch(step, rank, args, device)
+        layer_drop(model, step, args)
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()

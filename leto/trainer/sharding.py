@@ -30,7 +30,7 @@ not element-wise (a shard would see only its rows: Muon, Adafactor).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +195,49 @@ class FsdpShards:
         ``clip_grad_norm_`` over the ``DTensor`` gradients (the global norm over the shards,
         as torchtitan clips)."""
         return GradSync(reduce=_reduced_in_backward, collectives_in_backward=True)
+
+
+class ShardGradArrival:
+    """Which sharded parameters received a gradient this step.
+
+    FSDP2 reduce-scatters each gradient into the retained shard itself (into the ``.grad``
+    view bound at the step's start) and then runs the sharded parameter's post-accumulate-
+    grad hooks; a parameter no rank used in the step is left out of the reduce-scatter
+    (FSDP2 needs every rank to reduce the same parameters, or to send zeros for its unused
+    ones: ``set_reduce_scatter_unused_params``), so torch's optimizer finds its ``.grad``
+    None and skips it. Leto's update skips the parameters without an arrival likewise
+    (``leto.retained.presence``); every rank finds the same ones, with no collective.
+
+    A parameter frozen when the job began gets its hook too (registered with
+    ``requires_grad`` raised for the moment), so one unfrozen later is seen arriving.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.arrived = [False] * len(params)
+        for i, p in enumerate(params):
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)
+            p.register_post_accumulate_grad_hook(self._hook(i))
+            if frozen:
+                p.requires_grad_(False)
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        arrived = self.arrived
+
+        def reduced(_: torch.Tensor) -> None:
+            arrived[i] = True
+
+        return reduced
+
+    def begin(self) -> None:
+        """At the step's start (and an OOM retry's): no gradient has arrived yet."""
+        self.arrived[:] = [False] * len(self.arrived)
+
+    def absent(self) -> list[int]:
+        """After the compute phase: the parameters FSDP2 reduced no gradient for (their
+        retained views hold the zeros of the step's start)."""
+        return [i for i, a in enumerate(self.arrived) if not a]
 
 
 def _reduced_in_backward() -> None:

@@ -58,7 +58,7 @@ from leto.trainer.loss_scale import LossScale
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
-from leto.trainer.sharding import local
+from leto.trainer.sharding import ShardGradArrival, local
 from leto.trainer.step_guard import OptimizerStepGuard
 from leto.trainer.timing import PhaseTimes, warn_on_device_waits
 
@@ -233,6 +233,8 @@ class RetainedState:
         )
         """Gradients copied into their views as they arrive (``leto.trainer.grad_landing``);
         FSDP2 and the integrations' buffers accumulate into retained memory themselves."""
+        self._arrival = ShardGradArrival(self.params) if self.shards is not None else None
+        """Which FSDP2 shards received a gradient this step (``leto.trainer.sharding``)."""
         self._attach_extras(stateful, stateful_bytes)  # before the marker records the regions
         self._rng = self.layout.rng.view(self.state_region)
         if not self.reattached:
@@ -464,6 +466,8 @@ class RetainedState:
         else:
             for region in self.grad_regions.values():
                 region.zero_()
+            if self._arrival is not None:
+                self._arrival.begin()
         if self.layout.main_grad:
             for p in self.params:
                 p.grad = None
@@ -639,24 +643,26 @@ class RetainedState:
         return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
 
     def _absent_grads(self) -> list[int]:
-        """This rank's parameters without a gradient this step: as the landing saw them;
+        """This rank's parameters without a gradient this step: as the landing saw them, or
         under ``fully_shard`` (which reduce-scatters into the retained shards itself) those
-        that do not require one; none in an integration's buffers."""
+        FSDP2 reduced none for; none in an integration's buffers."""
         if self._landing is not None:
             return self._landing.settle()
-        if self.shards is not None:
-            return [i for i, p in enumerate(self.params) if not p.requires_grad]
+        if self._arrival is not None:
+            return self._arrival.absent()
         return []
 
     def _skipped(self, absent: list[int]) -> frozenset[int]:
         """The parameters without a gradient on any rank, which the update leaves as torch's
         optimizers leave a parameter whose ``.grad`` is None (``leto.retained.presence``).
         One that does not require a gradient has none on any rank (every rank runs the same
-        script); the others are read from the all-reduced presence words, a wait for the
-        device paid only on a step where this rank had a parameter without a gradient."""
+        script), nor one FSDP2 reduced none for (its reduce-scatter runs over the same
+        parameters on every rank); the others are read from the all-reduced presence words,
+        a wait for the device paid only on a step where this rank had a parameter without a
+        gradient."""
         if self._presence is None or not absent:
             return frozenset()
-        if all(not self.params[i].requires_grad for i in absent):
+        if self._arrival is not None or all(not self.params[i].requires_grad for i in absent):
             skipped = frozenset(absent)
         else:
             skipped = self._presence.retained_skipped()

@@ -150,15 +150,18 @@ def test_a_frozen_embedding_outside_the_optimizer_is_retained(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(600)
-def test_a_frozen_embedding_in_the_optimizer_trains_as_torch(tmp_path: Path) -> None:
-    """The same frozen embedding left in the optimizer (``AdamW(model.parameters())``):
-    torch's AdamW skips it (its ``.grad`` stays None), and so does Leto's update, weight
-    decay included (``leto.retained.presence``). A kill inside a later update finishes it:
-    the resume allows the frozen parameter's step count to lag (the retained word that says
-    so survives the zeroing of the gradient region at every step's start)."""
-    args = [*MODEL, "--frozen-embedding", "--frozen-in-optimizer"]
+def test_parameters_without_a_gradient_train_as_torch(tmp_path: Path) -> None:
+    """A frozen embedding left in the optimizer (``AdamW(model.parameters())``) and a block's
+    MLP dropped at every third step (LayerDrop on a schedule every rank shares): torch's
+    AdamW skips a parameter whose ``.grad`` FSDP2 left None, and so does Leto's update,
+    weight decay included (``leto.retained.presence``; FSDP2 runs the sharded parameters'
+    post-accumulate-grad hooks for the gradients it reduced). A kill inside the update of a
+    step that dropped the MLP finishes it skipping the same parameters: the resume allows
+    the step counts to lag (the retained word that says so survives the zeroing of the
+    gradient region at every step's start)."""
+    args = [*MODEL, "--frozen-embedding", "--frozen-in-optimizer", "--drop-mlp-every", "3"]
     section = {"consistency": "rmu", "rmu_chunk_bytes": 16384}
-    steps = 6
+    steps = 7
     (tmp_path / "ref").mkdir()
     ref, ref_events = fault_free_run(
         tmp_path / "ref", steps=steps, leto=section, script=SCRIPT, model_args=args

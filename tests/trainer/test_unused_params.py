@@ -13,8 +13,11 @@ kills, tests/launcher/test_moe_recovery.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests.trainer.local import local_context
@@ -138,22 +141,37 @@ def test_unfreezing_and_freezing_during_training_trains_as_torch(
         if step == 4:
             m[2].requires_grad_(False)
 
+    _assert_trains_as_torch(monkeypatch, net, schedule, lambda m, _: m(X).square().mean())
+
+
+def _assert_trains_as_torch(
+    monkeypatch: pytest.MonkeyPatch,
+    net: Callable[[], nn.Module],
+    schedule: Callable[[nn.Module, int], None],
+    loss: Callable[[nn.Module, int], torch.Tensor],
+) -> None:
+    """``net()`` trained for ``STEPS`` steps under ``schedule`` by torch's loop (AdamW,
+    ``zero_grad()``) and by Leto's: every parameter equal at the end."""
     ref = net()
     ref_opt = OPTIMIZERS["adamw"](list(ref.parameters()))
     for step in range(STEPS):
         schedule(ref, step)
         ref_opt.zero_grad()
-        ref(X).square().mean().backward()
+        loss(ref, step).backward()
         ref_opt.step()
     with local_context(monkeypatch) as ctx:
         m = net()
         state = ctx.retain(m, OPTIMIZERS["adamw"](list(m.parameters())))
         for step in state.steps(STEPS):
             schedule(m, step)
-            state.compute(lambda: m(X).square().mean().backward())
+            state.compute(lambda step=step: loss(m, step).backward())
             state.step()
-        for i, (a, b) in enumerate(zip(ref.parameters(), m.parameters(), strict=True)):
-            assert torch.equal(a, b), f"parameter {i}"
+        for (name, a), b in zip(ref.named_parameters(), m.parameters(), strict=True):
+            assert torch.equal(_full(a), _full(b)), name
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def test_the_uneven_word_survives_a_zeroed_gradient_region() -> None:
@@ -178,3 +196,32 @@ def test_the_uneven_word_survives_a_zeroed_gradient_region() -> None:
     region.zero_()
     successor.mark([])
     assert successor.counts_may_differ()
+
+
+def test_under_fully_shard_unused_and_unfrozen_parameters_train_as_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ``fully_shard`` FSDP2 reduces gradients into the retained shards itself; the
+    parameters it reduced none for (``b`` on odd steps, a layer frozen until step 2, one
+    frozen from step 4) are skipped by the update, as torch's optimizer skips their None
+    ``.grad``. A world of one: FSDP2's bookkeeping is the same on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def net() -> nn.Module:
+        m = Branchy()
+        m.a.requires_grad_(False)
+        fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+        return m
+
+    def schedule(m: nn.Module, step: int) -> None:
+        if step == 2:
+            m.a.requires_grad_(True)
+        if step == 4:
+            m.c.bias.requires_grad_(False)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _assert_trains_as_torch(monkeypatch, net, schedule, lambda m, step: m(X, step))
+    finally:
+        dist.destroy_process_group()
