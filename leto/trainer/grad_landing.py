@@ -25,14 +25,58 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from leto.errors import ProtocolError
+from leto.errors import ConfigError, ProtocolError
+
+
+class GradWrites:
+    """Refuses a gradient written after backward, before ``state.step()``.
+
+    Leto all-reduces the gradients inside ``state.step()``, where DDP has reduced them by the
+    end of backward. A torchrun loop's ``clip_grad_norm_`` left between backward and
+    ``state.step()`` would clip this rank's gradients by this rank's norm, not the mean's:
+    the job would train differently than under torchrun, silently. Every view of the
+    retained gradient region shares the region's version counter, which every in-place
+    write bumps; its value after the step's last arrival is what ``check`` expects. A write
+    before the first arrival (``zero_grad(set_to_none=False)`` at the step's start) is the
+    script's own business. (Under ``fully_shard`` the gradients are final after backward,
+    as in torch: a script's own clipping there is what torch's loop does.)
+    """
+
+    def __init__(self, region: torch.Tensor) -> None:
+        self.region = region
+        self.expected = region._version
+        self.any_arrived = False
+
+    def begin(self) -> None:
+        """At the step's start: nothing has arrived yet."""
+        self.any_arrived = False
+
+    def arrived(self) -> None:
+        """After backward (or Leto for it) wrote a gradient."""
+        self.expected = self.region._version
+        self.any_arrived = True
+
+    def check(self) -> None:
+        if self.any_arrived and self.region._version != self.expected:
+            raise ConfigError(
+                "a gradient was written between backward and state.step() "
+                "(torch.nn.utils.clip_grad_norm_ left from a torchrun loop?): leto averages "
+                "the gradients over the ranks inside state.step(), so this saw one rank's; "
+                "clip with state.step(max_grad_norm=...), and scale the loss, not the gradients"
+            )
 
 
 class GradLanding:
     """Lands each parameter's first gradient of a step in its retained view."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        views: Sequence[torch.Tensor],
+        writes: GradWrites,
+    ) -> None:
         self.params, self.views = list(params), list(views)
+        self.writes = writes
         self.arrived = [False] * len(self.params)
         """Whether parameter ``i``'s gradient has landed since the step began."""
         self.hooked = [False] * len(self.params)
@@ -47,7 +91,7 @@ class GradLanding:
         self.hooked[i] = True
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        view, arrived = self.views[i], self.arrived
+        view, arrived, writes = self.views[i], self.arrived, self.writes
 
         def landed(p: torch.Tensor) -> None:
             grad = p.grad
@@ -55,6 +99,7 @@ class GradLanding:
                 view.copy_(grad)
                 p.grad = view
             arrived[i] = True
+            writes.arrived()
 
         return landed
 
@@ -63,12 +108,15 @@ class GradLanding:
         for i, p in enumerate(self.params):
             p.grad = None
             self.arrived[i] = False
+        self.writes.begin()
 
     def settle(self) -> list[int]:
         """After the compute phase: every parameter's ``.grad`` is its retained view; one
         that received no gradient gets its view zeroed (what it adds to the mean
         all-reduce) and is returned, for the update to skip where no rank had one
-        (``leto.retained.presence``). ``ProtocolError`` for a gradient unset after it landed."""
+        (``leto.retained.presence``). ``ProtocolError`` for a gradient unset after it landed,
+        ``ConfigError`` for one written in place (``GradWrites``)."""
+        self.writes.check()
         absent = []
         for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):
             if p.grad is view:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from leto.errors import ConfigError
+from leto.errors import ConfigError, ProtocolError
 from leto.trainer.grad_sync import GradSync
 
 if TYPE_CHECKING:
@@ -198,23 +198,26 @@ class FsdpShards:
 
 
 class ShardGradArrival:
-    """Which sharded parameters received a gradient this step.
+    """Which sharded parameters received a gradient this step, each kept in retained memory.
 
-    FSDP2 reduce-scatters each gradient into the retained shard itself (into the ``.grad``
-    view bound at the step's start) and then runs the sharded parameter's post-accumulate-
-    grad hooks; a parameter no rank used in the step is left out of the reduce-scatter
-    (FSDP2 needs every rank to reduce the same parameters, or to send zeros for its unused
-    ones: ``set_reduce_scatter_unused_params``), so torch's optimizer finds its ``.grad``
-    None and skips it. Leto's update skips the parameters without an arrival likewise
+    FSDP2 reduce-scatters each gradient into the retained shard itself (adding into the
+    ``.grad`` view bound at the step's start, or assigning a fresh ``DTensor`` where the
+    script unset ``.grad`` with ``optimizer.zero_grad()``, which the hook copies into the
+    view) and then runs the sharded parameter's post-accumulate-grad hooks. A parameter no
+    rank used in the step is left out of the reduce-scatter (FSDP2 needs every rank to
+    reduce the same parameters, or to send zeros for its unused ones:
+    ``set_reduce_scatter_unused_params``), so torch's optimizer finds its ``.grad`` None
+    and skips it. Leto's update skips the parameters without an arrival likewise
     (``leto.retained.presence``); every rank finds the same ones, with no collective.
 
     A parameter frozen when the job began gets its hook too (registered with
     ``requires_grad`` raised for the moment), so one unfrozen later is seen arriving.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
-        self.arrived = [False] * len(params)
-        for i, p in enumerate(params):
+    def __init__(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor]) -> None:
+        self.params, self.views = list(params), list(views)
+        self.arrived = [False] * len(self.params)
+        for i, p in enumerate(self.params):
             frozen = not p.requires_grad
             if frozen:
                 p.requires_grad_(True)
@@ -223,21 +226,39 @@ class ShardGradArrival:
                 p.requires_grad_(False)
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        arrived = self.arrived
+        view, arrived = self.views[i], self.arrived
 
-        def reduced(_: torch.Tensor) -> None:
+        def reduced(p: torch.Tensor) -> None:
+            grad = p.grad
+            if grad is not view:  # FSDP2 assigned it: the script unset .grad (zero_grad())
+                local(view).copy_(local(grad))
+                p.grad = view
             arrived[i] = True
 
         return reduced
 
     def begin(self) -> None:
-        """At the step's start (and an OOM retry's): no gradient has arrived yet."""
+        """At the step's start (and an OOM retry's), once the region is zeroed and the
+        views bound: no gradient has arrived yet."""
         self.arrived[:] = [False] * len(self.arrived)
 
-    def absent(self) -> list[int]:
-        """After the compute phase: the parameters FSDP2 reduced no gradient for (their
-        retained views hold the zeros of the step's start)."""
-        return [i for i, a in enumerate(self.arrived) if not a]
+    def settle(self) -> list[int]:
+        """After the compute phase: every ``.grad`` is its retained view again; the
+        parameters FSDP2 reduced no gradient for (their views hold the zeros of the step's
+        start) are returned."""
+        absent = []
+        for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):
+            if self.arrived[i]:
+                continue
+            if p.grad is not None and p.grad is not view:
+                raise ProtocolError(
+                    "a gradient no longer lives in retained memory: it was set outside "
+                    "backward (p.grad = ...); only FSDP2's reduce-scatter may write a "
+                    "retained gradient"
+                )
+            p.grad = view
+            absent.append(i)
+        return absent
 
 
 def _reduced_in_backward() -> None:

@@ -52,7 +52,7 @@ from leto.trainer import placement
 from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.compute import ComputePhase, lends
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, freeze_heap, map_records
-from leto.trainer.grad_landing import GradLanding
+from leto.trainer.grad_landing import GradLanding, GradWrites
 from leto.trainer.loss import LossReport
 from leto.trainer.loss_scale import LossScale
 from leto.trainer.recovery import Recovery
@@ -227,13 +227,15 @@ class RetainedState:
             self._compute.stop_lending("the forward replay's blocks serve the compute phase")
         self._bind()
         self._landing = (
-            GradLanding(self.params, self._seen_grads())
+            GradLanding(self.params, self._seen_grads(), GradWrites(self.grad_regions["grads"]))
             if self.shards is None and not self.layout.main_grad
             else None
         )
         """Gradients copied into their views as they arrive (``leto.trainer.grad_landing``);
         FSDP2 and the integrations' buffers accumulate into retained memory themselves."""
-        self._arrival = ShardGradArrival(self.params) if self.shards is not None else None
+        self._arrival = (
+            ShardGradArrival(self.params, self._seen_grads()) if self.shards is not None else None
+        )
         """Which FSDP2 shards received a gradient this step (``leto.trainer.sharding``)."""
         self._attach_extras(stateful, stateful_bytes)  # before the marker records the regions
         self._rng = self.layout.rng.view(self.state_region)
@@ -646,11 +648,8 @@ class RetainedState:
         """This rank's parameters without a gradient this step: as the landing saw them, or
         under ``fully_shard`` (which reduce-scatters into the retained shards itself) those
         FSDP2 reduced none for; none in an integration's buffers."""
-        if self._landing is not None:
-            return self._landing.settle()
-        if self._arrival is not None:
-            return self._arrival.absent()
-        return []
+        landing = self._landing or self._arrival
+        return [] if landing is None else landing.settle()
 
     def _skipped(self, absent: list[int]) -> frozenset[int]:
         """The parameters without a gradient on any rank, which the update leaves as torch's

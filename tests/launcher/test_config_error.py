@@ -39,7 +39,7 @@ def test_a_setting_refused_in_the_trainer_ends_the_job_in_one_line(
     assert [(e["ok"], e.get("error")) for e in finished] == [(False, "ConfigError")]
 
 
-LEFTOVER_STEP = """
+LEFTOVER = """
 import torch
 import leto
 
@@ -51,16 +51,31 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 state = ctx.retain(model, opt)
 for step in state.steps(3):
     loss = state.compute(lambda: (l := model(torch.ones(2, 4)).square().mean(), l.backward(), l)[2])
-    opt.step()  # left over from the torchrun loop
+    {leftover}  # left over from the torchrun loop
     state.step(loss=loss)
 """
 
 
-def test_a_scripts_own_optimizer_step_ends_the_job_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("leftover", "error"),
+    [
+        ("opt.step()", "the script calls AdamW.step() itself"),
+        (
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            "a gradient was written between backward and state.step()",
+        ),
+    ],
+    ids=["optimizer-step", "clip-grad-norm"],
+)
+def test_a_torchrun_loops_leftover_ends_the_job_in_one_line(
+    tmp_path: Path, leftover: str, error: str
+) -> None:
     """A torchrun loop ported with its ``opt.step()`` left in would update twice per step
-    (``leto.trainer.step_guard``): refused, one line, exit 2, no restart."""
-    script = tmp_path / "leftover_step.py"
-    script.write_text(LEFTOVER_STEP)
+    (``leto.trainer.step_guard``); with its ``clip_grad_norm_`` left before ``state.step()``
+    it would clip one rank's gradients, not their mean (``leto.trainer.grad_landing``).
+    Either is refused: one line, exit 2, no restart."""
+    script = tmp_path / "leftover.py"
+    script.write_text(LEFTOVER.format(leftover=leftover))
     proc, events = run_leto(
         tmp_path,
         steps=3,
@@ -74,5 +89,5 @@ def test_a_scripts_own_optimizer_step_ends_the_job_in_one_line(tmp_path: Path) -
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.splitlines()[-1]
-    assert last.startswith("leto-run: error: the script calls AdamW.step() itself"), last
+    assert last.startswith(f"leto-run: error: {error}"), last
     assert Kind.GROUP_RESTART not in [e["kind"] for e in events]

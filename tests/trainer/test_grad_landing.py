@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from leto.errors import ProtocolError
+from leto.errors import ConfigError, ProtocolError
 from tests.trainer.local import local_context
 
 
@@ -56,6 +56,7 @@ def _leto_grads(
     steps: int,
     micro_batches: int,
     before_backward: Callable[[torch.optim.Optimizer], None] = lambda opt: None,
+    after_compute: Callable[[torch.nn.Module], None] = lambda model: None,
 ) -> list[list[torch.Tensor]]:
     with local_context(monkeypatch) as ctx:
         model = Branchy()
@@ -73,6 +74,7 @@ def _leto_grads(
                 return loss
 
             loss = state.compute(fb)
+            after_compute(model)
             state.step(loss=loss)
             for p, view in zip(model.parameters(), views, strict=True):
                 assert p.grad is not None and p.grad.data_ptr() == view.data_ptr()
@@ -115,3 +117,33 @@ def test_a_gradient_set_outside_backward_is_refused(monkeypatch: pytest.MonkeyPa
 
     with pytest.raises(ProtocolError, match="set outside backward"):
         _leto_grads(monkeypatch, 2, 1, set_by_hand)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_a_gradient_clipped_before_state_step_is_refused(
+    monkeypatch: pytest.MonkeyPatch, micro_batches: int
+) -> None:
+    """A torchrun loop's ``clip_grad_norm_`` left before ``state.step()`` would clip this
+    rank's gradients, not their mean (``GradWrites``): refused, whatever the clip did."""
+
+    def clip(model: torch.nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # a no-op by value
+
+    with pytest.raises(ConfigError, match="written between backward and state.step"):
+        _leto_grads(monkeypatch, 2, micro_batches, after_compute=clip)
+
+
+def test_gradients_read_or_zeroed_before_backward_are_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading the gradients (a norm for the log) writes nothing; a zeroing before backward
+    comes before the first arrival."""
+
+    def log_norm(model: torch.nn.Module) -> None:
+        torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+
+    plain = _plain_grads(3, 2)
+    grads = _leto_grads(
+        monkeypatch, 3, 2, lambda opt: opt.zero_grad(set_to_none=False), after_compute=log_norm
+    )
+    _assert_same(grads, plain)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from leto.errors import ProtocolError
+from leto.errors import ConfigError, ProtocolError
 from tests.trainer.local import local_context
 
 
@@ -38,15 +38,22 @@ def test_untouched_gradients_commit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "meddle",
+    ("meddle", "error", "match"),
     [
-        lambda m: m.zero_grad(set_to_none=True),
-        lambda m: m.weight.grad.set_(torch.zeros_like(m.weight.grad)),  # same object, new memory
+        (lambda m: m.zero_grad(set_to_none=True), ProtocolError, "no longer lives in retained"),
+        (  # the same object, new memory: an in-place write of the retained view (GradWrites)
+            lambda m: m.weight.grad.set_(torch.zeros_like(m.weight.grad)),
+            ConfigError,
+            "written between backward and state.step",
+        ),
     ],
     ids=["set-to-none", "moved-in-place"],
 )
 def test_a_gradient_out_of_retained_memory_is_refused(
-    monkeypatch: pytest.MonkeyPatch, meddle: Callable[[torch.nn.Module], None]
+    monkeypatch: pytest.MonkeyPatch,
+    meddle: Callable[[torch.nn.Module], None],
+    error: type[Exception],
+    match: str,
 ) -> None:
-    with pytest.raises(ProtocolError, match="no longer lives in retained memory"):
+    with pytest.raises(error, match=match):
         _run(monkeypatch, meddle)

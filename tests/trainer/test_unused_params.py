@@ -13,7 +13,7 @@ kills, tests/launcher/test_moe_recovery.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -149,22 +149,32 @@ def _assert_trains_as_torch(
     net: Callable[[], nn.Module],
     schedule: Callable[[nn.Module, int], None],
     loss: Callable[[nn.Module, int], torch.Tensor],
+    titan: bool = False,
 ) -> None:
     """``net()`` trained for ``STEPS`` steps under ``schedule`` by torch's loop (AdamW,
-    ``zero_grad()``) and by Leto's: every parameter equal at the end."""
+    ``zero_grad()``) and by Leto's: every parameter equal at the end. With ``titan`` both
+    clip the gradients themselves after backward and Leto's calls ``zero_grad()`` at each
+    step's start too, as torchtitan's loop does."""
     ref = net()
     ref_opt = OPTIMIZERS["adamw"](list(ref.parameters()))
     for step in range(STEPS):
         schedule(ref, step)
         ref_opt.zero_grad()
         loss(ref, step).backward()
+        if titan:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         ref_opt.step()
     with local_context(monkeypatch) as ctx:
         m = net()
-        state = ctx.retain(m, OPTIMIZERS["adamw"](list(m.parameters())))
+        opt = OPTIMIZERS["adamw"](list(m.parameters()))
+        state = ctx.retain(m, opt)
         for step in state.steps(STEPS):
             schedule(m, step)
+            if titan:
+                opt.zero_grad()
             state.compute(lambda step=step: loss(m, step).backward())
+            if titan:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
             state.step()
         for (name, a), b in zip(ref.named_parameters(), m.parameters(), strict=True):
             assert torch.equal(_full(a), _full(b)), name
@@ -198,21 +208,40 @@ def test_the_uneven_word_survives_a_zeroed_gradient_region() -> None:
     assert successor.counts_may_differ()
 
 
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A gloo group of one, for ``fully_shard``'s mesh."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(m: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+    return m
+
+
+@pytest.mark.parametrize("titan", [False, True], ids=["", "zero_grad-clip"])
 def test_under_fully_shard_unused_and_unfrozen_parameters_train_as_torch(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, world_of_one: None, titan: bool
 ) -> None:
     """Under ``fully_shard`` FSDP2 reduces gradients into the retained shards itself; the
     parameters it reduced none for (``b`` on odd steps, a layer frozen until step 2, one
     frozen from step 4) are skipped by the update, as torch's optimizer skips their None
-    ``.grad``. A world of one: FSDP2's bookkeeping is the same on every rank."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    ``.grad``. torchtitan's loop works as under torch: an ``optimizer.zero_grad()`` at each
+    step's start leaves FSDP2 a None ``.grad`` to assign, which lands in retained memory all
+    the same, and the script's own clipping after backward sees final gradients. A world
+    of one: FSDP2's bookkeeping is the same on every rank."""
 
     def net() -> nn.Module:
         m = Branchy()
         m.a.requires_grad_(False)
-        fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
-        return m
+        return _sharded(m)
 
     def schedule(m: nn.Module, step: int) -> None:
         if step == 2:
@@ -220,8 +249,4 @@ def test_under_fully_shard_unused_and_unfrozen_parameters_train_as_torch(
         if step == 4:
             m.c.bias.requires_grad_(False)
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        _assert_trains_as_torch(monkeypatch, net, schedule, lambda m, step: m(X, step))
-    finally:
-        dist.destroy_process_group()
+    _assert_trains_as_torch(monkeypatch, net, schedule, lambda m, step: m(X, step), titan)
