@@ -15,6 +15,13 @@ class ConfigError(LetoError):
     """A job file, scenario file or flag is malformed, unknown or out of range."""
 
 
+class ScriptError(ConfigError):
+    """The training script breaks the step's contract with Leto (a retained gradient unset
+    or written by hand, the optimizer stepped outside ``state.step()``, a step without
+    ``state.step()``). The same happens on every run, so like a ``ConfigError`` it ends the
+    job in one line, without restarts."""
+
+
 class ProtocolError(LetoError):
     """A peer (state manager, agent, trainer) broke the wire protocol or a state machine."""
 

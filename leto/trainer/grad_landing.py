@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from leto.errors import ConfigError, ProtocolError
+from leto.errors import ScriptError
 
 
 class GradWrites:
@@ -58,7 +58,7 @@ class GradWrites:
 
     def check(self) -> None:
         if self.any_arrived and self.region._version != self.expected:
-            raise ConfigError(
+            raise ScriptError(
                 "a gradient was written between backward and state.step() "
                 "(torch.nn.utils.clip_grad_norm_ left from a torchrun loop?): leto averages "
                 "the gradients over the ranks inside state.step(), so this saw one rank's; "
@@ -114,15 +114,15 @@ class GradLanding:
         """After the compute phase: every parameter's ``.grad`` is its retained view; one
         that received no gradient gets its view zeroed (what it adds to the mean
         all-reduce) and is returned, for the update to skip where no rank had one
-        (``leto.retained.presence``). ``ProtocolError`` for a gradient unset after it landed,
-        ``ConfigError`` for one written in place (``GradWrites``)."""
+        (``leto.retained.presence``). ``ScriptError`` for a gradient unset after it landed
+        or written in place (``GradWrites``)."""
         self.writes.check()
         absent = []
         for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):
             if p.grad is view:
                 continue
             if self.arrived[i]:
-                raise ProtocolError(
+                raise ScriptError(
                     "a gradient no longer lives in retained memory: it was unset or replaced "
                     "after backward (optimizer.zero_grad() between backward and "
                     "RetainedState.step()?); leto starts each step's gradients itself"
@@ -134,7 +134,7 @@ class GradLanding:
                 self._hook_up(i)
                 continue
             if p.grad is not None:
-                raise ProtocolError(
+                raise ScriptError(
                     "a gradient no longer lives in retained memory: it was set outside "
                     "backward (p.grad = ...); only autograd may write a retained gradient"
                 )

@@ -21,7 +21,7 @@ import torch
 
 from leto.erasure import padded_bytes
 from leto.erasure.protection import ProtectedRegion
-from leto.errors import ConfigError, ProtocolError
+from leto.errors import ConfigError, ScriptError
 from leto.pool.pagemap import plan_chunk_bytes
 from leto.retained.layout import GradPlacement, Layout
 from leto.retained.marker import MARKER_BYTES, Marker
@@ -100,7 +100,7 @@ def plan(
     refuse_wrappers(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in params}) != len(params):
-        raise ProtocolError("a parameter appears twice in the optimizer's groups")
+        raise ScriptError("a parameter appears twice in the optimizer's parameter groups")
     buffers = list(model.buffers())
     device = device if params[0].is_meta else params[0].device
     # a sharded optimizer holds shards: the full parameters are its mirror regions

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from leto.errors import ConfigError, ProtocolError
+from leto.errors import ConfigError, ScriptError
 from leto.trainer.grad_sync import GradSync
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ class ShardGradArrival:
             if self.arrived[i]:
                 continue
             if p.grad is not None and p.grad is not view:
-                raise ProtocolError(
+                raise ScriptError(
                     "a gradient no longer lives in retained memory: it was set outside "
                     "backward (p.grad = ...); only FSDP2's reduce-scatter may write a "
                     "retained gradient"

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from leto import contract
-from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
+from leto.errors import ConfigError, ProtocolError, ScriptError, UnrecoverableStateError
 from leto.events import EventLog, Kind, last_event
 from leto.preinit import replay
 from leto.preinit.model_warmup import warm_forward
@@ -415,7 +415,10 @@ class RetainedState:
             self._begin(step)
             yield step
             if not self._committed_this_step:
-                raise ProtocolError(f"step {step} ended without RetainedState.step() being called")
+                raise ScriptError(
+                    f"step {step} ended without state.step() being called: leto commits every "
+                    "step it begins; call state.step() in every iteration of state.steps()"
+                )
             step += 1
         self.updater.drain()  # the last flush's host copies land
         self.services.finished()  # no more heartbeats: the hang watch leaves this trainer alone
@@ -598,7 +601,7 @@ class RetainedState:
         for i, f in enumerate(self.frozen):
             if f._version != self._frozen_versions[i]:
                 names = {id(p): n for n, p in self.model.named_parameters()}
-                raise ProtocolError(
+                raise ScriptError(
                     f"parameter {names.get(id(f), '?')} is outside the optimizer but was written "
                     "in place; leto retains such parameters as built and cannot make their "
                     "updates crash-consistent: give it to the optimizer, or keep it out of the "
@@ -727,7 +730,7 @@ class RetainedState:
             self.check_main_grads()
             return
         if next(self._unbound_grads(), None) is not None:
-            raise ProtocolError(
+            raise ScriptError(
                 "a gradient no longer lives in retained memory (was optimizer.zero_grad() "
                 "called inside the step?); leto zeroes gradients at the start of each step"
             )

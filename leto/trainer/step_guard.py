@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from leto.errors import ConfigError
+from leto.errors import ScriptError
 from leto.retained.marker import UPDATE_PHASES, Marker
 
 
@@ -36,7 +36,7 @@ class OptimizerStepGuard:
     def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.marker.phase in UPDATE_PHASES:
             return
-        raise ConfigError(
+        raise ScriptError(
             f"the script calls {type(optimizer).__name__}.step() itself (directly, or through "
             "GradScaler.step() or a framework); RetainedState.step() runs the optimizer's "
             "update: remove the script's call (a GradScaler goes to ctx.retain(..., "

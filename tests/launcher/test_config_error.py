@@ -64,16 +64,20 @@ for step in state.steps(3):
             "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
             "a gradient was written between backward and state.step()",
         ),
+        ("opt.zero_grad()", "a gradient no longer lives in retained memory"),
+        ("if step == 1: continue", "step 1 ended without state.step() being called"),
     ],
-    ids=["optimizer-step", "clip-grad-norm"],
+    ids=["optimizer-step", "clip-grad-norm", "zero-grad", "no-state-step"],
 )
 def test_a_torchrun_loops_leftover_ends_the_job_in_one_line(
     tmp_path: Path, leftover: str, error: str
 ) -> None:
     """A torchrun loop ported with its ``opt.step()`` left in would update twice per step
     (``leto.trainer.step_guard``); with its ``clip_grad_norm_`` left before ``state.step()``
-    it would clip one rank's gradients, not their mean (``leto.trainer.grad_landing``).
-    Either is refused: one line, exit 2, no restart."""
+    it would clip one rank's gradients, not their mean (``leto.trainer.grad_landing``); its
+    ``zero_grad()`` there would leave the update no gradient; a ``continue`` past
+    ``state.step()`` leaves a step uncommitted. Each is the script's (``ScriptError``), the
+    same on every run: one line, exit 2, no restart."""
     script = tmp_path / "leftover.py"
     script.write_text(LEFTOVER.format(leftover=leftover))
     proc, events = run_leto(

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from leto.errors import ProtocolError
+from leto.errors import ScriptError
 from leto.trainer import placement
 from leto.trainer.grad_sync import GradSync
 from tests.trainer.local import local_context, trainer_env
@@ -68,7 +68,7 @@ def test_a_frozen_parameter_written_in_place_is_refused(monkeypatch) -> None:
                 with torch.no_grad():
                     model[0].weight.mul_(0.99)
 
-        with pytest.raises(ProtocolError, match=r"parameter 0\.weight is outside the optimizer"):
+        with pytest.raises(ScriptError, match=r"parameter 0\.weight is outside the optimizer"):
             _train(state, model, 3, ema)
 
 

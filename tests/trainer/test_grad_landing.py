@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from leto.errors import ConfigError, ProtocolError
+from leto.errors import ScriptError
 from tests.trainer.local import local_context
 
 
@@ -115,7 +115,7 @@ def test_a_gradient_set_outside_backward_is_refused(monkeypatch: pytest.MonkeyPa
         p = opt.param_groups[0]["params"][-1]  # head_b's bias: no gradient in odd steps
         p.grad = torch.ones_like(p)
 
-    with pytest.raises(ProtocolError, match="set outside backward"):
+    with pytest.raises(ScriptError, match="set outside backward"):
         _leto_grads(monkeypatch, 2, 1, set_by_hand)
 
 
@@ -129,7 +129,7 @@ def test_a_gradient_clipped_before_state_step_is_refused(
     def clip(model: torch.nn.Module) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # a no-op by value
 
-    with pytest.raises(ConfigError, match="written between backward and state.step"):
+    with pytest.raises(ScriptError, match="written between backward and state.step"):
         _leto_grads(monkeypatch, 2, micro_batches, after_compute=clip)
 
 

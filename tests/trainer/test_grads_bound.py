@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from leto.errors import ConfigError, ProtocolError
+from leto.errors import ScriptError
 from tests.trainer.local import local_context
 
 
@@ -40,10 +40,10 @@ def test_untouched_gradients_commit(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("meddle", "error", "match"),
     [
-        (lambda m: m.zero_grad(set_to_none=True), ProtocolError, "no longer lives in retained"),
+        (lambda m: m.zero_grad(set_to_none=True), ScriptError, "no longer lives in retained"),
         (  # the same object, new memory: an in-place write of the retained view (GradWrites)
             lambda m: m.weight.grad.set_(torch.zeros_like(m.weight.grad)),
-            ConfigError,
+            ScriptError,
             "written between backward and state.step",
         ),
     ],

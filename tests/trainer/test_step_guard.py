@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from leto.errors import ConfigError
+from leto.errors import ScriptError
 from leto.optim import ChainedOptimizer
 from tests.trainer.local import local_context
 
@@ -46,7 +46,7 @@ def test_a_scripts_own_step_is_refused_and_writes_nothing(
         if where == "after state.step()":
             state.step()  # Leto's own update runs
         before = _state_of(net)
-        with pytest.raises(ConfigError, match=r"calls AdamW\.step\(\) itself"):
+        with pytest.raises(ScriptError, match=r"calls AdamW\.step\(\) itself"):
             opt.step()
         assert all(torch.equal(a, b) for a, b in zip(before, _state_of(net), strict=True))
 
@@ -59,7 +59,7 @@ def test_grad_scaler_step_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         state = ctx.retain(net, opt)
         next(state.steps(1))
         state.compute(lambda: scaler.scale(net(torch.ones(4, 6)).square().mean()).backward())
-        with pytest.raises(ConfigError, match="GradScaler"):
+        with pytest.raises(ScriptError, match="GradScaler"):
             scaler.step(opt)
 
 
@@ -72,7 +72,7 @@ def test_a_part_of_a_chained_optimizer_is_guarded(monkeypatch: pytest.MonkeyPatc
         state = ctx.retain(net, ChainedOptimizer(parts))
         next(state.steps(1))
         state.compute(lambda: _loss(net))
-        with pytest.raises(ConfigError, match=r"calls Muon\.step\(\) itself"):
+        with pytest.raises(ScriptError, match=r"calls Muon\.step\(\) itself"):
             parts[0].step()
         state.step()  # Leto's update of the chained optimizer is not refused
 
