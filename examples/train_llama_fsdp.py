@@ -136,6 +136,8 @@ def build(args: argparse.Namespace, device: torch.device, world: int) -> nn.Modu
         else MixedPrecisionPolicy()
     )
     for block in model.blocks:
+        if args.compile:  # torchtitan's order: compile each block, then shard it
+            block.compile()
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=args.reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=args.reshard)
     return model
@@ -183,6 +185,7 @@ def main() -> None:
     )
     p.add_argument("--reshard", action="store_true", help="fully_shard(reshard_after_forward=True)")
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True) (GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument(
         "--frozen-embedding",
         action="store_true",

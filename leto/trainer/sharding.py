@@ -24,7 +24,7 @@ script with torch's optimizer step.
 Refused at ``retain()`` with the reason: a mesh of more than one dimension (HSDP, FSDP +
 tensor parallel), a mesh that is not the whole world, ``Shard(d > 0)`` placements, CPU
 offload, parameters not sharded by ``fully_shard`` next to sharded ones, ``DTensor``
-parameters of another origin, ``torch.compile``'d modules, and optimizers whose update is
+parameters of another origin, and optimizers whose update is
 not element-wise (a shard would see only its rows: Muon, Adafactor).
 """
 
@@ -105,13 +105,6 @@ class FsdpShards:
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         owners: dict[int, FSDPParam] = {}
         for module in model.modules():
-            if type(module).__name__ == "OptimizedModule" or getattr(
-                module, "_compiled_call_impl", None
-            ):
-                raise ConfigError(
-                    "torch.compile'd modules under fully_shard are not supported by leto yet: "
-                    "compile after recovery support lands, or run without compile"
-                )
             if isinstance(module, FSDPModule):
                 group = module._get_fsdp_state()._fsdp_param_group
                 for fp in group.fsdp_params if group is not None else ():

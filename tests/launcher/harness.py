@@ -159,6 +159,41 @@ def assert_recovered(
     assert_exact(reference, events)
 
 
+def assert_resumed_from_committed(
+    events: list[dict], faults: list[FaultSpec], *, nproc: int
+) -> None:
+    """Within one run, with no fault-free reference (kernels that are not bit-reproducible
+    between jobs): every rank resumed once per fault, and each promoted trainer that re-runs
+    a step has, right after attach, the digest its predecessor wrote when it committed the
+    step before. A peer may still have been inside (or about to begin) the previous step's
+    update when the group stopped (ranks drift by up to one step): its promoted trainer
+    finishes that update ("finish", "restore+finish"), a state no predecessor committed, so
+    it has no digest to compare with here, as a kill inside the update has not; a peer
+    SIGKILLed by the agent between committing a step and writing its digest has none
+    either. Every rank killed outside the update is checked."""
+    resumed = [e for e in events if e["kind"] == Kind.RESUMED]
+    assert len(resumed) == nproc * len(faults)
+    killed = {(f.rank, f.step) for f in faults if f.phase != "update"}
+    checked = set()
+    for r in resumed:
+        if r["action"] not in ("rerun", "none"):
+            continue
+        src, step = f"trainer{r['rank']}", r["step"]
+        reported = [
+            e for e in events if e["kind"] == Kind.DIGEST and e["src"] == src and e["step"] == step
+        ]
+        before = [e for e in reported if e["t"] < r["t"]]
+        after = [e for e in reported if e["t"] > r["t"]]
+        if not before and (r["rank"], step) not in killed:
+            continue
+        assert before and after, (r, reported)
+        assert after[0]["digest"] == before[-1]["digest"], (
+            f"rank {r['rank']} resumed at {step} from other state"
+        )
+        checked.add((r["rank"], step))
+    assert checked >= killed, "every killed rank resumed from its committed state"
+
+
 def resume_steps(faults: list[FaultSpec]) -> list[int]:
     """The steps every rank resumes at after ``faults``, each recovered in place (the
     ``resumed_at`` of :func:`assert_recovered`): a kill before the update (forward,

@@ -23,6 +23,7 @@ from tests.launcher.harness import (
     REPO,
     assert_exact,
     assert_recovered,
+    assert_resumed_from_committed,
     digests,
     fault_free_run,
     run_leto,
@@ -174,6 +175,32 @@ def test_parameters_without_a_gradient_train_as_torch(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_recovered(ref, events, faults, nproc=2, resumed_at=[4])
+
+
+@pytest.mark.timeout(600)
+def test_compiled_blocks_resume_from_the_committed_state(tmp_path: Path) -> None:
+    """torchtitan's recipe: each block ``torch.compile``'d, then sharded. A promoted trainer
+    compiles afresh (Inductor's cache on disk makes it a re-trace) and resumes from the
+    state committed before the kill; a kill inside the update finishes it. Compiled runs
+    are not bit-reproducible between jobs (the fault hooks change the traced graphs), so
+    the check is within the run (``assert_resumed_from_committed``)."""
+    faults = [
+        FaultSpec(rank=1, step=3, phase="backward"),
+        FaultSpec(rank=0, step=6, phase="update", point="optimizer", chunk=0),
+    ]
+    proc, events = run_leto(
+        tmp_path,
+        steps=9,
+        faults=faults,
+        leto={"consistency": "rmu", "rmu_chunk_bytes": 16384},
+        script=SCRIPT,
+        model_args=[*MODEL, "--compile"],
+        timeout_s=500,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_resumed_from_committed(events, faults, nproc=2)
+    done = {(e["rank"], e["step"]) for e in events if e["kind"] == Kind.STEP_DONE}
+    assert done >= {(r, s) for r in range(2) for s in range(9)}
 
 
 def _plain_last_loss(tmp: Path, steps: int, args: list[str]) -> str:

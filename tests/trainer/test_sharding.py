@@ -128,11 +128,6 @@ def test_what_cannot_be_retained_is_refused_with_its_reason(world) -> None:
     with pytest.raises(ConfigError, match="2-D mesh"):
         _find(hsdp, torch.optim.AdamW(hsdp.parameters()))
 
-    compiled, opt = _sharded(4)
-    compiled[0].compile()
-    with pytest.raises(ConfigError, match="torch.compile"):
-        _find(compiled, opt)
-
 
 def test_a_shadow_below_level_3_builds_its_group_at_promotion_not_in_device_mesh(world) -> None:
     """``init_device_mesh`` without a process group would make one from torch's environment;
