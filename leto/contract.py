@@ -87,6 +87,12 @@ def registered(generation: int, rank: int) -> str:
     return f"registered/{generation}/{rank}"
 
 
+def retained(rank: int) -> str:
+    """Set by a trainer once its rank's state is retained (initialised or reattached) in this
+    attempt: before every rank has it, a killed trainer leaves nothing to recover in place."""
+    return f"retained/{rank}"
+
+
 def stepped(generation: int, rank: int) -> str:
     """Set by a trainer after its generation's first committed step."""
     return f"stepped/{generation}/{rank}"

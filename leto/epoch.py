@@ -55,6 +55,9 @@ class EpochRecord:
     cold: bool = False
     """``in_place`` with a cold generation: every node closes the shadows it has and starts
     fresh trainers that attach to the retained state at once (some node had no shadows)."""
+    fresh: bool = False
+    """``restart`` before every rank's state was retained: not counted against
+    ``--max-restarts`` (``leto_run.policy.Action.FRESH_START``)."""
 
 
 class EpochBoard:

@@ -179,6 +179,9 @@ class LetoAgent(LocalElasticAgent):
         """Set by launch: group restarts start their workers from it (warm restarts)."""
         self.recoveries = 0
         self.restarts = 0
+        self._fresh_starts = 0
+        """Group restarts before every rank's state was retained (``Action.FRESH_START``),
+        which ``--max-restarts`` does not count."""
         self.config_error: str | None = None
         """The ``ConfigError`` a trainer stopped on (``contract.config_error``): the job ends
         with it, as one line, without restarts."""
@@ -478,6 +481,7 @@ class LetoAgent(LocalElasticAgent):
                 reason=decision.reason,
                 detected_t=detected_t,
                 cold=decision.action is Action.PROMOTE_COLD,
+                fresh=decision.action is Action.FRESH_START,
             )
         )
         return self._follow(worker_group, record, result)
@@ -495,6 +499,10 @@ class LetoAgent(LocalElasticAgent):
             multi_node=worker_group.group_world_size > 1,
             failures_without_progress=attempt.failures_in_a_row,
             failure_loop_limit=self._leto.failure_loop_limit,
+            retained_everywhere=attempt.epochs.check(
+                [contract.retained(r) for r in range(worker_group.workers[0].world_size)]
+            ),
+            fresh_starts=self._fresh_starts,
             no_shadows_reason=attempt.no_shadows_reason,
             state_manager_exit="" if sm_alive or self._sm is None else str(self._sm.exit_status()),
         )
@@ -548,12 +556,17 @@ class LetoAgent(LocalElasticAgent):
         self._to(Phase.RESTARTING)
         self._current.recovery = None
         self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
-        log_group_restart(
-            self._restart_reason,
-            self._remaining_restarts,
-            worker_group.spec.max_restarts,
-            self._leto.checkpoint,
-        )
+        if record.fresh:  # torch's loop takes one restart off: this one is not counted
+            self._remaining_restarts += 1
+            self._fresh_starts += 1
+            logger.warning("fresh start: %s", self._restart_reason)
+        else:
+            log_group_restart(
+                self._restart_reason,
+                self._remaining_restarts,
+                worker_group.spec.max_restarts,
+                self._leto.checkpoint,
+            )
         if result is not None and result.state == WorkerState.FAILED:
             return result
         # Our own workers are healthy but the job is restarting: stop them, report them.
@@ -646,7 +659,9 @@ class LetoAgent(LocalElasticAgent):
 
     # -- the rest of the monitoring pass ------------------------------------------------------
     def _restart_count(self) -> int:
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
+        """This attempt's number: group restarts so far, fresh starts included (each attempt
+        has a store prefix of its own)."""
+        return self._worker_group.spec.max_restarts - self._remaining_restarts + self._fresh_starts
 
     @staticmethod
     def _local_keys(

@@ -14,6 +14,11 @@ While the retained state is intact a hardware-operable failure never costs the j
 * only retained state that is unusable (a dead state manager, a fatal failure, a
   trainer that raised) or a failure loop (``failure_loop_limit`` failures in a row
   without a committed step) takes torchrun's group restart (``RESTART``).
+
+A trainer killed before every rank's state was retained (while the script builds or
+loads its model, after ``leto.init()``) leaves nothing to recover in place and nothing
+trained to lose: the job starts afresh (``FRESH_START``), a group restart that
+``--max-restarts`` does not count, up to ``failure_loop_limit`` times in a job.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ class Action(str, enum.Enum):
     """Start a fresh generation and promote it at once; it attaches to the retained state."""
     RESTART = "restart"
     """torchrun's group restart: trainers load the newest complete checkpoint."""
+    FRESH_START = "fresh_start"
+    """A group restart before anything was retained, not counted against ``--max-restarts``."""
 
     @property
     def in_place(self) -> bool:
-        return self is not Action.RESTART
+        return self not in (Action.RESTART, Action.FRESH_START)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,10 @@ class FailureFacts:
     failures_without_progress: int
     """Failures in a row, this one included, since a generation last committed a step."""
     failure_loop_limit: int
+    retained_everywhere: bool = True
+    """Every rank's state is retained (``contract.retained``)."""
+    fresh_starts: int = 0
+    """``FRESH_START`` decisions so far in this job."""
     no_shadows_reason: str = ""
     """Why this node has no shadows (shadows given up, reclaimed...), for the reason line."""
     state_manager_exit: str = ""
@@ -84,6 +95,18 @@ def decide(facts: FailureFacts) -> Decision:
         return Decision(Action.RESTART, "fatal failure: hardware or retained state unusable")
     if not facts.in_place_enabled:
         return Decision(Action.RESTART, "trainer killed (in-place recovery is off)")
+    if not facts.retained_everywhere:
+        if facts.fresh_starts < facts.failure_loop_limit:
+            return Decision(
+                Action.FRESH_START,
+                "trainer killed before every rank retained its state (nothing trained yet): "
+                "the job starts afresh, not counted against --max-restarts",
+            )
+        return Decision(
+            Action.RESTART,
+            f"trainer killed before every rank retained its state, {facts.fresh_starts} fresh "
+            f"starts already (leto.failure_loop_limit {facts.failure_loop_limit})",
+        )
     if facts.failures_without_progress >= facts.failure_loop_limit:
         return Decision(
             Action.RESTART,

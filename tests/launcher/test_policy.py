@@ -56,3 +56,17 @@ def test_unusable_state_and_script_errors_restart_the_group() -> None:
     assert error.action is Action.RESTART and "another node's agent" in error.reason
     off = decide(dataclasses.replace(HOF, in_place_enabled=False))
     assert off.action is Action.RESTART and "off" in off.reason
+
+
+def test_a_kill_before_every_rank_retained_its_state_starts_the_job_afresh() -> None:
+    """Nothing to recover in place and nothing trained to lose: a group restart that
+    ``--max-restarts`` does not count, up to the loop limit; shadows or not."""
+    early = dataclasses.replace(HOF, retained_everywhere=False)
+    for shadows in (True, False):
+        decision = decide(dataclasses.replace(early, shadows_everywhere=shadows))
+        assert decision.action is Action.FRESH_START and not decision.action.in_place
+        assert "not counted" in decision.reason
+    spent = decide(dataclasses.replace(early, fresh_starts=16))
+    assert spent.action is Action.RESTART and "16 fresh starts" in spent.reason
+    error = decide(dataclasses.replace(early, failure=FailureClass.ERROR))
+    assert error.action is Action.RESTART  # a script's error is not a kill

@@ -1,0 +1,87 @@
+"""A trainer killed after ``leto.init()`` but before every rank retained its state (while
+the script builds or loads its model) leaves nothing to recover in place: the job starts
+afresh, which ``--max-restarts`` (0 here, torchrun's default) does not count, and trains
+exactly as a run without the kill (``leto_run.policy.Action.FRESH_START``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from leto.events import Kind
+from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
+
+SCRIPT = """
+import argparse, os, time
+from pathlib import Path
+import torch
+import leto
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int)
+p.add_argument("--pause-before-retain", action="store_true")
+args = p.parse_args()
+ctx = leto.init()
+pid_file = Path("rank1.pid")
+if args.pause_before_retain and ctx.rank == 1 and not pid_file.exists():
+    pid_file.write_text(str(os.getpid()))
+    time.sleep(60)  # building the model: the test kills this trainer here
+torch.manual_seed(0)
+with ctx.init_device(ctx.device):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+state = ctx.retain(model, opt)
+for step in state.steps(args.steps):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + ctx.rank))
+    loss = state.compute(lambda: (l := model(x).square().mean(), l.backward(), l)[2])
+    state.step(loss=loss)
+"""
+STEPS = 6
+
+
+@pytest.mark.timeout(300)
+def test_a_kill_before_the_state_is_retained_starts_the_job_afresh(tmp_path: Path) -> None:
+    script = tmp_path / "early.py"
+    script.write_text(SCRIPT)
+    (tmp_path / "ref").mkdir()
+    ref = fault_free_digests(
+        tmp_path / "ref", steps=STEPS, script=str(script), model_args=[], nproc=2
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    done = threading.Event()
+
+    def kill_rank1() -> None:
+        pid_file = run / "rank1.pid"
+        while not done.is_set() and not pid_file.exists():
+            time.sleep(0.05)
+        if not done.is_set():
+            time.sleep(0.2)  # the pid is written before the pause
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank1)
+    killer.start()
+    try:
+        proc, events = run_leto(
+            run,
+            steps=STEPS,
+            script=str(script),
+            model_args=[],
+            script_args=["--pause-before-retain"],
+            nproc=2,
+        )
+    finally:
+        done.set()
+        killer.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epochs = [e for e in events if e["kind"] == Kind.EPOCH]
+    assert [(e["action"], "before every rank retained" in e["reason"]) for e in epochs] == [
+        ("restart", True)
+    ]
+    assert [e["ok"] for e in events if e["kind"] == Kind.JOB_FINISHED] == [True]
+    assert_exact(ref, events)
