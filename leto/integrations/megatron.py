@@ -788,8 +788,10 @@ class MegatronState:
 
         return self.state.compute(attempt)
 
-    def step(self, loss: torch.Tensor | None = None) -> None:
-        self.state.step(max_grad_norm=self.max_grad_norm, loss=loss)
+    def step(self, loss: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``RetainedState.step`` with Megatron's clipping; returns the gradients' total norm
+        before clipping (what Megatron logs as ``grad norm``), or None without clipping."""
+        return self.state.step(max_grad_norm=self.max_grad_norm, loss=loss)
 
     def forward_backward(
         self,

@@ -67,15 +67,18 @@ class GradSync:
         dist.all_reduce(tensor, group=self.group)
         tensor.div_(size)
 
-    def clip_coef(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor | None:
-        """The factor ``clip_`` would multiply every gradient by (a float32 device scalar,
-        torch's ``clip_grad_norm_`` coefficient, bit for bit), without applying it; None
-        where an integration clips (its rule may not be a single factor)."""
+    def clip_coef(
+        self, params: list[torch.nn.Parameter], max_norm: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The total norm and the factor ``clip_`` would multiply every gradient by (float32
+        device scalars, torch's ``clip_grad_norm_`` norm and coefficient, bit for bit),
+        without applying it; None where an integration clips (its rule may not be a single
+        factor)."""
         if self.clip is not None:
             return None
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach=True)
-        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
     def clip_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the gradients of ``params`` in place to ``max_norm``; returns the total norm."""

@@ -504,9 +504,12 @@ class RetainedState:
 
     def step(
         self, max_grad_norm: float | None = None, loss: torch.Tensor | float | None = None
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently;
-        ``loss`` is reported in ``step_done`` (on CUDA a step late, ``leto.trainer.loss``)."""
+        ``loss`` is reported in ``step_done`` (on CUDA a step late, ``leto.trainer.loss``).
+        Returns the gradients' total norm before clipping (a device scalar, as torch's
+        ``clip_grad_norm_`` returns it: reading it waits for the device), or None without
+        ``max_grad_norm``."""
         step = self.marker.step
         self._loss.stage(loss)
         self._check_frozen_unchanged()
@@ -526,7 +529,7 @@ class RetainedState:
             for p, grad in zip(self.params, self.grad_views(), strict=True):
                 p.grad = grad
         self._phases.mark("allreduce")
-        self._clip(max_grad_norm, skipped)
+        norm = self._clip(max_grad_norm, skipped)
         self._rng_next_host = rng_blob(self.device)
         self._rng_next.copy_(staged(self._rng_next_host, self.device), non_blocking=True)
         self._phases.mark("clip")
@@ -573,28 +576,35 @@ class RetainedState:
             )
             self._announced = True
         self.services.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
+        return norm
 
-    def _clip(self, max_grad_norm: float | None, skipped: frozenset[int]) -> None:
+    def _clip(self, max_grad_norm: float | None, skipped: frozenset[int]) -> torch.Tensor | None:
         """Clip to ``max_grad_norm``: where the updater scales the gradients as it reads
         them (``Updater.grad_scale``), by writing the coefficient there (a pass over the
         gradients saved); else in place. Either way before GRADS_READY, so a finishing
         update applies the gradients every rank applied. The ``skipped`` parameters (no
-        gradient) are left out of the norm, as torch's clipping leaves out a None ``.grad``."""
+        gradient) are left out of the norm, as torch's clipping leaves out a None ``.grad``.
+        Returns the total norm before clipping, as ``clip_grad_norm_`` does (None without
+        ``max_grad_norm``)."""
         scale = self.updater.grad_scale
         sync = self.services.grad_sync()
-        coef = None
+        norm = coef = None
         if max_grad_norm is not None:
             params = self.params
             if skipped:
                 params = [p for i, p in enumerate(params) if i not in skipped]
+            folded = None
             if scale is not None and self.shards is None:  # FSDP2's norm is a DTensor
-                coef = sync.clip_coef(params, max_grad_norm)
-            if coef is None:
-                sync.clip_(params, max_grad_norm)
+                folded = sync.clip_coef(params, max_grad_norm)
+            if folded is None:
+                norm = sync.clip_(params, max_grad_norm)
+            else:
+                norm, coef = folded
         if scale is not None and coef is not None:
             scale.copy_(coef)
         elif scale is not None:
             scale.fill_(1.0)  # the gradients arrive clipped, or unclipped on purpose
+        return norm
 
     def _check_frozen_unchanged(self) -> None:
         """Refuse a parameter outside the optimizer that was written in place (``ProtocolError``):
