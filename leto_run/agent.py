@@ -556,7 +556,11 @@ class LetoAgent(LocalElasticAgent):
         self._to(Phase.RESTARTING)
         self._current.recovery = None
         self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
-        if record.fresh:  # torch's loop takes one restart off: this one is not counted
+        if record.fresh:
+            # Not counted: torch's loop takes one restart off, and counts attempts as
+            # max_restarts - remaining (its TORCHELASTIC_RESTART_COUNT, each attempt's store
+            # prefix), so both go up by one.
+            worker_group.spec.max_restarts += 1
             self._remaining_restarts += 1
             self._fresh_starts += 1
             logger.warning("fresh start: %s", self._restart_reason)
@@ -564,7 +568,7 @@ class LetoAgent(LocalElasticAgent):
             log_group_restart(
                 self._restart_reason,
                 self._remaining_restarts,
-                worker_group.spec.max_restarts,
+                worker_group.spec.max_restarts - self._fresh_starts,
                 self._leto.checkpoint,
             )
         if result is not None and result.state == WorkerState.FAILED:
@@ -659,9 +663,9 @@ class LetoAgent(LocalElasticAgent):
 
     # -- the rest of the monitoring pass ------------------------------------------------------
     def _restart_count(self) -> int:
-        """This attempt's number: group restarts so far, fresh starts included (each attempt
-        has a store prefix of its own)."""
-        return self._worker_group.spec.max_restarts - self._remaining_restarts + self._fresh_starts
+        """This attempt's number (group restarts so far, fresh starts included): torch's
+        ``TORCHELASTIC_RESTART_COUNT``, so agent and trainers share each attempt's store prefix."""
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     @staticmethod
     def _local_keys(

@@ -1,7 +1,8 @@
 """A trainer killed after ``leto.init()`` but before every rank retained its state (while
 the script builds or loads its model) leaves nothing to recover in place: the job starts
 afresh, which ``--max-restarts`` (0 here, torchrun's default) does not count, and trains
-exactly as a run without the kill (``leto_run.policy.Action.FRESH_START``)."""
+exactly as a run without the kill (``leto_run.policy.Action.FRESH_START``). The new
+attempt is a leto job like the first: a later kill is recovered in place."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from leto.config import FaultSpec
 from leto.events import Kind
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
@@ -42,6 +44,7 @@ for step in state.steps(args.steps):
     state.step(loss=loss)
 """
 STEPS = 6
+LATER = FaultSpec(rank=0, step=4, phase="backward")
 
 
 @pytest.mark.timeout(300)
@@ -74,6 +77,7 @@ def test_a_kill_before_the_state_is_retained_starts_the_job_afresh(tmp_path: Pat
             model_args=[],
             script_args=["--pause-before-retain"],
             nproc=2,
+            faults=[LATER],
         )
     finally:
         done.set()
@@ -81,7 +85,10 @@ def test_a_kill_before_the_state_is_retained_starts_the_job_afresh(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     epochs = [e for e in events if e["kind"] == Kind.EPOCH]
     assert [(e["action"], "before every rank retained" in e["reason"]) for e in epochs] == [
-        ("restart", True)
+        ("restart", True),
+        ("in_place", False),
     ]
+    resumed = [(e["rank"], e["step"]) for e in events if e["kind"] == Kind.RESUMED]
+    assert sorted(resumed) == [(0, LATER.step), (1, LATER.step)]
     assert [e["ok"] for e in events if e["kind"] == Kind.JOB_FINISHED] == [True]
     assert_exact(ref, events)
