@@ -16,9 +16,10 @@ While the retained state is intact a hardware-operable failure never costs the j
   without a committed step) takes torchrun's group restart (``RESTART``).
 
 A trainer killed before every rank's state was retained (while the script builds or
-loads its model, after ``leto.init()``) leaves nothing to recover in place and nothing
-trained to lose: the job starts afresh (``FRESH_START``), a group restart that
-``--max-restarts`` does not count, up to ``failure_loop_limit`` times in a job.
+loads its model, or its checkpoint, after ``leto.init()``) leaves nothing to recover in
+place and nothing trained since the attempt began to lose: the attempt starts afresh
+(``FRESH_START``), a group restart that ``--max-restarts`` does not count, up to
+``failure_loop_limit`` times in a job.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def decide(facts: FailureFacts) -> Decision:
         if facts.fresh_starts < facts.failure_loop_limit:
             return Decision(
                 Action.FRESH_START,
-                "trainer killed before every rank retained its state (nothing trained yet): "
-                "the job starts afresh, not counted against --max-restarts",
+                "trainer killed before every rank retained its state (nothing trained since "
+                "this attempt began): it starts afresh, not counted against --max-restarts",
             )
         return Decision(
             Action.RESTART,
