@@ -255,6 +255,9 @@ class Context:
             self.checkpointer = checkpointer_for(config, state)
             if not state.reattached:
                 self.checkpointer.restore()
+        # From now a killed trainer of this rank has state to recover in place from; not
+        # before a checkpoint has loaded: one killed mid-load starts afresh (leto_run.policy).
+        self.store.set(contract.retained(self.rank), "1")
         return state
 
     def committed(self, state: RetainedState) -> None:

@@ -141,8 +141,6 @@ class RetainedState:
             self.marker.reload()
         self._recover(stateful, stateful_bytes)
         self.attach_s = time.perf_counter() - t0
-        # From now a killed trainer of this rank has state to recover in place from.
-        self.services.store.set(contract.retained(self.services.rank), "1")
         self._committed_this_step = True
         self._announced = False
         self._total: int | None = None

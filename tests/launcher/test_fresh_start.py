@@ -92,3 +92,36 @@ def test_a_kill_before_the_state_is_retained_starts_the_job_afresh(tmp_path: Pat
     assert sorted(resumed) == [(0, LATER.step), (1, LATER.step)]
     assert [e["ok"] for e in events if e["kind"] == Kind.JOB_FINISHED] == [True]
     assert_exact(ref, events)
+
+
+def test_the_state_counts_as_retained_only_once_its_checkpoint_has_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A fresh trainer loads the newest checkpoint into its retained views after
+    ``RetainedState`` initialised them at step 0: a kill mid-load must start the attempt
+    afresh, never promote shadows onto a half-loaded state, so ``retained/{rank}`` is set
+    after the load (a trainer ``Context`` in this process, a gloo world of one)."""
+    import torch
+    import torch.distributed as dist
+
+    from leto import contract
+    from leto.checkpoint import Checkpointer
+    from leto.config import CheckpointConfig
+    from tests.trainer.local import local_context
+
+    seen_during_load = []
+
+    def restore(self: Checkpointer) -> None:
+        seen_during_load.append(ctx.store.check([contract.retained(0)]))
+
+    monkeypatch.setattr(Checkpointer, "restore", restore)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with local_context(monkeypatch) as ctx:
+            model = torch.nn.Linear(4, 4)
+            opt = torch.optim.AdamW(model.parameters())
+            ctx.retain(model, opt, checkpoint=CheckpointConfig(dir=str(tmp_path), interval_steps=5))
+            assert seen_during_load == [False]
+            assert ctx.store.check([contract.retained(0)])
+    finally:
+        dist.destroy_process_group()
