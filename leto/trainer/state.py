@@ -529,7 +529,8 @@ class RetainedState:
         self._phases.mark("allreduce")
         norm = self._clip(max_grad_norm, skipped)
         self._rng_next_host = rng_blob(self.device)
-        self._rng_next.copy_(staged(self._rng_next_host, self.device), non_blocking=True)
+        rng = staged(self._rng_next_host, self.device)  # page-locked on CUDA
+        self._rng_next.copy_(rng)
         self._phases.mark("clip")
         self._encode_grads()  # final gradients stay recoverable until the update commits
         self._phases.mark("encode_grads")
@@ -544,7 +545,7 @@ class RetainedState:
         self.marker.advance(Phase.GRADS_READY)
         self._commit_barrier()
         self._phases.mark("barrier")
-        self._update(step, skipped)
+        self._update(step, skipped, rng)
         self._rng_host = self._rng_next_host  # what the commit installed in the RNG slot
         self._phases.mark("update")
         self._check_lent_memory_returned()
@@ -689,8 +690,10 @@ class RetainedState:
         self._presence.skip_all()
         return frozenset(range(len(self.params)))
 
-    def _update(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
-        self.updater.run(step, skipped)
+    def _update(
+        self, step: int, skipped: frozenset[int] = frozenset(), rng: torch.Tensor | None = None
+    ) -> None:
+        self.updater.run(step, skipped, rng)
         self._gather()
         self._committed()
 

@@ -40,10 +40,15 @@ class Updater(Protocol):
         must arrive scaled."""
         ...
 
-    def run(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
+    def run(
+        self, step: int, skipped: frozenset[int] = frozenset(), rng: torch.Tensor | None = None
+    ) -> None:
         """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1), leaving
         the ``skipped`` parameters (no gradient on any rank, ``leto.retained.presence``)
-        as they are. A finishing update (:meth:`resume`) reads them from retained memory."""
+        as they are. A finishing update (:meth:`resume`) reads them from retained memory.
+        ``rng``: a page-locked copy of the retained ``rng_next`` bytes, which the update
+        installs without the host waiting for the device (None: ``rng_next`` itself, a
+        host region the copy from which waits, as a finishing update reads it)."""
         ...
 
     def join(self) -> None:

@@ -187,6 +187,8 @@ class ResumableUpdater:
         ]
         """Step counters of the ``torch`` rule (``UpdateRule.counters``), for check_counters."""
         self._rng = layout.rng.view(state)
+        self._rng_staged: torch.Tensor | None = None
+        """The page-locked RNG bytes of the update in progress (``run``'s ``rng``)."""
         self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
         self.fused = (
             FusedChunks(layout, self.chunks, state, _only_region(regions), undo) if fused else None
@@ -289,18 +291,25 @@ class ResumableUpdater:
         return self.working_groups() if phase in WORKING_PHASES else None
 
     # -- one step ----------------------------------------------------------------------------
-    def run(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
+    def run(
+        self, step: int, skipped: frozenset[int] = frozenset(), rng: torch.Tensor | None = None
+    ) -> None:
         """Apply step ``step``'s update from GRADS_READY; ends at IDLE(step + 1). The
-        parameters in ``skipped`` (no gradient on any rank) are left as they are.
+        parameters in ``skipped`` (no gradient on any rank) are left as they are; ``rng``
+        (``Updater.run``) is what the RNG-installing chunk copies, else ``rng_next``.
 
         On CUDA the step's last host copies and its IDLE store are left running on the copy
         stream (they overlap the next step's compute); :meth:`join` orders the current
         stream after them and must run before the next marker write."""
         self._skipped = skipped
-        self.join()
-        self._load_parity()
-        self.marker.advance(Phase.PARITY_LOADED, sel=0)
-        self._chunks_from(step, 0)
+        self._rng_staged = rng
+        try:
+            self.join()
+            self._load_parity()
+            self.marker.advance(Phase.PARITY_LOADED, sel=0)
+            self._chunks_from(step, 0)
+        finally:
+            self._rng_staged = None  # a finishing update reads the retained rng_next
 
     def resume(self, step: int) -> str:
         """Finish step ``step``'s update from wherever the marker says it stopped.
@@ -482,7 +491,7 @@ class ResumableUpdater:
         if self._torch is not None:
             self._torch.apply([p.param for p in chunk.pieces], hypers, skipped)  # type: ignore[arg-type]
             if chunk.installs_rng:
-                self._rng.copy_(self.rng_next)
+                self._install_rng()
             return
         owners = [p.param for p in chunk.pieces if p.owns_step and p.param not in skipped]
         if owners:  # one launch for the chunk's step counters, not one per parameter
@@ -494,7 +503,7 @@ class ResumableUpdater:
         if self.fused is not None:
             self.fused.apply(chunk.index, self.marker.step)
             if chunk.installs_rng:
-                self._rng.copy_(self.rng_next)
+                self._install_rng()
             return
         for gi, (ps, gs, ms, vs, owners) in self._piece_views(chunk, skipped).items():
             h = hypers[gi]
@@ -504,6 +513,15 @@ class ResumableUpdater:
             else:
                 adamw_pieces(ps, gs, ms, vs, [self._host_step[i] for i in owners], h)
         if chunk.installs_rng:
+            self._install_rng()
+
+    def _install_rng(self) -> None:
+        """The next step's RNG into the state region, with this chunk: from the page-locked
+        copy ``run`` was given (no wait), else from the retained host region (the copy from
+        pageable memory waits for the device: a finishing update's)."""
+        if self._rng_staged is not None:
+            self._rng.copy_(self._rng_staged, non_blocking=True)
+        else:
             self._rng.copy_(self.rng_next)
 
     def _piece_views(

@@ -64,7 +64,10 @@ class SnapshotUpdater:
         """The host snapshot of a state region of ``state_nbytes``."""
         return [Buffer(SNAPSHOT, state_nbytes, host=True)]
 
-    def run(self, step: int, skipped: frozenset[int] = frozenset()) -> None:
+    def run(
+        self, step: int, skipped: frozenset[int] = frozenset(), rng: torch.Tensor | None = None
+    ) -> None:
+        """``rng`` is not needed: the snapshot path waits for the device anyway (fences)."""
         self._skipped = skipped
         self.snapshot.copy_(self.state)
         self.fence()
