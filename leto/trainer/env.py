@@ -27,7 +27,8 @@ class TrainerEnv(contract.GenerationEnv):
     """``LETO_PHASE_TIMES=1`` (or ``host``): each step's phases in ``step_done``
     (``leto.trainer.timing``)."""
     sync_debug: bool = False
-    """``LETO_SYNC_DEBUG=1``: warn at every wait for the device from the second step on."""
+    """``LETO_SYNC_DEBUG=1``: warn at every wait for the device, from the second step to the
+    one before the last (``leto.trainer.timing.ENV_SYNC_DEBUG``)."""
 
     @property
     def holds_device(self) -> bool:

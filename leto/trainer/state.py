@@ -410,8 +410,10 @@ class RetainedState:
             torch.cuda.reset_peak_memory_stats(self.device)
         first = step
         while step < total:
-            if step == first + 1 and self.services.env.sync_debug:
+            if self.services.env.sync_debug and step == first + 1:
                 warn_on_device_waits(self.device)
+            if self.services.env.sync_debug and step == total - 1:  # its loss is read now
+                warn_on_device_waits(self.device, on=False)
             self._begin(step)
             yield step
             if not self._committed_this_step:

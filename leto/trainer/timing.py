@@ -17,10 +17,12 @@ import torch
 
 ENV_PHASE_TIMES = "LETO_PHASE_TIMES"
 ENV_SYNC_DEBUG = "LETO_SYNC_DEBUG"
-"""``1``: from its second step on, an active trainer on CUDA warns at every call that makes
-the host wait for the device (``torch.cuda.set_sync_debug_mode("warn")``): what keeps an
-unsynchronised step from running ahead of its kernels. The first step's own waits (lazy
-initialisation, reading the retained RNG once) are left out."""
+"""``1``: from its second step to the one before its last, an active trainer on CUDA warns
+at every call that makes the host wait for the device
+(``torch.cuda.set_sync_debug_mode("warn")``): what keeps an unsynchronised step from
+running ahead of its kernels. The first step's own waits (lazy initialisation, reading the
+retained RNG once) and the last step's (its loss, the update's last host copies) are left
+out."""
 
 
 def phase_times_enabled() -> bool:
@@ -31,10 +33,11 @@ def sync_debug_enabled() -> bool:
     return os.environ.get(ENV_SYNC_DEBUG, "0") == "1"
 
 
-def warn_on_device_waits(device: torch.device) -> None:
-    """Every later call that makes the host wait for ``device`` warns (``ENV_SYNC_DEBUG``)."""
+def warn_on_device_waits(device: torch.device, on: bool = True) -> None:
+    """Every later call that makes the host wait for ``device`` warns (``ENV_SYNC_DEBUG``);
+    ``on=False`` stops it (the last step reads its loss and drains the update: on purpose)."""
     if device.type == "cuda":
-        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("warn" if on else "default")
 
 
 class PhaseTimes:
