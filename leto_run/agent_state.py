@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterable
 
@@ -89,9 +91,12 @@ class ProcessExit:
 
 
 def close_processes(pcontext: PContext, sig: signal.Signals, timeout: float = 5.0) -> None:
-    """Signal and reap every process of ``pcontext`` (torch's ``close``). A process that
-    exits between torch's poll and its ``killpg`` makes that raise ``ProcessLookupError``
-    half-way, the rest unsignalled: closing again skips the ones gone (they are reaped)."""
+    """Signal and reap every process of ``pcontext`` (torch's ``close``). torch signals each
+    live one's process group (``killpg``), which raises ``ProcessLookupError`` half-way, the
+    rest unsignalled, for one that exited since torch's poll, and for a worker the fork
+    server has just forked, before its ``setsid``: no group of that id exists yet. Each
+    live process is then signalled by its pid and waited for, and closing again skips the
+    ones gone (they are reaped)."""
     for attempt in range(3):
         try:
             pcontext.close(death_sig=sig, timeout=timeout)
@@ -99,6 +104,12 @@ def close_processes(pcontext: PContext, sig: signal.Signals, timeout: float = 5.
         except ProcessLookupError:
             if attempt == 2:
                 raise
+            for handler in getattr(pcontext, "subprocess_handlers", {}).values():
+                if handler.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(handler.proc.pid, sig)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        handler.proc.wait(timeout)
 
 
 class Pidfds:

@@ -226,3 +226,33 @@ def test_retire_stops_every_shadow_when_one_exits_under_torchs_close(
     monkeypatch.setattr(subprocess_handler.os, "killpg", killpg)
     assert gen.retire(signal.SIGTERM) == pids
     assert raised and all(_reaped(pid) for pid in pids.values())
+
+
+def test_closing_a_worker_that_leads_no_process_group_yet_signals_it_by_pid() -> None:
+    """A worker the fork server has just forked has not called ``setsid`` yet: torch's
+    ``close`` (``killpg`` of each live process) raises ``ProcessLookupError`` for it. Here a
+    child left in this process group stands in for it, behind a context that closes as
+    torch's does; ``close_processes`` must still kill and reap it."""
+    from leto_run.agent_state import close_processes
+
+    child = subprocess.Popen([sys.executable, "-c", SLEEP])
+
+    class Handler:
+        proc = child
+
+    class TorchLikeContext:
+        def __init__(self) -> None:
+            self.subprocess_handlers = {0: Handler()}
+
+        def close(self, death_sig: signal.Signals, timeout: float) -> None:
+            for handler in self.subprocess_handlers.values():
+                if handler.proc.poll() is None:
+                    os.killpg(handler.proc.pid, death_sig)  # no group of that id
+
+    try:
+        close_processes(TorchLikeContext(), signal.SIGKILL, timeout=5)  # type: ignore[arg-type]
+        assert child.poll() == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
