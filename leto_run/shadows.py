@@ -73,7 +73,7 @@ class Shadows:
         self._events.emit(Kind.SHADOW_LEVEL, gen=gen, **dataclasses.asdict(choice))
         pcontext = self._spawn(worker_group, gen, level, launch)
         attempt.shadows = ShadowGeneration(gen=gen, level=level, launch=launch, pcontext=pcontext)
-        attempt.preinit.spawned(level)
+        attempt.preinit.spawned(level, gen)
         self._events.emit(
             Kind.SHADOWS_SPAWNED,
             gen=gen,

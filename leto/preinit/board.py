@@ -22,11 +22,16 @@ MEM_DEVICE, MEM_TOTAL, MEM_FREE, MEM_RESERVED, MEM_PEAK = 6, 7, 8, 9, 10
 MEM_SEQ = 11
 """trainer → agent: memory reports so far (written after the report's words)."""
 SHADOW_READY = 12
-"""shadow → trainers: its level once it is pre-initialised and waits (it holds its memory
-now); cleared by the agent when it spawns, reclaims or closes shadows."""
+"""shadow → trainers: its generation once it is pre-initialised and waits (it holds its
+memory now); ready while that is ``SHADOW_GEN``. Cleared by the agent when it spawns,
+reclaims or closes shadows; a shadow promoted while it pre-initialised announces late, and
+its older generation keeps the next one from reading as ready."""
 SHADOW_PID = 13
 """shadow → trainers: its pid, written with ``SHADOW_READY`` (test hooks kill it by this)."""
 SHADOWS_GIVEN_UP = 14
 """agent → trainers: 1 once the agent stopped relaunching this node's shadows (they kept dying
 before becoming ready): none will be ready; cleared when shadows are spawned."""
+SHADOW_GEN = 15
+"""agent → trainers: generation of the live shadows on this node (0: none), written when
+they are spawned."""
 MEM_WORDS = (MEM_DEVICE, MEM_TOTAL, MEM_FREE, MEM_RESERVED, MEM_PEAK)

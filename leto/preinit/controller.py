@@ -70,9 +70,10 @@ class PreinitController:
             raise ProtocolError(f"shadow state {self.state.value} -> {state.value} is not allowed")
         self.state = state
 
-    def _publish_level(self, level: int) -> None:
+    def _publish_level(self, level: int, generation: int = 0) -> None:
         for slot in self._slots:
             self._board.set_word(slot, board.SHADOW_READY, 0)
+            self._board.set_word(slot, board.SHADOW_GEN, generation)
             self._board.set_word(slot, board.SHADOW_LEVEL, level)
 
     # -- transitions (the agent calls these as it spawns and stops shadows) ------------------
@@ -80,16 +81,17 @@ class PreinitController:
         for slot in self._slots:
             self._board.set_word(slot, board.SHADOWS_GIVEN_UP, int(given_up))
 
-    def spawned(self, level: ShadowLevel) -> None:
+    def spawned(self, level: ShadowLevel, generation: int) -> None:
         self._to(ShadowState.LIVE)
         self.level = level
         self._give_up(False)
-        self._publish_level(int(level))
+        self._publish_level(int(level), generation)
 
     def ready(self) -> bool:
         """Every local shadow of the live generation has announced that it waits for promotion."""
         return self.state is ShadowState.LIVE and all(
-            self._board.word(s, board.SHADOW_READY) > 0 for s in self._slots
+            0 < self._board.word(s, board.SHADOW_GEN) == self._board.word(s, board.SHADOW_READY)
+            for s in self._slots
         )
 
     def gave_up(self) -> None:

@@ -67,7 +67,7 @@ class OomGuard:
         return (
             self.shadow_level() > 0
             and self._hb is not None
-            and self._hb.word(board.SHADOW_READY) > 0
+            and 0 < self._hb.word(board.SHADOW_GEN) == self._hb.word(board.SHADOW_READY)
         )
 
     def shadow_pid(self) -> int:
@@ -78,11 +78,11 @@ class OomGuard:
         """The agent stopped relaunching this node's shadows (they kept dying): none will be ready."""
         return self._hb is not None and self._hb.word(board.SHADOWS_GIVEN_UP) > 0
 
-    def announce_ready(self, level: int) -> None:
-        """Called by a shadow once it waits for promotion."""
+    def announce_ready(self, generation: int) -> None:
+        """Called by a shadow of ``generation`` once it waits for promotion."""
         if self._hb is not None:
             self._hb.set_word(board.SHADOW_PID, os.getpid())
-            self._hb.set_word(board.SHADOW_READY, level)
+            self._hb.set_word(board.SHADOW_READY, generation)
 
     def shadows_hold_memory(self) -> bool:
         """The node's shadows hold device memory (L2, L3; L1 shadows have no CUDA context)."""

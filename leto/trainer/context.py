@@ -402,7 +402,7 @@ class Context:
             level=env.shadow_level,
             init_s=time.time() - self._started,
         )
-        self.preinit.announce_ready(env.shadow_level)
+        self.preinit.announce_ready(env.generation)
         if on_ready is not None:
             on_ready()
         key = contract.promote(

@@ -79,7 +79,7 @@ def _answer_reclaims(ctrl: PreinitController, stop: threading.Event) -> None:
 
 def test_data_parallel_oom_reclaims_the_shadows_and_retries(board, ctx) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
-    ctrl.spawned(ShadowLevel.L3)
+    ctrl.spawned(ShadowLevel.L3, generation=1)
     state, fn, stop = _retained(ctx, GradSync()), _OomOnce(), threading.Event()
     for region in state.grad_regions.values():
         region.fill_(1)  # what the failed attempt's backward wrote: the retry discards it
@@ -101,7 +101,7 @@ def test_data_parallel_oom_reclaims_the_shadows_and_retries(board, ctx) -> None:
 
 def test_model_parallel_oom_propagates_and_leaves_the_shadows(board, ctx) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
-    ctrl.spawned(ShadowLevel.L3)
+    ctrl.spawned(ShadowLevel.L3, generation=1)
     tensor_parallel = GradSync(group=object())  # type: ignore[arg-type]  # a narrowed data-parallel group
     state, fn = _retained(ctx, tensor_parallel), _OomOnce()
     assert ctx.preinit.can_reclaim()  # shadows hold memory: only model parallelism stops the retry

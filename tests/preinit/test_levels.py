@@ -141,9 +141,9 @@ def test_state_machine_rejects_undocumented_transitions(board) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
     with pytest.raises(ProtocolError, match="none -> reclaimed"):
         ctrl.reclaimed()
-    ctrl.spawned(ShadowLevel.L3)
+    ctrl.spawned(ShadowLevel.L3, generation=1)
     with pytest.raises(ProtocolError, match="live -> live"):
-        ctrl.spawned(ShadowLevel.L2)
+        ctrl.spawned(ShadowLevel.L2, generation=1)
     ctrl.reclaimed()
     assert ctrl.state is ShadowState.RECLAIMED
     ctrl.closed()
@@ -153,7 +153,7 @@ def test_state_machine_rejects_undocumented_transitions(board) -> None:
 def test_reclaim_then_relaunch_lower_then_raise_after_recovery(board, tmp_path) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
     guards = [_emulated_guard(board, s, 4.0, tmp_path) for s in (0, 1)]
-    ctrl.spawned(ShadowLevel.L3)
+    ctrl.spawned(ShadowLevel.L3, generation=1)
     assert [g.shadow_level() for g in guards] == [3, 3]
     for g in guards:
         g.report()
@@ -178,7 +178,7 @@ def test_reclaim_then_relaunch_lower_then_raise_after_recovery(board, tmp_path) 
     assert ctrl.relaunch_due()
     choice = ctrl.choose("oom")  # 10 - 9.5 GiB = 0.5 GiB headroom: only L1
     assert choice.level == ShadowLevel.L1 and choice.peak_bytes == int(9.5 * GIB)
-    ctrl.spawned(choice.level)
+    ctrl.spawned(choice.level, generation=1)
     assert [g.shadow_level() for g in guards] == [1, 1]
     # A recovery: fresh actives report their (lower) peak; the level rises again.
     ctrl.closed()
@@ -192,7 +192,7 @@ def test_reclaim_then_relaunch_lower_then_raise_after_recovery(board, tmp_path) 
 
 def test_the_level_stays_low_after_recovery_when_the_peak_does_not_allow(board, tmp_path) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
-    ctrl.spawned(ShadowLevel.L1)  # after reclaims
+    ctrl.spawned(ShadowLevel.L1, generation=1)  # after reclaims
     ctrl.closed()  # promoted
     for s in (0, 1):
         _emulated_guard(board, s, 8.5, tmp_path).report()  # 1.5 GiB headroom per device
@@ -203,7 +203,7 @@ def test_a_reclaim_only_lowers_and_a_recovery_only_raises(board, tmp_path) -> No
     ctrl = PreinitController(PreinitConfig(), 3, board)
     for s in (0, 1):
         _emulated_guard(board, s, 1.0, tmp_path).report()  # plenty of headroom now
-    ctrl.spawned(ShadowLevel.L2)
+    ctrl.spawned(ShadowLevel.L2, generation=1)
     ctrl.reclaimed()
     assert ctrl.choose("oom").level == ShadowLevel.L1  # L2 evidently did not fit the step
     ctrl.closed()
@@ -214,17 +214,17 @@ def test_a_reclaim_only_lowers_and_a_recovery_only_raises(board, tmp_path) -> No
 
 def test_without_reports_a_reclaim_steps_down_and_a_recovery_returns_to_the_maximum(board) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
-    ctrl.spawned(ShadowLevel.L3)
+    ctrl.spawned(ShadowLevel.L3, generation=1)
     assert ctrl.choose("oom").level == ShadowLevel.L2
     ctrl.closed()
-    ctrl.spawned(ShadowLevel.L2)
+    ctrl.spawned(ShadowLevel.L2, generation=1)
     assert ctrl.choose("oom").level == ShadowLevel.L1
     assert ctrl.choose("recovery").level == ShadowLevel.L3
 
 
 def test_the_heartbeat_reset_keeps_the_controller_words(board, tmp_path) -> None:
     ctrl = PreinitController(PreinitConfig(), 3, board)
-    ctrl.spawned(ShadowLevel.L2)
+    ctrl.spawned(ShadowLevel.L2, generation=1)
     _emulated_guard(board, 0, 4.0, tmp_path).report()
     board.reset()  # HangWatch.arm() at every promotion
     assert board.word(0, 2) == 2 and ctrl.reports()[0].total_bytes == 10 * GIB
@@ -266,7 +266,7 @@ def test_oom_fault_fires_only_while_shadows_exist(tmp_path) -> None:
 def test_a_trainer_without_probe_still_reports_its_steps(board, tmp_path) -> None:
     """Plain CPU: no memory words, but a committed step lets the agent relaunch."""
     ctrl = PreinitController(PreinitConfig(), 3, board)
-    ctrl.spawned(ShadowLevel.L3)
+    ctrl.spawned(ShadowLevel.L3, generation=1)
     guard = OomGuard(Heartbeat(board.path, 0), None, PreinitConfig(), EventLog(None, "t"), 0)
     ctrl.reclaimed()
     guard.report()
@@ -306,3 +306,24 @@ def test_dashboard_line_shows_level_reason_and_reclaims() -> None:
         == "shadows L1 (oom: headroom 0.50 GiB, peak 9.50 GiB) · reclaims 1"
     )
     assert summary.shadow_line([]) is None
+
+
+def test_a_shadow_announcing_after_its_promotion_does_not_make_the_next_ready(board) -> None:
+    """A shadow promoted while it pre-initialised announces its readiness late, after the
+    agent spawned the next generation; that generation is not ready until its own shadows
+    say so (the agent's warm/cold first-step judgement, a fault's wait for a ready shadow)."""
+    ctrl = PreinitController(PreinitConfig(), 3, board)
+    guards = [
+        OomGuard(Heartbeat(board.path, s), None, PreinitConfig(), EventLog(None, "t"), s)
+        for s in range(2)
+    ]
+    ctrl.spawned(ShadowLevel.L3, generation=1)
+    guards[0].announce_ready(1)
+    assert guards[0].shadow_ready() and not guards[1].shadow_ready() and not ctrl.ready()
+    ctrl.closed()  # generation 1 promoted while its rank-1 shadow pre-initialised
+    ctrl.spawned(ShadowLevel.L3, generation=2)
+    guards[1].announce_ready(1)  # the late announcement
+    assert not guards[1].shadow_ready() and not ctrl.ready()
+    guards[0].announce_ready(2)
+    guards[1].announce_ready(2)
+    assert all(g.shadow_ready() for g in guards) and ctrl.ready()
