@@ -209,6 +209,7 @@ def main() -> None:
         "--bf16", action="store_true", help="bf16 autocast compute (fp32 master weights)"
     )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument(
         "--oom-ballast-step",
         type=int,
@@ -241,6 +242,9 @@ def main() -> None:
             args.dropout,
             bias=args.optimizer != "muon",
         )
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
     opt = OPTIMIZERS[args.optimizer](model, args.lr)
     state = ctx.retain(model, opt)
     ballast = ActivationBallast(ctx, args)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from leto import contract
+from leto import compiled, contract
 from leto.events import Kind
 from leto.preinit import board, replay
 from leto.preinit.levels import DeviceMemory, ShadowLevel, aggregate
@@ -209,6 +209,38 @@ def warm_forward(
         transient_bytes=replay.transient_bytes(model),
         config=config,
         keep_cache=keep_cache,
+    )
+
+
+COMPILER = "compiler"
+"""The ``name`` of :func:`warm_compiler`'s ``model_warmed`` event."""
+
+_COMPILER_TRANSIENT_BYTES = 1 << 20
+"""The throwaway function's device memory (a few KiB of tensors), rounded up."""
+
+
+def warm_compiler(site: ShadowSite, model: torch.nn.Module) -> ModelWarmupResult | None:
+    """In a level-3 shadow of a model with compiled modules: ``compiled.compile_once`` with
+    the model's compile settings, under :func:`warm_model`'s rules. None (and no event)
+    where it does not apply: an active trainer, a model without compiled modules,
+    ``preinit.warm_kernels: false``."""
+    if not site.is_shadow or not site.env.preinit.warm_kernels:
+        return None
+    found = compiled.compiled_modules(model)
+    if not found:
+        return None
+    settings = [c for _, c in found if c is not None]
+    if not settings:
+        result = ModelWarmupResult(
+            ran=False, reason=f"the compile settings of {found[0][0] or 'the model'} are unreadable"
+        )
+        _emit(site, COMPILER, result)
+        return result
+    return warm_model(
+        site,
+        lambda: compiled.compile_once(settings[0], site.device),
+        name=COMPILER,
+        transient_bytes=_COMPILER_TRANSIENT_BYTES,
     )
 
 

@@ -17,6 +17,8 @@ model's, for any ``nn.Module``:
   actives leave, skipped once a promotion is pending, the RNG forked.
 
 Nothing retained is read or written: the copy is made from the meta model before binding.
+Compiled modules run eager in the copy; the compiler is warmed apart
+(``leto.compiled``).
 Inputs that are not tensors, JSON scalars, lists, tuples or string-keyed dicts, models
 that are not all on the meta device and sharded (``DTensor``) models are not replayed; the
 ``model_warmed`` event says why.
@@ -160,7 +162,16 @@ class ReplayResult:
 
 
 def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
-    """One forward, backward and clip of a scratch copy of the meta-device ``model``."""
+    """One forward, backward and clip of a scratch copy of the meta-device ``model``.
+
+    Compiled modules and functions run eager here (``torch.compiler.set_stance``): a graph
+    compiled for the copy would be reused by the trainer's first call without the module
+    hooks registered after it (``leto.compiled``)."""
+    with torch.compiler.set_stance("force_eager"):
+        return _replay(model, spec, device)
+
+
+def _replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
     scratch = copy.deepcopy(model).to_empty(device=device)
     with torch.no_grad():
         for p in scratch.parameters():

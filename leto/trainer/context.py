@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from leto import contract, kernels
+from leto import compiled, contract, kernels
 from leto.config import default_rmu_chunk_bytes
 from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import DeviceUnhealthyError, check_device
@@ -314,15 +314,15 @@ class Context:
         the forward, at as many gradients spread over the backward, around the update. Not
         at every module and gradient: each hook is a Python call on the step's host path
         (and a hooked module takes ``Module.__call__``'s slow path), which a host-bound step
-        pays in full."""
+        pays in full. Leaves inside compiled modules get none (``leto.compiled``)."""
         hb = self.heartbeat
         if hb is None:
             return
-        leaves = [m for m in model.modules() if not list(m.children())]
-        for module in spread(leaves, BEATS_PER_PASS):
-            module.register_forward_pre_hook(hb.beat)
+        beat = compiled.opaque_hook(hb.beat)
+        for module in spread(compiled.eager_leaves(model), BEATS_PER_PASS):
+            module.register_forward_pre_hook(beat)
         for p in spread([p for p in model.parameters() if p.requires_grad], BEATS_PER_PASS):
-            p.register_post_accumulate_grad_hook(hb.beat)
+            p.register_post_accumulate_grad_hook(beat)
         optimizer.register_step_pre_hook(hb.beat)
         optimizer.register_step_post_hook(hb.beat)
 

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from leto import contract
+from leto import compiled, contract
 from leto.errors import ConfigError, ProtocolError, ScriptError, UnrecoverableStateError
 from leto.events import EventLog, Kind, last_event
 from leto.preinit import replay
-from leto.preinit.model_warmup import warm_forward
+from leto.preinit.model_warmup import warm_compiler, warm_forward
 from leto.preinit.warmup import warm_shadow
 from leto.retained.marker import Phase
 from leto.retained.optim_state import StateSlots
@@ -204,6 +204,7 @@ class RetainedState:
         keep = self.services.env.lend_activations is not True
         replayed = warm_forward(site, self.model, keep_cache=keep)
         self._replay_kept = replayed is not None and replayed.kept_bytes > 0
+        warm_compiler(site, self.model)  # a compiled model: the compiler's first use
 
         def freeze() -> None:  # once ready: the scan must not delay readiness
             self._frozen_schedulers = freeze_heap(self.optimizer)
@@ -366,13 +367,15 @@ class RetainedState:
             self.encode(name)
 
     def _install_fault_hooks(self) -> None:
-        """Forward/backward kill points sit in the middle of the model, mid-phase."""
-        leaves = [m for m in self.model.modules() if not list(m.children())]
+        """Forward/backward kill points sit in the middle of the model's leaves outside
+        compiled modules, mid-phase (``leto.compiled``)."""
+        leaves = compiled.eager_leaves(self.model)
         if not leaves or not self.services.injector.pending:
             return
         middle = leaves[len(leaves) // 2]
-        middle.register_forward_pre_hook(lambda *_: self.services.injector.point("forward"))
-        middle.register_forward_hook(self._arm_backward_point)
+        forward = compiled.opaque_hook(lambda *_: self.services.injector.point("forward"))
+        middle.register_forward_pre_hook(forward)
+        middle.register_forward_hook(compiled.opaque_hook(self._arm_backward_point))
 
     def _arm_backward_point(self, module: torch.nn.Module, args: object, output: object) -> None:
         """The backward kill point: a hook on the gradient of the module's output. (A full

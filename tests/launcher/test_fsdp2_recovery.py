@@ -19,13 +19,14 @@ import pytest
 from leto.checkpoint import complete_steps
 from leto.config import FaultSpec
 from leto.events import Kind
+from leto.preinit.model_warmup import COMPILER
 from tests.launcher.harness import (
     REPO,
     assert_exact,
     assert_recovered,
-    assert_resumed_from_committed,
     digests,
     fault_free_run,
+    resume_steps,
     run_leto,
     run_plain,
 )
@@ -178,29 +179,48 @@ def test_parameters_without_a_gradient_train_as_torch(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_compiled_blocks_resume_from_the_committed_state(tmp_path: Path) -> None:
-    """torchtitan's recipe: each block ``torch.compile``'d, then sharded. A promoted trainer
-    compiles afresh (Inductor's cache on disk makes it a re-trace) and resumes from the
-    state committed before the kill; a kill inside the update finishes it. Compiled runs
-    are not bit-reproducible between jobs (the fault hooks change the traced graphs), so
-    the check is within the run (``assert_resumed_from_committed``)."""
+def test_compiled_blocks_recover_exactly(tmp_path: Path) -> None:
+    """torchtitan's recipe: each block ``torch.compile``'d, then sharded. Each shadow warms
+    the compiler before it is ready (``model_warmup.warm_compiler``); a promoted trainer
+    traces its blocks afresh (Inductor's cache on disk spares the code generation). Leto's
+    hooks stay outside the compiled blocks (``leto.compiled``), so the graphs of a job with
+    faults are the fault-free job's: every digest equals the fault-free run's, a kill in
+    the backward and one inside the update (which finishes it) included."""
+    section = {"consistency": "rmu", "rmu_chunk_bytes": 16384}
+    args = [*MODEL, "--compile"]
+    (tmp_path / "ref").mkdir()
+    ref, _ = fault_free_run(
+        tmp_path / "ref", steps=9, leto=section, script=SCRIPT, model_args=args, timeout_s=500
+    )
     faults = [
-        FaultSpec(rank=1, step=3, phase="backward"),
-        FaultSpec(rank=0, step=6, phase="update", point="optimizer", chunk=0),
+        FaultSpec(rank=1, step=3, phase="backward", shadow_ready_steps_before=1),
+        FaultSpec(
+            rank=0, step=6, phase="update", point="optimizer", chunk=0, shadow_ready_steps_before=1
+        ),
     ]
     proc, events = run_leto(
         tmp_path,
         steps=9,
         faults=faults,
-        leto={"consistency": "rmu", "rmu_chunk_bytes": 16384},
+        leto=section,
         script=SCRIPT,
-        model_args=[*MODEL, "--compile"],
+        model_args=args,
         timeout_s=500,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_resumed_from_committed(events, faults, nproc=2)
-    done = {(e["rank"], e["step"]) for e in events if e["kind"] == Kind.STEP_DONE}
-    assert done >= {(r, s) for r in range(2) for s in range(9)}
+    assert_recovered(ref, events, faults, nproc=2, resumed_at=resume_steps(faults))
+    promoted = {(e["rank"], e["gen"]): e["t"] for e in events if e["kind"] == Kind.PROMOTED}
+    for gen, fault in enumerate(faults, start=1):  # the kill waited for this shadow's readiness
+        key = (fault.rank, gen)
+        (*_, warmed) = [
+            e
+            for e in events
+            if e["kind"] == Kind.MODEL_WARMED
+            and e["name"] == COMPILER
+            and (e["rank"], e["gen"]) == key
+            and e["t"] < promoted[key]
+        ]
+        assert warmed["ran"], (key, warmed["reason"])
 
 
 def _plain_last_loss(tmp: Path, steps: int, args: list[str]) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from leto.health import HeartbeatBoard
 from leto.trainer.context import BEATS_PER_PASS, spread
+from tests.dynamo_backend import CountingBackend
 from tests.trainer.local import local_context
 
 
@@ -36,3 +37,85 @@ def test_a_deep_model_beats_a_few_times_per_pass(monkeypatch: pytest.MonkeyPatch
                 state.step(loss=out)
     finally:
         board.close()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = torch.nn.Linear(4, 4), torch.nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(x))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _compiled_steps(
+    monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, backend: CountingBackend
+) -> tuple[list[int], list[int]]:
+    """Train ``model`` 5 steps under Leto, heartbeat on: each step's forward beats, and the
+    graphs compiled by the end of each step."""
+    board = HeartbeatBoard(1)
+    try:
+        with local_context(monkeypatch, heartbeat_file=board.path) as ctx:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            state = ctx.retain(model, opt)
+            beats, graphs = [], []
+            for step in state.steps(5):
+                before = board.read(0)[0]
+                out = model(torch.full((2, 4), float(step))).sum()
+                beats.append(board.read(0)[0] - before)
+                out.backward()
+                state.step(loss=out)
+                graphs.append(backend.graphs)
+            return beats, graphs
+    finally:
+        board.close()
+
+
+@pytest.fixture
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_compiled_blocks_get_no_beats_and_compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beat traced into a compiled block is guarded on its count: the block recompiled at
+    every step (and ran eager once past Dynamo's recompile limit). The beats go on the
+    leaves outside the compiled blocks."""
+    backend = CountingBackend()
+    model = _Net()
+    for block in model.blocks:
+        block.compile(backend=backend)
+    beats, graphs = _compiled_steps(monkeypatch, model, backend)
+    assert graphs[0] >= 1 and graphs == graphs[:1] * 5, "compiled at the first step only"
+    assert beats == [2] * 5, "the two uncompiled linears beat"
+    hooked = [m for m in model.modules() if m._forward_pre_hooks]
+    assert hooked == [model.inp, model.out]
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_a_beat_inside_a_compiled_forward_breaks_the_graph_instead_of_recompiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compiled ``forward`` attribute is not a compiled module: its leaves get beats,
+    which run (Dynamo breaks the graph around them) without a recompile per step."""
+    backend = CountingBackend()
+    model = _Net()
+    model.forward = torch.compile(model.forward, backend=backend)
+    beats, graphs = _compiled_steps(monkeypatch, model, backend)
+    assert beats == [BEATS_PER_PASS] * 5
+    assert graphs[0] >= 1 and graphs == graphs[:1] * 5, "compiled at the first step only"

@@ -1,0 +1,145 @@
+"""The first step of a promoted trainer of a ``torch.compile``'d model, with and without the
+shadow's compile warm-ups (CPU, 2 gloo ranks, PyTorch's default kernels).
+
+Two jobs, each run twice in this call (warm-ups on, then off), two SIGKILLs each, every
+kill once the shadow is ready:
+
+* ``fsdp2``: ``examples/train_llama_fsdp.py --compile`` (each block compiled, then
+  ``fully_shard``): no forward replay (its forward runs collectives), so the shadow warms
+  the compiler (``model_warmup.warm_compiler``); off: ``preinit.warm_kernels: false``.
+* ``gpt``: ``examples/train_gpt.py --compile`` (each block compiled) with
+  ``preinit.replay_forward: true`` (the replay runs the blocks eager) and the compiler
+  warm-up; off: ``replay_forward: false`` and ``warm_kernels: false``.
+
+Each recovery's phases come from the agent's ``recovery_done`` event; the steady step is
+the median of rank 0's step periods outside recoveries (``summary.step_periods``). Inductor's on-disk cache is warm
+for every run (a first run fills it). Prints one row per run and, last, the first step's
+excess over a steady step with the warm-ups over without.
+
+    python bench/compile_first_step_cpu.py [--json bench/results/compile_first_step_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from leto.events import Kind, read_events
+from leto.summary import step_periods
+
+JOBS = {
+    "fsdp2": (
+        "examples/train_llama_fsdp.py",
+        ["--dim", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "2"],
+        {"warm_kernels": False},
+        {},
+    ),
+    "gpt": (
+        "examples/train_gpt.py",
+        ["--dim", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--dropout", "0"],
+        {"warm_kernels": False, "replay_forward": False},
+        {"replay_forward": True},
+    ),
+}
+KILLS = (
+    "rank=1,step=4,phase=backward,shadow_ready_steps_before=1",
+    "rank=0,step=8,phase=forward,shadow_ready_steps_before=1",
+)
+
+
+def _env(cache: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+    }
+
+
+def run(job: str, warm: bool, tmp: Path, cache: Path, steps: int) -> dict[str, object]:
+    script, model_args, off, on = JOBS[job]
+    events = tmp / f"{job}-{'on' if warm else 'off'}.jsonl"
+    cfg = tmp / f"{job}-{'on' if warm else 'off'}.yaml"
+    cfg.write_text(yaml.safe_dump({"leto": {"preinit": on if warm else off}}))
+    cmd = [
+        str(Path(sys.executable).with_name("leto-run")),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--events",
+        str(events),
+        "--config",
+        str(cfg),
+    ]
+    for kill in KILLS:
+        cmd += ["--inject-fault", kill]
+    cmd += [str(REPO / script), "--steps", str(steps), "--compile", *model_args]
+    proc = subprocess.run(
+        cmd, check=False, env=_env(cache), cwd=tmp, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"compile_first_step_cpu: {job} failed:\n{proc.stderr[-3000:]}")
+    evs = read_events(events)
+    recoveries = [e["phases_s"] for e in evs if e["kind"] == Kind.RECOVERY_DONE]
+    warmups = [
+        {k: e[k] for k in ("t", "rank", "gen", "name", "ran", "reason", "warm_s", "compiled_graphs")}
+        for e in evs
+        if e["kind"] == Kind.MODEL_WARMED
+    ]
+    steady = step_periods(evs, 0, first_step=2)
+    return {
+        "job": job,
+        "warm": warm,
+        "recoveries_s": recoveries,
+        "steady_ms": round(1e3 * statistics.median(steady), 1),
+        "warmups": warmups,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--jobs", default="fsdp2,gpt")
+    p.add_argument("--json", default=str(REPO / "bench/results/compile_first_step_cpu.json"))
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp, cache = Path(d), Path(d) / "inductor"
+        for job in args.jobs.split(","):
+            run(job, True, tmp, cache, 3)  # fills Inductor's on-disk cache
+            for warm in (True, False):
+                rows.append(run(job, warm, tmp, cache, args.steps))
+    print(f"{'job':<6} {'warm-ups':<8} | first step ms per recovery | recovery ms | steady ms")
+    for r in rows:
+        firsts = [1e3 * rec.get("first step", float("nan")) for rec in r["recoveries_s"]]
+        totals = [1e3 * sum(rec.values()) for rec in r["recoveries_s"]]
+        print(
+            f"{r['job']:<6} {'on' if r['warm'] else 'off':<8} | "
+            f"{', '.join(f'{x:.0f}' for x in firsts):<26} | "
+            f"{', '.join(f'{x:.0f}' for x in totals):<11} | {r['steady_ms']}"
+        )
+        r["first_step_ms"] = firsts
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+    for job in args.jobs.split(","):
+        on, off = (
+            next(r for r in rows if r["job"] == job and r["warm"] is w) for w in (True, False)
+        )
+        excess = [statistics.median(r["first_step_ms"]) - r["steady_ms"] for r in (on, off)]
+        print(f"{job}: first-step excess with warm-ups / without = {excess[0] / excess[1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
