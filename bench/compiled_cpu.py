@@ -1,8 +1,13 @@
-"""The first step of a promoted trainer of a ``torch.compile``'d model, with and without the
-shadow's compile warm-ups (CPU, 2 gloo ranks, PyTorch's default kernels).
+"""``torch.compile``'d models under leto-run on CPU (2 gloo ranks, PyTorch's default kernels):
+the steady step against torchrun's, and a promoted trainer's first step with and without
+the shadow's compile warm-ups.
 
-Two jobs, each run twice in this call (warm-ups on, then off), two SIGKILLs each, every
-kill once the shadow is ready:
+Steady: ``examples/train_llama_fsdp.py --compile`` fault-free under leto-run against the
+same script's ``--plain`` loop under torchrun (``AdamW(foreach=True)``, torch's
+``clip_grad_norm_``), mean step after the first 5, same call.
+
+First step: two jobs, each run twice in this call (warm-ups on, then off), two SIGKILLs
+each, every kill once the shadow is ready:
 
 * ``fsdp2``: ``examples/train_llama_fsdp.py --compile`` (each block compiled, then
   ``fully_shard``): no forward replay (its forward runs collectives), so the shadow warms
@@ -16,7 +21,7 @@ the median of rank 0's step periods outside recoveries (``summary.step_periods``
 for every run (a first run fills it). Prints one row per run and, last, the first step's
 excess over a steady step with the warm-ups over without.
 
-    python bench/compile_first_step_cpu.py [--json bench/results/compile_first_step_cpu.json]
+    python bench/compiled_cpu.py [--json bench/results/compiled_cpu.json]
 """
 
 from __future__ import annotations
@@ -90,11 +95,14 @@ def run(job: str, warm: bool, tmp: Path, cache: Path, steps: int) -> dict[str, o
         cmd, check=False, env=_env(cache), cwd=tmp, capture_output=True, text=True
     )
     if proc.returncode != 0:
-        raise SystemExit(f"compile_first_step_cpu: {job} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"compiled_cpu: {job} failed:\n{proc.stderr[-3000:]}")
     evs = read_events(events)
     recoveries = [e["phases_s"] for e in evs if e["kind"] == Kind.RECOVERY_DONE]
     warmups = [
-        {k: e[k] for k in ("t", "rank", "gen", "name", "ran", "reason", "warm_s", "compiled_graphs")}
+        {
+            k: e[k]
+            for k in ("t", "rank", "gen", "name", "ran", "reason", "warm_s", "compiled_graphs")
+        }
         for e in evs
         if e["kind"] == Kind.MODEL_WARMED
     ]
@@ -108,15 +116,55 @@ def run(job: str, warm: bool, tmp: Path, cache: Path, steps: int) -> dict[str, o
     }
 
 
+def steady(tmp: Path, cache: Path, steps: int) -> dict[str, float]:
+    """Mean step (ms) after the first 5: leto-run fault-free, torchrun ``--plain``."""
+    script, model_args, _, _ = JOBS["fsdp2"]
+    events = tmp / "steady.jsonl"
+    leto_cmd = [
+        str(Path(sys.executable).with_name("leto-run")),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-dashboard",
+        "--events",
+        str(events),
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    args = [str(REPO / script), "--steps", str(steps), "--compile", *model_args]
+    out = {}
+    for name, cmd in (("torchrun", [*torchrun, *args, "--plain"]), ("leto", [*leto_cmd, *args])):
+        proc = subprocess.run(
+            cmd, check=False, env=_env(cache), cwd=tmp, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"compiled_cpu: steady {name} failed:\n{proc.stderr[-3000:]}")
+        if name == "torchrun":
+            out[name] = float(proc.stdout.split("mean step ")[1].split(" ms")[0])
+        else:
+            periods = step_periods(read_events(events), 0, first_step=6)
+            out[name] = round(1e3 * statistics.mean(periods), 1)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--jobs", default="fsdp2,gpt")
-    p.add_argument("--json", default=str(REPO / "bench/results/compile_first_step_cpu.json"))
+    p.add_argument("--steady-steps", type=int, default=40)
+    p.add_argument("--json", default=str(REPO / "bench/results/compiled_cpu.json"))
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp, cache = Path(d), Path(d) / "inductor"
+        run("fsdp2", True, tmp, cache, 3)  # fills Inductor's on-disk cache
+        ratio = steady(tmp, cache, args.steady_steps)
         for job in args.jobs.split(","):
             run(job, True, tmp, cache, 3)  # fills Inductor's on-disk cache
             for warm in (True, False):
@@ -132,13 +180,17 @@ def main() -> None:
         )
         r["first_step_ms"] = firsts
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(rows, indent=1))
+    Path(args.json).write_text(json.dumps({"steady_ms": ratio, "first_step": rows}, indent=1))
     for job in args.jobs.split(","):
         on, off = (
             next(r for r in rows if r["job"] == job and r["warm"] is w) for w in (True, False)
         )
         excess = [statistics.median(r["first_step_ms"]) - r["steady_ms"] for r in (on, off)]
         print(f"{job}: first-step excess with warm-ups / without = {excess[0] / excess[1]:.3f}")
+    print(
+        f"fsdp2 steady step: torchrun {ratio['torchrun']} ms, leto-run {ratio['leto']} ms, "
+        f"leto / torchrun = {ratio['leto'] / ratio['torchrun']:.3f}"
+    )
 
 
 if __name__ == "__main__":
