@@ -209,7 +209,13 @@ def main() -> None:
         "--bf16", action="store_true", help="bf16 autocast compute (fp32 master weights)"
     )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="blocks",
+        choices=("blocks", "model"),
+        help="torch.compile each block (torchtitan's way; the default), or the model whole",
+    )
     p.add_argument(
         "--oom-ballast-step",
         type=int,
@@ -242,10 +248,12 @@ def main() -> None:
             args.dropout,
             bias=args.optimizer != "muon",
         )
-    if args.compile:
+    opt = OPTIMIZERS[args.optimizer](model, args.lr)
+    if args.compile == "blocks":
         for block in model.blocks:
             block.compile()
-    opt = OPTIMIZERS[args.optimizer](model, args.lr)
+    elif args.compile == "model":
+        model = torch.compile(model)
     state = ctx.retain(model, opt)
     ballast = ActivationBallast(ctx, args)
     for step in state.steps(args.steps):

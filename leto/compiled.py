@@ -1,7 +1,8 @@
 """``torch.compile`` and Leto: which modules are compiled, where Leto's hooks go, a warm compiler.
 
 Leto's module hooks (the heartbeat's progress beats, the fault injector's kill points) go
-on leaves outside compiled modules (:func:`eager_leaves`), each made opaque to Dynamo
+on leaves outside compiled modules, or at the edge of a model compiled whole
+(:func:`hook_sites`), each made opaque to Dynamo
 (:func:`opaque_hook`): traced inside a compiled module, a hook that counts would be
 guarded on its count, and Dynamo would recompile the module at every step until its
 recompile limit, then run it eager for good.
@@ -69,18 +70,24 @@ def _is_compiled(module: torch.nn.Module) -> bool:
     )
 
 
-def eager_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The leaf modules of ``model`` that no compiled module contains, in order."""
+def hook_sites(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules Leto hooks, in order: the leaves no compiled module contains; where every
+    leaf is inside one (a model compiled whole), the outermost compiled modules, whose hooks
+    run at the compiled region's edge (outside it for ``torch.compile(m)``; a graph break at
+    its start or end for ``m.compile()``)."""
     inside: set[int] = set()
+    outermost: list[torch.nn.Module] = []
     for module in model.modules():
-        if _is_compiled(module):
+        if id(module) not in inside and _is_compiled(module):
+            outermost.append(module)
             inside.update(id(m) for m in module.modules())
-    return [m for m in model.modules() if not list(m.children()) and id(m) not in inside]
+    leaves = [m for m in model.modules() if not list(m.children()) and id(m) not in inside]
+    return leaves or outermost
 
 
 def opaque_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as a hook Dynamo does not trace (``torch.compiler.disable``): where it runs
-    inside a compiled region after all (a compiled ``forward`` :func:`eager_leaves` cannot
+    inside a compiled region after all (a compiled ``forward`` :func:`hook_sites` cannot
     see), the graph breaks around it instead of recompiling at every call."""
     return torch.compiler.disable(fn, recursive=True)
 

@@ -319,7 +319,7 @@ class Context:
         if hb is None:
             return
         beat = compiled.opaque_hook(hb.beat)
-        for module in spread(compiled.eager_leaves(model), BEATS_PER_PASS):
+        for module in spread(compiled.hook_sites(model), BEATS_PER_PASS):
             module.register_forward_pre_hook(beat)
         for p in spread([p for p in model.parameters() if p.requires_grad], BEATS_PER_PASS):
             p.register_post_accumulate_grad_hook(beat)

@@ -367,9 +367,9 @@ class RetainedState:
             self.encode(name)
 
     def _install_fault_hooks(self) -> None:
-        """Forward/backward kill points sit in the middle of the model's leaves outside
-        compiled modules, mid-phase (``leto.compiled``)."""
-        leaves = compiled.eager_leaves(self.model)
+        """Forward/backward kill points sit in the middle of the model's hook sites (its
+        leaves outside compiled modules, ``leto.compiled``), mid-phase."""
+        leaves = compiled.hook_sites(self.model)
         if not leaves or not self.services.injector.pending:
             return
         middle = leaves[len(leaves) // 2]

@@ -119,3 +119,15 @@ def test_a_beat_inside_a_compiled_forward_breaks_the_graph_instead_of_recompilin
     beats, graphs = _compiled_steps(monkeypatch, model, backend)
     assert beats == [BEATS_PER_PASS] * 5
     assert graphs[0] >= 1 and graphs == graphs[:1] * 5, "compiled at the first step only"
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_a_model_compiled_whole_beats_at_its_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile(model)``: every leaf is compiled; the beat goes on the compiled
+    wrapper, outside the graph (the fault injector's kill points likewise)."""
+    backend = CountingBackend()
+    model = torch.compile(_Net(), backend=backend)
+    beats, graphs = _compiled_steps(monkeypatch, model, backend)
+    assert beats == [1] * 5
+    assert graphs[0] >= 1 and graphs == graphs[:1] * 5
+    assert [m for m in model.modules() if m._forward_pre_hooks] == [model]
