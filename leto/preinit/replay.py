@@ -62,7 +62,7 @@ class ForwardSpec:
 
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ForwardSpec:
-        tensors = [t for t in _leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)]
         device_type = tensors[0].device.type if tensors else "cpu"
         autocast = None
         if torch.is_autocast_enabled(device_type):
@@ -119,15 +119,15 @@ def _decode(node: Mapping[str, Any], device: torch.device) -> Any:
     return {k: _decode(v, device) for k, v in node["dict"].items()}
 
 
-def _leaves(x: Any) -> Iterator[Any]:
+def leaves(x: Any) -> Iterator[Any]:
     """Tensors and scalars of nested lists, tuples and mappings (a Hugging Face
     ``ModelOutput`` is an ``OrderedDict``)."""
     if isinstance(x, Mapping):
         for v in x.values():
-            yield from _leaves(v)
+            yield from leaves(v)
     elif isinstance(x, (list, tuple)):
         for v in x:
-            yield from _leaves(v)
+            yield from leaves(v)
     else:
         yield x
 
@@ -187,7 +187,7 @@ def _replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> 
         out = scratch(*args, **kwargs)
     losses = [
         t.float().sum()
-        for t in _leaves(out)
+        for t in leaves(out)
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
     ]
     if losses:

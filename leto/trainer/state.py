@@ -382,9 +382,13 @@ class RetainedState:
         backward hook would wrap the outputs in an autograd function: a returned parameter,
         e.g. Megatron's skipped bias, would reach compiled fusions as a plain tensor, and the
         injected run would compile what the fault-free one never does.)"""
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
         out = next(
-            (t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None), None
+            (
+                t
+                for t in replay.leaves(output)  # a Hugging Face ModelOutput is a mapping
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None
+            ),
+            None,
         )
         if out is not None:
             out.register_hook(self._backward_point)
