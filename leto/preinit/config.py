@@ -30,7 +30,9 @@ class PreinitConfig:
     memory to go up (the driver may release a dead context's memory late)."""
     warm_kernels: bool = True
     """A level-3 shadow compiles and loads the Triton kernels its recovery and first update
-    launch (``leto.preinit.warmup``) before it waits; off: they compile at first use."""
+    launch (``leto.preinit.warmup``), and for a model with ``torch.compile``'d modules
+    warms the compiler (``model_warmup.warm_compiler``), before it waits; off: they compile
+    at first use."""
     replay_forward: bool | None = None
     """A level-3 shadow runs one throwaway forward and backward of a scratch copy of its
     model with the active trainer's input shapes (``leto.preinit.replay``), so a promoted
