@@ -72,12 +72,9 @@ def _env(cache: Path) -> dict[str, str]:
     }
 
 
-def run(job: str, warm: bool, tmp: Path, cache: Path, steps: int) -> dict[str, object]:
-    script, model_args, off, on = JOBS[job]
-    events = tmp / f"{job}-{'on' if warm else 'off'}.jsonl"
-    cfg = tmp / f"{job}-{'on' if warm else 'off'}.yaml"
-    cfg.write_text(yaml.safe_dump({"leto": {"preinit": on if warm else off}}))
-    cmd = [
+def _leto_run(events: Path, *flags: str) -> list[str]:
+    """leto-run on 2 local ranks, no dashboard, its events to ``events``; then ``flags``."""
+    return [
         str(Path(sys.executable).with_name("leto-run")),
         "--standalone",
         "--nproc-per-node",
@@ -85,17 +82,28 @@ def run(job: str, warm: bool, tmp: Path, cache: Path, steps: int) -> dict[str, o
         "--no-dashboard",
         "--events",
         str(events),
-        "--config",
-        str(cfg),
+        *flags,
     ]
+
+
+def _check(proc: subprocess.CompletedProcess[str], what: str) -> None:
+    if proc.returncode != 0:
+        raise SystemExit(f"compiled_cpu: {what} failed:\n{proc.stderr[-3000:]}")
+
+
+def run(job: str, warm: bool, tmp: Path, cache: Path, steps: int) -> dict[str, object]:
+    script, model_args, off, on = JOBS[job]
+    events = tmp / f"{job}-{'on' if warm else 'off'}.jsonl"
+    cfg = tmp / f"{job}-{'on' if warm else 'off'}.yaml"
+    cfg.write_text(yaml.safe_dump({"leto": {"preinit": on if warm else off}}))
+    cmd = _leto_run(events, "--config", str(cfg))
     for kill in KILLS:
         cmd += ["--inject-fault", kill]
     cmd += [str(REPO / script), "--steps", str(steps), "--compile", *model_args]
     proc = subprocess.run(
         cmd, check=False, env=_env(cache), cwd=tmp, capture_output=True, text=True
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"compiled_cpu: {job} failed:\n{proc.stderr[-3000:]}")
+    _check(proc, job)
     evs = read_events(events)
     recoveries = [e["phases_s"] for e in evs if e["kind"] == Kind.RECOVERY_DONE]
     warmups = [
@@ -120,15 +128,7 @@ def steady(tmp: Path, cache: Path, steps: int) -> dict[str, float]:
     """Mean step (ms) after the first 5: leto-run fault-free, torchrun ``--plain``."""
     script, model_args, _, _ = JOBS["fsdp2"]
     events = tmp / "steady.jsonl"
-    leto_cmd = [
-        str(Path(sys.executable).with_name("leto-run")),
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--no-dashboard",
-        "--events",
-        str(events),
-    ]
+    leto_cmd = _leto_run(events)
     torchrun = [
         sys.executable,
         "-m",
@@ -143,8 +143,7 @@ def steady(tmp: Path, cache: Path, steps: int) -> dict[str, float]:
         proc = subprocess.run(
             cmd, check=False, env=_env(cache), cwd=tmp, capture_output=True, text=True
         )
-        if proc.returncode != 0:
-            raise SystemExit(f"compiled_cpu: steady {name} failed:\n{proc.stderr[-3000:]}")
+        _check(proc, f"steady {name}")
         if name == "torchrun":
             out[name] = float(proc.stdout.split("mean step ")[1].split(" ms")[0])
         else:

@@ -48,26 +48,25 @@ def _called_compile(module: torch.nn.Module) -> Compile | None:
     return None
 
 
-def compiled_modules(model: torch.nn.Module) -> list[tuple[str, Compile | None]]:
-    """Each compiled module of ``model`` (``torch.compile(m)`` or ``m.compile()``) by name,
-    with its compile settings (None where they cannot be read)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    found: list[tuple[str, Compile | None]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, OptimizedModule):
-            found.append((name, module.dynamo_ctx))
-        elif module.__dict__.get("_compiled_call_impl") is not None:
-            found.append((name, _called_compile(module)))
-    return found
-
-
 def _is_compiled(module: torch.nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(module, OptimizedModule) or (
         module.__dict__.get("_compiled_call_impl") is not None
     )
+
+
+def _settings(module: torch.nn.Module) -> Compile | None:
+    """The compile settings of a compiled ``module`` (None where they cannot be read)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return module.dynamo_ctx if isinstance(module, OptimizedModule) else _called_compile(module)
+
+
+def compiled_modules(model: torch.nn.Module) -> list[tuple[str, Compile | None]]:
+    """Each compiled module of ``model`` (``torch.compile(m)`` or ``m.compile()``) by name,
+    with its compile settings (None where they cannot be read)."""
+    return [(n, _settings(m)) for n, m in model.named_modules() if _is_compiled(m)]
 
 
 def hook_sites(model: torch.nn.Module) -> list[torch.nn.Module]:

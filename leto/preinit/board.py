@@ -9,6 +9,8 @@ the payload words before the counter that publishes them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 SHADOW_LEVEL = 2
 """agent → trainers: level of the live shadow generation on this node (0: none)."""
 OOM_REQUEST = 3
@@ -34,4 +36,11 @@ before becoming ready): none will be ready; cleared when shadows are spawned."""
 SHADOW_GEN = 15
 """agent → trainers: generation of the live shadows on this node (0: none), written when
 they are spawned."""
+
 MEM_WORDS = (MEM_DEVICE, MEM_TOTAL, MEM_FREE, MEM_RESERVED, MEM_PEAK)
+
+
+def shadow_ready(word: Callable[[int], int]) -> bool:
+    """A slot's shadow of the live generation is pre-initialised and waits (``word(i)``
+    reads word ``i`` of the slot)."""
+    return 0 < word(SHADOW_GEN) == word(SHADOW_READY)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 from typing import Literal
 
@@ -90,8 +91,7 @@ class PreinitController:
     def ready(self) -> bool:
         """Every local shadow of the live generation has announced that it waits for promotion."""
         return self.state is ShadowState.LIVE and all(
-            0 < self._board.word(s, board.SHADOW_GEN) == self._board.word(s, board.SHADOW_READY)
-            for s in self._slots
+            board.shadow_ready(functools.partial(self._board.word, s)) for s in self._slots
         )
 
     def gave_up(self) -> None:

@@ -65,9 +65,7 @@ class OomGuard:
     def shadow_ready(self) -> bool:
         """This rank's shadow is pre-initialised (it holds its device memory now)."""
         return (
-            self.shadow_level() > 0
-            and self._hb is not None
-            and 0 < self._hb.word(board.SHADOW_GEN) == self._hb.word(board.SHADOW_READY)
+            self.shadow_level() > 0 and self._hb is not None and board.shadow_ready(self._hb.word)
         )
 
     def shadow_pid(self) -> int:

@@ -314,7 +314,8 @@ class Context:
         the forward, at as many gradients spread over the backward, around the update. Not
         at every module and gradient: each hook is a Python call on the step's host path
         (and a hooked module takes ``Module.__call__``'s slow path), which a host-bound step
-        pays in full. Leaves inside compiled modules get none (``leto.compiled``)."""
+        pays in full. The forward's beats go on ``leto.compiled.hook_sites``: none inside a
+        compiled module."""
         hb = self.heartbeat
         if hb is None:
             return
