@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -84,6 +85,11 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _profiled(env: dict[str, str]) -> list[str]:
+    """The profiling wrapper's path, to put before the script, where ``env`` asks for it."""
+    return [str(REPO / "bench" / "profiled.py")] if "LETO_BENCH_PROFILE" in env else []
+
+
 KERNELS = {"mode": "default"}
 """``--kernels``: every job of the call runs PyTorch's default kernels or deterministic ones."""
 
@@ -122,7 +128,7 @@ def run_leto(
     ]
     for rank, step, phase, *more in kills:
         cmd += ["--inject-fault", ",".join([f"rank={rank},step={step},phase={phase}", *more])]
-    cmd += [str(REPO / SCRIPTS["leto"]), "--steps", str(steps), *MODEL]
+    cmd += [*_profiled(env), str(REPO / SCRIPTS["leto"]), "--steps", str(steps), *MODEL]
     proc = subprocess.run(
         cmd, check=False, env=_env(**env), cwd=tmp, capture_output=True, text=True
     )
@@ -146,6 +152,7 @@ def run_torchrun(
         str(nproc),
         "--max-restarts",
         "1",
+        *_profiled(env),
         str(REPO / SCRIPTS["torchrun"][0]),
         *SCRIPTS["torchrun"][1:],
         "--steps",
@@ -331,6 +338,48 @@ def host_phases(tmp: Path, args: argparse.Namespace) -> None:
         print(f"  {site}", flush=True)
 
 
+def host_profile(tmp: Path, args: argparse.Namespace, top: int = 30) -> None:
+    """Each job's trainer under cProfile (``bench/profiled.py``): the functions with the most
+    host time of their own, per step, leto-run's and torchrun's, from the 20th step on."""
+    for name in ("leto-run", "torchrun"):
+        out = tmp / f"profile-{name}"
+        shutil.rmtree(out, ignore_errors=True)
+        if name == "leto-run":
+            run_leto(tmp, args.steps, [], args.nproc, args.consistency, LETO_BENCH_PROFILE=str(out))
+        else:
+            run_torchrun(
+                tmp,
+                Path(args.mem_dir),
+                args.steps + 1,
+                -1,
+                args.steps,
+                "profiled",
+                args.nproc,
+                LETO_BENCH_PROFILE=str(out),
+            )
+        files = sorted(out.glob("*.prof"))
+        if not files:
+            print(f"{name}: no profile written", flush=True)
+            continue
+        kept = Path(args.json).with_name(f"{Path(args.json).stem}_profile_{name}.prof")
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(files[0], kept)  # for pstats: callers, callees
+        stats = pstats.Stats(str(files[0]))
+        steps = json.loads(files[0].with_suffix(".json").read_text())["steps"]
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+        print(
+            f"{name}: host time per step by function (own / with callees, us; calls per "
+            f"step), {steps} steps",
+            flush=True,
+        )
+        for (file, line, func), (_, calls, own, cum, _) in rows:
+            print(
+                f"  {own / steps * 1e6:8.1f} {cum / steps * 1e6:9.1f} "
+                f"{calls / steps:7.2f}  {Path(file).name}:{line}({func})",
+                flush=True,
+            )
+
+
 def print_phases(timed: dict[str, dict[str, float]]) -> None:
     for name, phases in timed.items():
         print(
@@ -477,6 +526,8 @@ def iteration_only(args: argparse.Namespace) -> None:
             )
         if args.host_phases:  # where the host's time goes, and what makes it wait
             host_phases(tmp, args)
+        if args.host_profile:
+            host_profile(tmp, args)
         phases: dict = {}
         if args.phase_times:  # synchronised at every phase boundary
             phases = {
@@ -615,6 +666,12 @@ def main() -> None:
         help="with --iteration-only: leto-run and torchrun timed by phase on the host alone "
         "(LETO_PHASE_TIMES=host), and the calls at which leto-run waited for the device "
         "(LETO_SYNC_DEBUG=1)",
+    )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="with --iteration-only: leto-run's and torchrun's trainers under cProfile "
+        "(bench/profiled.py), the functions with the most host time per step",
     )
     p.add_argument(
         "--no-shadows-only",

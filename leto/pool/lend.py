@@ -30,6 +30,7 @@ corrupt the host parity.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import functools
@@ -240,22 +241,32 @@ class ActivationLender:
 
     def check_returned(self) -> None:
         """Raise ``ProtocolError`` if a block in the lent regions is still in use: the update
-        is about to write them."""
-        lent = self.arena.segments()
+        is about to write them. Only segments with live bytes (``active_size``: allocated or
+        awaiting a stream) are looked up among the arena's, so the walk costs a step little
+        more than the snapshot itself."""
+        lent = sorted(self.arena.segments())
         if not lent:
             return
+        starts = [p for p, _ in lent]
         for segment in self._segments():
-            start = int(segment["address"])
-            if not any(p <= start < p + n for p, n in lent):
+            if segment.get("active_size", 1) == 0:  # nothing live (a torch without the field: look)
                 continue
-            offset = start
-            for block in segment["blocks"]:
-                if block["state"] != "inactive":
-                    raise ProtocolError(
-                        f"a {block['size']}-byte tensor allocated in the compute phase is still in use after "
-                        f"it (at {offset:#x}, in memory lent from the RMU's undo buffer, which the update "
-                        "overwrites): release it before RetainedState.step(); if a library keeps it (a "
-                        "workspace made on first use), "
-                        "make that first use before training, or set leto.lend_activation_memory: false"
-                    )
-                offset += int(block["size"])
+            start = int(segment["address"])
+            i = bisect.bisect_right(starts, start) - 1
+            if i >= 0 and start < lent[i][0] + lent[i][1]:
+                _refuse(segment)  # raises if a block is live
+
+
+def _refuse(segment: dict) -> None:
+    """``ProtocolError`` naming the first live block of a lent segment."""
+    offset = int(segment["address"])
+    for block in segment["blocks"]:
+        if block["state"] != "inactive":
+            raise ProtocolError(
+                f"a {block['size']}-byte tensor allocated in the compute phase is still in use after "
+                f"it (at {offset:#x}, in memory lent from the RMU's undo buffer, which the update "
+                "overwrites): release it before RetainedState.step(); if a library keeps it (a "
+                "workspace made on first use), "
+                "make that first use before training, or set leto.lend_activation_memory: false"
+            )
+        offset += int(block["size"])

@@ -39,6 +39,16 @@ class MemoryProbe(Protocol):
     def demand(self, nbytes: int) -> None: ...
 
 
+def reserved_bytes(device: torch.device) -> tuple[int, int]:
+    """The caching allocator's reserved bytes on ``device``, now and at their peak: one read
+    of its statistics, as nested as the allocator keeps them (``torch.cuda.memory_stats``
+    flattens the whole tree, which a trainer reading it every step would pay for)."""
+    reserved = torch.cuda.memory_stats_as_nested_dict(device).get("reserved_bytes", {})
+    return int(reserved.get("all", {}).get("current", 0)), int(
+        reserved.get("all", {}).get("peak", 0)
+    )
+
+
 class CudaProbe:
     """The real device: ``cudaMemGetInfo`` and the caching allocator's statistics.
 
@@ -51,12 +61,13 @@ class CudaProbe:
 
     def read(self) -> MemoryReading:
         free, total = torch.cuda.mem_get_info(self.device)
+        reserved, peak = reserved_bytes(self.device)
         return MemoryReading(
             device=self.device.index or 0,
             total_bytes=total,
             free_bytes=free,
-            reserved_bytes=torch.cuda.memory_reserved(self.device),
-            peak_bytes=torch.cuda.max_memory_reserved(self.device),
+            reserved_bytes=reserved,
+            peak_bytes=peak,
         )
 
     def free_bytes(self) -> int:

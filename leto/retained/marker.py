@@ -106,8 +106,9 @@ class Marker:
     and mapped). Every write is then a one-element fill kernel on the current stream, so
     the marker moves only after the device work queued before it has completed — a kill
     can never leave a marker that claims more than the device did. The trainer reads its
-    own writes from a host-side copy (``_words``, read from the memory at construction and
-    by :meth:`reload`); a successor reads what actually landed.
+    own writes from a host-side copy (``_words``, Python ints read from the memory at
+    construction and by :meth:`reload`: an update reads the marker a few times per chunk);
+    a successor reads what actually landed.
     """
 
     def __init__(self, region: torch.Tensor, device_words: torch.Tensor | None = None) -> None:
@@ -117,14 +118,15 @@ class Marker:
         if device_words is not None and device_words.numel() * 8 < MARKER_BYTES:
             raise ValueError(f"marker device view must cover {MARKER_BYTES} bytes")
         self._device = device_words
+        self._device_word: dict[int, torch.Tensor] = {}  # one-element views, made once each
         self._memory = memory
-        self._words = memory if device_words is None else memory.clone()
+        self._words: torch.Tensor | list[int] = memory if device_words is None else memory.tolist()
 
     def reload(self) -> None:
         """Re-read the host copy from the memory (a shadow that mapped the marker ahead
         must, once its predecessor is gone: the words moved on since)."""
         if self._device is not None:
-            self._words.copy_(self._memory)
+            self._words = self._memory.tolist()
 
     @property
     def stream_ordered(self) -> bool:
@@ -134,7 +136,10 @@ class Marker:
     def _set(self, index: int, value: int) -> None:
         self._words[index] = value
         if self._device is not None:
-            self._device[index].fill_(value)  # lands in stream order
+            word = self._device_word.get(index)
+            if word is None:
+                word = self._device_word[index] = self._device[index]
+            word.fill_(value)  # lands in stream order
 
     # -- identity ---------------------------------------------------------------------------
     def is_valid(self) -> bool:
@@ -229,11 +234,15 @@ class Marker:
 
     # -- update hyper-parameters recorded with GRADS_READY -----------------------------------
     def record_lrs(self, lrs: list[float]) -> None:
+        """The update's learning rates. A word that already holds its value is not written
+        again (on GPU a write is a kernel launch): these words are written on the current
+        stream only, so the earlier write of that value lands before anything queued now."""
         if len(lrs) > _MAX_LR:
             raise ValueError(f"at most {_MAX_LR} parameter groups")
-        self._set(3, len(lrs))
-        for i, lr in enumerate(lrs):
-            self._set(4 + i, struct.unpack("<q", struct.pack("<d", lr))[0])
+        words = [len(lrs), *(struct.unpack("<q", struct.pack("<d", lr))[0] for lr in lrs)]
+        for i, word in enumerate(words, start=3):
+            if int(self._words[i]) != word:
+                self._set(i, word)
 
     def recorded_lrs(self) -> list[float]:
         n = int(self._words[3])

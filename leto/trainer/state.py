@@ -43,7 +43,7 @@ import torch.distributed as dist
 from leto import compiled, contract
 from leto.errors import ConfigError, ProtocolError, ScriptError, UnrecoverableStateError
 from leto.events import EventLog, Kind, last_event
-from leto.preinit import replay
+from leto.preinit import probe, replay
 from leto.preinit.model_warmup import warm_compiler, warm_forward
 from leto.preinit.warmup import warm_shadow
 from leto.retained.marker import Phase
@@ -665,7 +665,7 @@ class RetainedState:
         cached from the first step on)."""
         lender = self._compute.lender
         lent = lender.arena.lent_bytes() if lender is not None else 0
-        return self.memory.device_bytes() + torch.cuda.max_memory_reserved(self.device) - lent
+        return self.memory.device_bytes() + probe.reserved_bytes(self.device)[1] - lent
 
     def _absent_grads(self) -> list[int]:
         """This rank's parameters without a gradient this step: as the landing saw them, or

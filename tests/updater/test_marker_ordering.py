@@ -66,3 +66,33 @@ def test_a_shadow_that_mapped_ahead_reloads_after_promotion() -> None:
     assert shadow.step == 2  # its copy is stale until it reloads
     shadow.reload()
     assert (shadow.step, shadow.phase) == (3, Phase.IDLE)
+
+
+def test_recorded_lrs_write_only_the_words_that_changed() -> None:
+    memory = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
+    queue = memory.view(torch.int64)  # a stream that lands at once
+    writes: list[int] = []  # the fills that reach the device view
+    writer = Marker(memory, queue)
+    fill = torch.Tensor.fill_
+
+    def counted_fill(t: torch.Tensor, value: int) -> torch.Tensor:
+        writes.append(int(value))
+        return fill(t, value)
+
+    torch.Tensor.fill_ = counted_fill  # type: ignore[method-assign]
+    try:
+        writer.record_lrs([0.5, 0.25])
+        assert len(writes) == 3  # the count and both rates
+        writes.clear()
+        writer.record_lrs([0.5, 0.25])  # a constant schedule: nothing to write
+        assert writes == []
+        writer.record_lrs([0.5, 0.125])  # one group's rate moved
+        assert len(writes) == 1
+        writes.clear()
+        writer.record_lrs([0.5])  # a group fewer: only the count
+        assert len(writes) == 1
+    finally:
+        torch.Tensor.fill_ = fill  # type: ignore[method-assign]
+    assert Marker(memory).recorded_lrs() == [0.5]
+    writer.record_lrs([0.5, 0.125])  # the second rate's word still holds 0.125
+    assert Marker(memory).recorded_lrs() == [0.5, 0.125]
