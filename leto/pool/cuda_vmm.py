@@ -168,6 +168,22 @@ class CudaChunks:
         return location
 
 
+def register_mapped(host_ptr: int, nbytes: int) -> None:
+    """Page-lock host memory and map it for the device (``cuMemHostRegister``, portable and
+    mapped), through the driver so that a failure leaves no error for the runtime's next
+    check to find. A registration already at this address was made for memory this process
+    has since unmapped (a released region at the same address: the driver still pins its
+    old pages, and a device view would reach those): it is dropped and the range registered
+    again."""
+    cu = _driver()
+    flags = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+    (err,) = cu.cuMemHostRegister(host_ptr, nbytes, flags)
+    if err == cu.CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+        _check(cu.cuMemHostUnregister(host_ptr), "cuMemHostUnregister")
+        (err,) = cu.cuMemHostRegister(host_ptr, nbytes, flags)
+    _check((err,), f"cuMemHostRegister of {nbytes} bytes (mapped)")
+
+
 def host_device_pointer(host_ptr: int) -> int:
     """The device address of page-locked, mapped host memory (``cudaHostRegisterMapped``)."""
     return int(

@@ -130,18 +130,13 @@ class RegionMemory:
         kernels write it in stream order (the marker); None on CPU (unless
         ``LETO_MAPPED_MARKER=1``: then a second CPU view of the same memory).
 
-        The region is page-locked with ``cudaHostRegisterMapped`` and addressed through
-        ``cuMemHostGetDevicePointer``: device stores travel over PCIe into the memfd pages
-        the state manager keeps, visible to a successor once this process is gone.
+        The region is page-locked and mapped (``cuda_vmm.register_mapped``) and addressed
+        through ``cuMemHostGetDevicePointer``: device stores travel over PCIe into the memfd
+        pages the state manager keeps, visible to a successor once this process is gone.
         """
         if not self.cuda:
             return host[:] if os.environ.get(ENV_MAPPED_MARKER) == "1" else None
-        portable_mapped = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
-        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), portable_mapped)
-        if int(err) != 0:
-            raise PoolError(
-                f"cudaHostRegister(mapped) of a {host.numel()}-byte host region failed: error {int(err)}"
-            )
+        cuda_vmm.register_mapped(host.data_ptr(), host.numel())
         ptr = cuda_vmm.host_device_pointer(host.data_ptr())
         return torch.as_tensor(cuda_vmm.array_interface(ptr, host.numel()), device=self.device)
 
