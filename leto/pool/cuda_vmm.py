@@ -168,20 +168,35 @@ class CudaChunks:
         return location
 
 
-def register_mapped(host_ptr: int, nbytes: int) -> None:
-    """Page-lock host memory and map it for the device (``cuMemHostRegister``, portable and
-    mapped), through the driver so that a failure leaves no error for the runtime's next
-    check to find. A registration already at this address was made for memory this process
-    has since unmapped (a released region at the same address: the driver still pins its
-    old pages, and a device view would reach those): it is dropped and the range registered
-    again."""
+def _current_context(device: int) -> None:
+    """Make ``device``'s primary context (the one the CUDA runtime, and so torch, uses)
+    current on this thread if none is: the driver's calls need one, which the runtime's
+    would have created on their own."""
     cu = _driver()
-    flags = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+    if int(_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != 0:
+        return
+    ctx = _check(
+        cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(device), "cuDeviceGet")),
+        "cuDevicePrimaryCtxRetain",
+    )
+    _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def register_host(host_ptr: int, nbytes: int, device: int, *, mapped: bool = False) -> None:
+    """Page-lock host memory (``cuMemHostRegister``; ``mapped``: portable and mapped for
+    the device too), through the driver so that a failure leaves no error for the runtime's
+    next check to find. A registration already at this address was made for memory this
+    process has since unmapped (a released region at the same address: the driver still
+    pins its old pages, and copies or a device view would reach those): it is dropped and
+    the range registered again."""
+    cu = _driver()
+    _current_context(device)
+    flags = 0x01 | 0x02 if mapped else 0  # CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
     (err,) = cu.cuMemHostRegister(host_ptr, nbytes, flags)
     if err == cu.CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
         _check(cu.cuMemHostUnregister(host_ptr), "cuMemHostUnregister")
         (err,) = cu.cuMemHostRegister(host_ptr, nbytes, flags)
-    _check((err,), f"cuMemHostRegister of {nbytes} bytes (mapped)")
+    _check((err,), f"cuMemHostRegister of {nbytes} bytes")
 
 
 def host_device_pointer(host_ptr: int) -> int:

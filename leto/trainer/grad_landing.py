@@ -7,8 +7,13 @@ gradients that ``optimizer.zero_grad()`` (``set_to_none=True``, torch's default)
 plain job. Instead each step starts with ``.grad`` unset, autograd hands the parameter its
 fresh gradient, and a post-accumulate hook copies it into the retained view and binds the
 view, one pass; the fresh tensor is freed at once, so the peak holds one parameter's
-gradient more at most. Later backward passes of the same step (gradient accumulation) find
-the view bound and accumulate into it in place, as before.
+gradient more at most. A small gradient (a bias, a norm's weight: under
+``SMALL_GRAD_BYTES``) waits for the next large one, and all that wait are copied by one
+multi-tensor copy (one launch where there were several, each a few microseconds of host
+time); the rest of backward's are copied when it ends (a callback on the engine). Until its
+copy a waiting gradient stays the parameter's ``.grad``, so a hook of the script's after
+Leto's reads its value. Later backward passes of the same step (gradient accumulation)
+find the view bound and accumulate into it in place, as before.
 
 After the compute phase, ``settle`` binds the zeroed view of every parameter that received
 no gradient (what it adds to the all-reduce) and returns them: the update skips one that no
@@ -27,6 +32,11 @@ import torch
 
 from leto.errors import ScriptError
 
+SMALL_GRAD_BYTES = 1 << 20
+"""A gradient smaller than this is copied with the next larger one (or at the end of
+backward); ``WAITING_BYTES`` bounds what waits, so the peak grows by that at most."""
+WAITING_BYTES = 8 << 20
+
 
 class GradWrites:
     """Refuses a gradient written after backward, before ``state.step()``.
@@ -36,8 +46,9 @@ class GradWrites:
     ``state.step()`` would clip this rank's gradients by this rank's norm, not the mean's:
     the job would train differently than under torchrun, silently. Every view of the
     retained gradient region shares the region's version counter, which every in-place
-    write bumps; its value after the step's last arrival is what ``check`` expects. A write
-    before the first arrival (``zero_grad(set_to_none=False)`` at the step's start) is the
+    write bumps; its value at the end of the backward pass that brought the step's last
+    gradient is what ``check`` expects (so a hook of the script's that writes a gradient in
+    place during backward is its own business too). A write before the first arrival (``zero_grad(set_to_none=False)`` at the step's start) is the
     script's own business. (Under ``fully_shard`` the gradients are final after backward,
     as in torch: a script's own clipping there is what torch's loop does.)
     """
@@ -52,7 +63,7 @@ class GradWrites:
         self.any_arrived = False
 
     def arrived(self) -> None:
-        """After backward (or Leto for it) wrote a gradient."""
+        """At the end of a backward pass that wrote gradients (or after Leto wrote one)."""
         self.expected = self.region._version
         self.any_arrived = True
 
@@ -82,6 +93,10 @@ class GradLanding:
         self.hooked = [False] * len(self.params)
         """Whether parameter ``i`` has its hook: one frozen when the job began has none
         until it is unfrozen (``settle`` lands its first gradient)."""
+        self._waiting: list[int] = []
+        """Parameters whose fresh gradient (their ``.grad``) waits to be copied into its view."""
+        self._waiting_bytes = 0
+        self._end_queued = False
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._hook_up(i)
@@ -91,20 +106,59 @@ class GradLanding:
         self.hooked[i] = True
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        view, arrived, writes = self.views[i], self.arrived, self.writes
+        view, arrived = self.views[i], self.arrived
+        nbytes = view.numel() * view.element_size()
+        small = nbytes < SMALL_GRAD_BYTES
 
         def landed(p: torch.Tensor) -> None:
-            grad = p.grad
-            if grad is not view:  # the step's first gradient: autograd's fresh tensor
-                view.copy_(grad)
-                p.grad = view
-            arrived[i] = True
-            writes.arrived()
+            if not self._end_queued:  # what waits lands, and the writes are counted, at the end
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._end_queued = True
+            if p.grad is view:  # accumulated in place: a later backward of the step
+                arrived[i] = True
+                return
+            # the step's first gradient: autograd's fresh tensor, to copy into the view
+            self._waiting.append(i)
+            self._waiting_bytes += nbytes
+            if not small or self._waiting_bytes >= WAITING_BYTES:
+                self.flush()
 
         return landed
 
+    def _end_of_backward(self) -> None:
+        """Once backward has run every hook (the script's too, which may write a gradient
+        in place): the rest lands, and the region's version is what ``GradWrites`` expects."""
+        self._end_queued = False
+        self.flush()
+        self.writes.arrived()
+
+    def flush(self) -> None:
+        """Copy every waiting gradient into its view (one multi-tensor copy) and bind it.
+        What is copied is the parameter's ``.grad`` now: a hook of the script's may have
+        replaced it; one it unset stays unset, and ``settle`` refuses it."""
+        if not self._waiting:
+            return
+        bound = [i for i in self._waiting if self.params[i].grad is not None]
+        targets = [self.views[i] for i in bound]
+        sources = [self.params[i].grad for i in bound]
+        if len(targets) == 1:
+            targets[0].copy_(sources[0])  # type: ignore[arg-type]
+        elif targets:
+            torch._foreach_copy_(targets, sources)  # type: ignore[arg-type]
+        for i in bound:
+            self.params[i].grad = self.views[i]
+        for i in self._waiting:
+            self.arrived[i] = True
+        self._drop_waiting()
+
+    def _drop_waiting(self) -> None:
+        self._waiting = []
+        self._waiting_bytes = 0
+
     def begin(self) -> None:
         """At the step's start (and an OOM retry's): no gradient has landed yet."""
+        self._drop_waiting()  # an OOM retry: what waited belongs to the failed attempt
+        self._end_queued = False
         for i, p in enumerate(self.params):
             p.grad = None
             self.arrived[i] = False
@@ -116,6 +170,8 @@ class GradLanding:
         all-reduce) and is returned, for the update to skip where no rank had one
         (``leto.retained.presence``). ``ScriptError`` for a gradient unset after it landed
         or written in place (``GradWrites``)."""
+        if self._waiting:  # backward's end copies them all: only if its callback did not run
+            self._end_of_backward()
         self.writes.check()
         absent = []
         for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):

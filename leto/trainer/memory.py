@@ -122,7 +122,7 @@ class RegionMemory:
         self._keep.append(region)
         tensor = torch.frombuffer(region.buffer, dtype=torch.uint8)
         if self.cuda and nbytes >= 1 << 20:
-            torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            cuda_vmm.register_host(tensor.data_ptr(), nbytes, self.device.index or 0)
         return tensor, region.existing
 
     def mapped_on_device(self, host: torch.Tensor) -> torch.Tensor | None:
@@ -130,13 +130,13 @@ class RegionMemory:
         kernels write it in stream order (the marker); None on CPU (unless
         ``LETO_MAPPED_MARKER=1``: then a second CPU view of the same memory).
 
-        The region is page-locked and mapped (``cuda_vmm.register_mapped``) and addressed
+        The region is page-locked and mapped (``cuda_vmm.register_host``) and addressed
         through ``cuMemHostGetDevicePointer``: device stores travel over PCIe into the memfd
         pages the state manager keeps, visible to a successor once this process is gone.
         """
         if not self.cuda:
             return host[:] if os.environ.get(ENV_MAPPED_MARKER) == "1" else None
-        cuda_vmm.register_mapped(host.data_ptr(), host.numel())
+        cuda_vmm.register_host(host.data_ptr(), host.numel(), self.device.index or 0, mapped=True)
         ptr = cuda_vmm.host_device_pointer(host.data_ptr())
         return torch.as_tensor(cuda_vmm.array_interface(ptr, host.numel()), device=self.device)
 

@@ -751,6 +751,8 @@ class RetainedState:
         if self.layout.main_grad:
             self.check_main_grads()
             return
+        if self._landing is not None:  # its settle() has bound every one, or refused
+            return
         if next(self._unbound_grads(), None) is not None:
             raise ScriptError(
                 "a gradient no longer lives in retained memory (was optimizer.zero_grad() "

@@ -90,8 +90,12 @@ def test_recovery_with_lent_activations_equals_the_run_without_lending(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact(reference, events)
     assert len([e for e in events if e["kind"] == Kind.SHADOWS_PROMOTED]) == len(faults)
-    lent = [e["lent_bytes"] for e in events if e["kind"] == Kind.STEP_DONE]
-    assert lent and min(lent) > 0, "no activation landed in the lent undo buffer"
+    # Until the first kill the trainer lends; a promoted shadow keeps its forward replay's
+    # blocks for the compute phase instead (RetainedState._recover) and reports no lent bytes.
+    before = [e for e in events if e["kind"] == Kind.STEP_DONE and e["step"] < faults[0].step]
+    assert before and all(e.get("lent_bytes", 0) > 0 for e in before), (
+        "no activation landed in the lent undo buffer"
+    )
 
 
 def test_a_job_that_keeps_an_activation_past_the_compute_phase_is_stopped(tmp_path) -> None:

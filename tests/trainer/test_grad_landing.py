@@ -147,3 +147,78 @@ def test_gradients_read_or_zeroed_before_backward_are_not_refused(
         monkeypatch, 3, 2, lambda opt: opt.zero_grad(set_to_none=False), after_compute=log_norm
     )
     _assert_same(grads, plain)
+
+
+class Wide(torch.nn.Module):
+    """Large and small gradients in one backward: two 1 MiB weights (copied as they arrive,
+    with the small ones waiting before them) and their biases (waiting)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)
+        self.c = torch.nn.Linear(512, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x).tanh()).tanh()).square().mean()
+
+
+def _doubled_on_arrival(model: torch.nn.Module, seen: list[float]) -> None:
+    """A script's own post-accumulate hook, after Leto's: it reads each gradient, then
+    doubles it in place."""
+
+    def hook(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        seen.append(float(p.grad.double().sum()))
+        p.grad.mul_(2)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def test_waiting_gradients_land_with_the_large_ones_and_a_script_hook_sees_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small gradients wait for the next large one and land with it in one multi-tensor
+    copy; until then each stays the parameter's ``.grad``, so a hook of the script's that
+    runs after Leto's reads its value and its in-place change lands, as in plain torch."""
+    steps = 3
+
+    def batch(step: int) -> torch.Tensor:
+        return torch.randn(8, 512, generator=torch.Generator().manual_seed(step))
+
+    model = Wide()
+    plain_seen: list[float] = []
+    _doubled_on_arrival(model, plain_seen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = []
+    for step in range(steps):
+        opt.zero_grad()
+        model(batch(step)).backward()
+        plain.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+
+    copies: list[int] = []
+    foreach_copy = torch._foreach_copy_
+
+    def counted(targets, sources, *args, **kwargs):
+        copies.append(len(targets))
+        return foreach_copy(targets, sources, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    leto_seen: list[float] = []
+    with local_context(monkeypatch) as ctx:
+        model = Wide()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = ctx.retain(model, opt)
+        _doubled_on_arrival(model, leto_seen)
+        got = []
+        for step in state.steps(steps):
+            loss = state.compute(lambda step=step: model(batch(step)).backward())
+            state.step(loss=loss)
+            got.append([p.grad.clone() for p in model.parameters()])
+    assert leto_seen == plain_seen
+    _assert_same(got, plain)
+    # per step, one multi-tensor copy per large weight, each taking the small gradients that
+    # arrived before it (whatever the engine's order, at most one bias lands alone at the end)
+    assert len(copies) == 2 * steps and sum(copies) >= 5 * steps, copies
