@@ -7,12 +7,13 @@ gradients that ``optimizer.zero_grad()`` (``set_to_none=True``, torch's default)
 plain job. Instead each step starts with ``.grad`` unset, autograd hands the parameter its
 fresh gradient, and a post-accumulate hook copies it into the retained view and binds the
 view, one pass; the fresh tensor is freed at once, so the peak holds one parameter's
-gradient more at most. A small gradient (a bias, a norm's weight: under
-``SMALL_GRAD_BYTES``) waits for the next large one, and all that wait are copied by one
-multi-tensor copy (one launch where there were several, each a few microseconds of host
-time); the rest of backward's are copied when it ends (a callback on the engine). Until its
-copy a waiting gradient stays the parameter's ``.grad``, so a hook of the script's after
-Leto's reads its value. Later backward passes of the same step (gradient accumulation)
+gradient more at most. Small gradients (biases, norms' weights: under
+``SMALL_GRAD_BYTES`` each) wait, and land together by one multi-tensor copy when backward
+ends (a callback on the engine) or when ``WAITING_BYTES`` wait: one launch where there
+were dozens, each a few microseconds of host time. (A large gradient is copied alone, at
+once: a multi-tensor copy walks its elements on the host in blocks.) Until its copy a
+waiting gradient stays the parameter's ``.grad``, so a hook of the script's after Leto's
+reads its value. Later backward passes of the same step (gradient accumulation)
 find the view bound and accumulate into it in place, as before.
 
 After the compute phase, ``settle`` binds the zeroed view of every parameter that received
@@ -33,8 +34,8 @@ import torch
 from leto.errors import ScriptError
 
 SMALL_GRAD_BYTES = 1 << 20
-"""A gradient smaller than this is copied with the next larger one (or at the end of
-backward); ``WAITING_BYTES`` bounds what waits, so the peak grows by that at most."""
+"""A gradient smaller than this waits to land with the others (at the end of backward);
+``WAITING_BYTES`` bounds what waits, so the peak grows by that at most."""
 WAITING_BYTES = 8 << 20
 
 
@@ -118,9 +119,14 @@ class GradLanding:
                 arrived[i] = True
                 return
             # the step's first gradient: autograd's fresh tensor, to copy into the view
+            if not small:
+                view.copy_(p.grad)
+                p.grad = view
+                arrived[i] = True
+                return
             self._waiting.append(i)
             self._waiting_bytes += nbytes
-            if not small or self._waiting_bytes >= WAITING_BYTES:
+            if self._waiting_bytes >= WAITING_BYTES:
                 self.flush()
 
         return landed
