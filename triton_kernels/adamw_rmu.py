@@ -218,6 +218,18 @@ def adamw_chunk(
     coefficient: torch's ``clip_grad_norm_`` multiplies the gradients by it in place, a pass
     over them that this saves; the product is the same float32 multiply).
     """
+    check_operands(state, grads, scale, undo, flags)
+    launch_chunk(state, grads, scale.view(-1), undo, flags, table, scalars, token)
+
+
+def check_operands(
+    state: torch.Tensor,
+    grads: torch.Tensor,
+    scale: torch.Tensor,
+    undo: torch.Tensor,
+    flags: torch.Tensor,
+) -> None:
+    """``TypeError`` unless the operands are what :func:`adamw_chunk` launches on."""
     for name, t, dt in (
         ("state", state, torch.float32),
         ("grads", grads, torch.float32),
@@ -227,6 +239,20 @@ def adamw_chunk(
     ):
         if t.dtype != dt or t.dim() != 1:
             raise TypeError(f"{name} must be a flat {dt} view, got {t.dtype} {tuple(t.shape)}")
+
+
+def launch_chunk(
+    state: torch.Tensor,
+    grads: torch.Tensor,
+    scale: torch.Tensor,
+    undo: torch.Tensor,
+    flags: torch.Tensor,
+    table: PieceTable,
+    scalars: torch.Tensor,
+    token: int,
+) -> None:
+    """:func:`adamw_chunk` on operands :func:`check_operands` accepted (``scale`` flat),
+    for a caller that launches many chunks over the same ones: only the launch."""
     if table.programs == 0:
         return
     _adamw_chunk_kernel[(table.programs,)](

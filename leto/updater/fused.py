@@ -116,7 +116,8 @@ class FusedChunks:
             raise ProtocolError(
                 "triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ"
             )
-        self._kernel = adamw_rmu.adamw_chunk
+        self._check = adamw_rmu.check_operands
+        self._launch = adamw_rmu.launch_chunk
         self.flag_nbytes = flag_bytes(chunks)
         self._undo_nbytes = max(c.undo_bytes for c in chunks)
         self.state = state
@@ -130,7 +131,7 @@ class FusedChunks:
             torch.ones((), dtype=torch.float32, device=state.device)
             if self.grad_scale is None
             else self.grad_scale
-        )
+        ).view(-1)
         self.plans = [self._plan(layout, c) for c in chunks]
         self._gaps = [_GapMoves.of(plan.gaps, state.device) for plan in self.plans]
         self.tables = [
@@ -142,6 +143,8 @@ class FusedChunks:
         self._scalars = _StepScalars(len(layout.params), adamw_rmu.SCALAR_FIELDS, state.device)
         self._row = adamw_rmu.scalar_row
         self._skip_row = (0.0,) * 6 + (1.0, 1.0, adamw_rmu.SKIP)
+        self._index: tuple[tuple[int, ...] | None, torch.Tensor] = (None, torch.empty(0))
+        """The last update's row of each parameter in the scalar table, and as a tensor."""
         self.bind(undo)
 
     def bind(self, undo: torch.Tensor) -> None:
@@ -152,6 +155,7 @@ class FusedChunks:
         self.undo_bytes = undo
         self.undo_f = _f32(undo[:data_nbytes])
         self.flags = undo[data_nbytes : data_nbytes + self.flag_nbytes].view(torch.int64)
+        self._check(self.state_f, self.grads_f, self._scale, self.undo_f, self.flags)
 
     @staticmethod
     def _plan(layout: Layout, chunk: Chunk) -> _ChunkPlan:
@@ -224,11 +228,15 @@ class FusedChunks:
                 )
             )
         table = torch.tensor(values, dtype=torch.float64).to(torch.float32)
-        self._scalars.write(table[torch.tensor([rows[k] for k in keys], dtype=torch.int64)])
+        index = tuple(rows[k] for k in keys)
+        if index != self._index[0]:  # which row each parameter reads: the same most steps
+            self._index = (index, torch.tensor(index, dtype=torch.int64))
+        self._scalars.write(table[self._index[1]])
 
     def apply(self, j: int, step: int) -> None:
-        """The kernel over chunk ``j`` (one launch), with the scalars of the last :meth:`begin`."""
-        self._kernel(
+        """The kernel over chunk ``j`` (one launch), with the scalars of the last :meth:`begin`
+        (the operands were checked once, by :meth:`bind`)."""
+        self._launch(
             self.state_f,
             self.grads_f,
             self._scale,

@@ -177,6 +177,8 @@ class ResumableUpdater:
         (None: read them, once, at the next update)."""
         self._views_by_chunk: dict[int, dict[int, tuple[list[Any], ...]]] = {}
         """Each chunk's piece views (``_piece_views``)."""
+        self._owners: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        """Each chunk's step-counter owners and counters, in an update skipping none."""
         self._step_owner = {p.param: c.index for c in self.chunks for p in c.pieces if p.owns_step}
         """The chunk that advances each parameter's step counter."""
         self._counters = [
@@ -493,9 +495,9 @@ class ResumableUpdater:
             if chunk.installs_rng:
                 self._install_rng()
             return
-        owners = [p.param for p in chunk.pieces if p.owns_step and p.param not in skipped]
+        owners, counters = self._step_owners(chunk, skipped)
         if owners:  # one launch for the chunk's step counters, not one per parameter
-            torch._foreach_add_([self._step[i] for i in owners], 1.0)
+            torch._foreach_add_(counters, 1.0)
             host = self._host_step
             bumped = {s: f32_add_one(s) for s in {host[i] for i in owners}}  # a few counts
             for i in owners:
@@ -514,6 +516,20 @@ class ResumableUpdater:
                 adamw_pieces(ps, gs, ms, vs, [self._host_step[i] for i in owners], h)
         if chunk.installs_rng:
             self._install_rng()
+
+    def _step_owners(
+        self, chunk: Chunk, skipped: frozenset[int]
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """The parameters whose step counter the chunk advances (those of its pieces holding
+        element 0, less the skipped), and their counters; built once per chunk for an
+        update that skips none."""
+        if not skipped and chunk.index in self._owners:
+            return self._owners[chunk.index]
+        owners = [p.param for p in chunk.pieces if p.owns_step and p.param not in skipped]
+        found = owners, [self._step[i] for i in owners]
+        if not skipped:
+            self._owners[chunk.index] = found
+        return found
 
     def _install_rng(self) -> None:
         """The next step's RNG into the state region, with this chunk: from the page-locked
