@@ -91,8 +91,11 @@ def main() -> None:
         for o, n in zip(offs, numels, strict=True)
     ]
 
+    scale = torch.ones(1, dtype=torch.float32, device=device)  # no clipping
+    adamw_rmu.check_operands(state, grads, scale, undo, flags)
+
     def chunk(table: adamw_rmu.PieceTable) -> None:
-        adamw_rmu.adamw_chunk(state, grads, undo, flags, table, scalars, 7)
+        adamw_rmu.adamw_chunk(state, grads, scale, undo, flags, table, scalars, 7)
 
     def per_piece() -> None:
         for t in each:

@@ -200,6 +200,25 @@ def scalar_row(
     )
 
 
+def check_operands(
+    state: torch.Tensor,
+    grads: torch.Tensor,
+    scale: torch.Tensor,
+    undo: torch.Tensor,
+    flags: torch.Tensor,
+) -> None:
+    """``TypeError`` unless the operands are what :func:`adamw_chunk` launches on."""
+    for name, t, dt in (
+        ("state", state, torch.float32),
+        ("grads", grads, torch.float32),
+        ("scale", scale, torch.float32),
+        ("undo", undo, torch.float32),
+        ("flags", flags, torch.int64),
+    ):
+        if t.dtype != dt or t.dim() != 1:
+            raise TypeError(f"{name} must be a flat {dt} view, got {t.dtype} {tuple(t.shape)}")
+
+
 def adamw_chunk(
     state: torch.Tensor,
     grads: torch.Tensor,
@@ -214,45 +233,12 @@ def adamw_chunk(
 
     ``state``/``grads``/``undo`` are flat float32 views, ``flags`` flat int64 (one per
     program of the chunk), ``scalars`` float32 ``[parameters, SCALAR_FIELDS]`` on the device.
-    Every gradient is multiplied by the float32 scalar ``scale`` as it is read (the clipping
-    coefficient: torch's ``clip_grad_norm_`` multiplies the gradients by it in place, a pass
-    over them that this saves; the product is the same float32 multiply).
+    Every gradient is multiplied by the float32 scalar ``scale`` (flat, one element) as it
+    is read (the clipping coefficient: torch's ``clip_grad_norm_`` multiplies the gradients
+    by it in place, a pass over them that this saves; the product is the same float32
+    multiply). Only the launch: a caller checks its operands once with
+    :func:`check_operands` (a step launches a chunk after another over the same ones).
     """
-    check_operands(state, grads, scale, undo, flags)
-    launch_chunk(state, grads, scale.view(-1), undo, flags, table, scalars, token)
-
-
-def check_operands(
-    state: torch.Tensor,
-    grads: torch.Tensor,
-    scale: torch.Tensor,
-    undo: torch.Tensor,
-    flags: torch.Tensor,
-) -> None:
-    """``TypeError`` unless the operands are what :func:`adamw_chunk` launches on."""
-    for name, t, dt in (
-        ("state", state, torch.float32),
-        ("grads", grads, torch.float32),
-        ("scale", scale.view(-1), torch.float32),
-        ("undo", undo, torch.float32),
-        ("flags", flags, torch.int64),
-    ):
-        if t.dtype != dt or t.dim() != 1:
-            raise TypeError(f"{name} must be a flat {dt} view, got {t.dtype} {tuple(t.shape)}")
-
-
-def launch_chunk(
-    state: torch.Tensor,
-    grads: torch.Tensor,
-    scale: torch.Tensor,
-    undo: torch.Tensor,
-    flags: torch.Tensor,
-    table: PieceTable,
-    scalars: torch.Tensor,
-    token: int,
-) -> None:
-    """:func:`adamw_chunk` on operands :func:`check_operands` accepted (``scale`` flat),
-    for a caller that launches many chunks over the same ones: only the launch."""
     if table.programs == 0:
         return
     _adamw_chunk_kernel[(table.programs,)](
@@ -297,5 +283,6 @@ def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
             torch.zeros(1, dtype=torch.int32, device=device),
             align,
         )
+        check_operands(scratch, scratch, scratch[:1], scratch, flags)
         adamw_chunk(scratch, scratch, scratch[:1], scratch, flags, empty, scalars, token)
     return len(seen)

@@ -117,7 +117,7 @@ class FusedChunks:
                 "triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ"
             )
         self._check = adamw_rmu.check_operands
-        self._launch = adamw_rmu.launch_chunk
+        self._launch = adamw_rmu.adamw_chunk
         self.flag_nbytes = flag_bytes(chunks)
         self._undo_nbytes = max(c.undo_bytes for c in chunks)
         self.state = state

@@ -145,3 +145,17 @@ def test_rmu_fused_setting_resolves_per_device(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="rmu_fused: true needs a CUDA device"):
         resolve_fused(True, cpu, layout)
+
+
+def test_the_kernel_s_operands_are_checked_once_when_bound() -> None:
+    """``check_operands`` refuses what the kernel cannot launch on (it runs when the fused
+    path binds its views, not at every chunk)."""
+    from triton_kernels import adamw_rmu
+
+    flat = torch.zeros(8)
+    flags = torch.zeros(2, dtype=torch.int64)
+    adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags)
+    with pytest.raises(TypeError, match="scale must be a flat"):
+        adamw_rmu.check_operands(flat, flat, torch.ones(()), flat, flags)  # 0-d, not flat
+    with pytest.raises(TypeError, match="flags must be a flat"):
+        adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags.view(torch.float64))
