@@ -18,8 +18,9 @@ What makes that safe:
   raises ``ProtocolError`` if a block there is still live: a tensor made in the compute
   phase and kept past it (only requests of more than 2 MiB go to the arena, so a returned
   loss never lands there). ``RetainedState.step`` calls it once the update is queued, while
-  the device runs it, so the walk costs the step no time; such a tensor may then hold undo
-  bytes, but it is the script's, never retained state, and the step ends with the error;
+  the device runs it (host time only: where the host sets a step's pace it counts, hence
+  the lookup of live segments only); such a tensor may then hold undo bytes, but it is the
+  script's, never retained state, and the step ends with the error;
 * the undo region is pool memory: a trainer killed mid-update leaves it to its successor,
   which finishes the update before its own compute phase lends it again.
 

@@ -631,8 +631,8 @@ class RetainedState:
     def _check_lent_memory_returned(self) -> None:
         """Refuse a tensor of the compute phase kept in the lent undo memory (``ProtocolError``).
 
-        Checked once the update is queued, while its kernels run, so that walking the pool
-        costs the step no time: the host does not wait for the device here. A kept tensor
+        Checked once the update is queued, while its kernels run: the host does not wait for
+        the device here (its own time still counts where the host sets the pace). A kept tensor
         may by then be overwritten by the update's undo copies; that is the script's tensor,
         never retained state (the update reads gradients and state from their regions
         only), and the error ends the step before the script sees it again."""
