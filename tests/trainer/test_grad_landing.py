@@ -221,3 +221,46 @@ def test_waiting_gradients_land_with_the_large_ones_and_a_script_hook_sees_them(
     _assert_same(got, plain)
     # per step, one multi-tensor copy: c's weight and the three biases
     assert copies == [4] * steps
+
+
+class Alternating(torch.nn.Module):
+    """Micro-batch ``k`` of a step goes through head ``k % 2``: a parameter's first
+    gradient of the step arrives in the second backward pass, after others have landed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(4, 4)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)])
+
+    def forward(self, x: torch.Tensor, micro: int) -> torch.Tensor:
+        return self.heads[micro % 2](self.trunk(x).tanh()).square().mean()
+
+
+def test_a_gradient_first_arriving_in_a_later_backward_pass_lands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    steps, micro_batches = 3, 3
+    model = Alternating()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            model(_inputs(step, micro), micro).backward()
+        plain.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    with local_context(monkeypatch) as ctx:
+        model = Alternating()
+        state = ctx.retain(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        got = []
+        for step in state.steps(steps):
+
+            def fb(step: int = step) -> None:
+                for micro in range(micro_batches):
+                    model(_inputs(step, micro), micro).backward()
+
+            state.compute(fb)
+            state.step()
+            got.append([p.grad.clone() for p in model.parameters()])
+    _assert_same(got, plain)
