@@ -13,8 +13,8 @@ ends (a callback on the engine) or when ``WAITING_BYTES`` wait: one launch where
 were dozens, each a few microseconds of host time. (A large gradient is copied alone, at
 once: a multi-tensor copy walks its elements on the host in blocks.) Until its copy a
 waiting gradient stays the parameter's ``.grad``, so a hook of the script's after Leto's
-reads its value. Later backward passes of the same step (gradient accumulation)
-find the view bound and accumulate into it in place, as before.
+reads its value. Later backward passes of the same step (gradient accumulation) find the
+view bound and accumulate into it in place, as before.
 
 After the compute phase, ``settle`` binds the zeroed view of every parameter that received
 no gradient (what it adds to the all-reduce) and returns them: the update skips one that no
@@ -49,9 +49,10 @@ class GradWrites:
     retained gradient region shares the region's version counter, which every in-place
     write bumps; its value at the end of the backward pass that brought the step's last
     gradient is what ``check`` expects (so a hook of the script's that writes a gradient in
-    place during backward is its own business too). A write before the first arrival (``zero_grad(set_to_none=False)`` at the step's start) is the
-    script's own business. (Under ``fully_shard`` the gradients are final after backward,
-    as in torch: a script's own clipping there is what torch's loop does.)
+    place during backward is its own business too). A write before the first arrival
+    (``zero_grad(set_to_none=False)`` at the step's start) is the script's own business.
+    (Under ``fully_shard`` the gradients are final after backward, as in torch: a script's
+    own clipping there is what torch's loop does.)
     """
 
     def __init__(self, region: torch.Tensor) -> None:
