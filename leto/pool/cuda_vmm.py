@@ -200,7 +200,7 @@ def register_host(host_ptr: int, nbytes: int, device: int, *, mapped: bool = Fal
 
 
 def host_device_pointer(host_ptr: int) -> int:
-    """The device address of page-locked, mapped host memory (``cudaHostRegisterMapped``)."""
+    """The device address of page-locked, mapped host memory (``register_host(mapped=True)``)."""
     return int(
         _check(_driver().cuMemHostGetDevicePointer(host_ptr, 0), "cuMemHostGetDevicePointer")
     )

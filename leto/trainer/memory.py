@@ -5,7 +5,7 @@ Device regions are per-chunk physical allocations mapped back to back
 memfd chunks on CPU (and machines without a CUDA driver), created by the first trainer,
 deposited with the state manager and mapped by successors; a lost chunk is found and
 replaced on its own. Host regions are memfds the state manager allocates, wrapped with
-``torch.frombuffer`` (zero copy) and, on GPU, page-locked with ``cudaHostRegister`` so
+``torch.frombuffer`` (zero copy) and, on GPU, page-locked (``cuda_vmm.register_host``) so
 device-to-host copies run at full speed.
 
 Every region carries the identity the state manager gave it when it was made; the
