@@ -25,7 +25,7 @@ class Branchy(torch.nn.Module):
         self.trunk = torch.nn.Linear(4, 4)
         self.head_a, self.head_b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
 
-    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         h = self.trunk(x).tanh()
         out = self.head_a(h)
         if step % 2 == 0:
@@ -37,15 +37,17 @@ def _inputs(step: int, micro: int) -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + micro))
 
 
-def _plain_grads(steps: int, micro_batches: int) -> list[list[torch.Tensor | None]]:
+def _plain_grads(
+    steps: int, micro_batches: int, model_cls: type[torch.nn.Module] = Branchy
+) -> list[list[torch.Tensor | None]]:
     """Each step's gradients under plain torch: ``zero_grad()`` then the backward passes."""
-    model = Branchy()
+    model = model_cls()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     for step in range(steps):
         opt.zero_grad()
         for micro in range(micro_batches):
-            model(_inputs(step, micro), step).backward()
+            model(_inputs(step, micro), step, micro).backward()
         grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         opt.step()
     return grads
@@ -57,9 +59,10 @@ def _leto_grads(
     micro_batches: int,
     before_backward: Callable[[torch.optim.Optimizer], None] = lambda opt: None,
     after_compute: Callable[[torch.nn.Module], None] = lambda model: None,
+    model_cls: type[torch.nn.Module] = Branchy,
 ) -> list[list[torch.Tensor]]:
     with local_context(monkeypatch) as ctx:
-        model = Branchy()
+        model = model_cls()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         state = ctx.retain(model, opt)
         views = [copy.copy(p.grad) for p in model.parameters()]  # the retained views
@@ -69,7 +72,7 @@ def _leto_grads(
             def fb(step: int = step) -> torch.Tensor:
                 before_backward(opt)
                 for micro in range(micro_batches):
-                    loss = model(_inputs(step, micro), step)
+                    loss = model(_inputs(step, micro), step, micro)
                     loss.backward()
                 return loss
 
@@ -233,34 +236,12 @@ class Alternating(torch.nn.Module):
         self.trunk = torch.nn.Linear(4, 4)
         self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)])
 
-    def forward(self, x: torch.Tensor, micro: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         return self.heads[micro % 2](self.trunk(x).tanh()).square().mean()
 
 
 def test_a_gradient_first_arriving_in_a_later_backward_pass_lands(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    steps, micro_batches = 3, 3
-    model = Alternating()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    plain = []
-    for step in range(steps):
-        opt.zero_grad()
-        for micro in range(micro_batches):
-            model(_inputs(step, micro), micro).backward()
-        plain.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
-    with local_context(monkeypatch) as ctx:
-        model = Alternating()
-        state = ctx.retain(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        got = []
-        for step in state.steps(steps):
-
-            def fb(step: int = step) -> None:
-                for micro in range(micro_batches):
-                    model(_inputs(step, micro), micro).backward()
-
-            state.compute(fb)
-            state.step()
-            got.append([p.grad.clone() for p in model.parameters()])
-    _assert_same(got, plain)
+    plain = _plain_grads(3, 3, Alternating)
+    _assert_same(_leto_grads(monkeypatch, 3, 3, model_cls=Alternating), plain)
