@@ -284,21 +284,17 @@ def median_phases(events: list[dict], settled: bool = False) -> dict[str, float]
     return {**phases, "total": statistics.median(e["iter_s"] for e in timed)}
 
 
+def plain_torchrun(tmp: Path, args: argparse.Namespace, name: str, **env: str) -> list[dict]:
+    """The events of a torchrun job of ``args.steps`` steps with no kill and no checkpoint."""
+    return run_torchrun(
+        tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, name, args.nproc, **env
+    )
+
+
 def torchrun_phases(tmp: Path, args: argparse.Namespace, mode: str = "1") -> dict[str, float]:
     """:func:`median_phases` of a torchrun run on the same kernels (``mode``: the value of
     ``LETO_PHASE_TIMES``, ``1`` synchronised or ``host``)."""
-    return median_phases(
-        run_torchrun(
-            tmp,
-            Path(args.mem_dir),
-            args.steps + 1,
-            -1,
-            args.steps,
-            f"plain_phases_{mode}",
-            args.nproc,
-            LETO_PHASE_TIMES=mode,
-        )
-    )
+    return median_phases(plain_torchrun(tmp, args, f"plain_phases_{mode}", LETO_PHASE_TIMES=mode))
 
 
 def host_phases(tmp: Path, args: argparse.Namespace) -> None:
@@ -347,16 +343,7 @@ def host_profile(tmp: Path, args: argparse.Namespace, top: int = 30) -> None:
         if name == "leto-run":
             run_leto(tmp, args.steps, [], args.nproc, args.consistency, LETO_BENCH_PROFILE=str(out))
         else:
-            run_torchrun(
-                tmp,
-                Path(args.mem_dir),
-                args.steps + 1,
-                -1,
-                args.steps,
-                "profiled",
-                args.nproc,
-                LETO_BENCH_PROFILE=str(out),
-            )
+            plain_torchrun(tmp, args, "profiled", LETO_BENCH_PROFILE=str(out))
         files = sorted(out.glob("*.prof"))
         if not files:
             print(f"{name}: no profile written", flush=True)
@@ -495,10 +482,7 @@ def iteration_only(args: argparse.Namespace) -> None:
             return
 
         def torchrun_round() -> dict:
-            events = run_torchrun(
-                tmp, Path(args.mem_dir), args.steps + 1, -1, args.steps, "plain", args.nproc
-            )
-            return {"s": steady(events)}
+            return {"s": steady(plain_torchrun(tmp, args, "plain"))}
 
         def leto_round(*extra: str) -> dict:
             events = run_leto(tmp, args.steps, [], args.nproc, args.consistency, extra)
