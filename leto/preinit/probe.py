@@ -43,10 +43,9 @@ def reserved_bytes(device: torch.device) -> tuple[int, int]:
     """The caching allocator's reserved bytes on ``device``, now and at their peak: one read
     of its statistics, as nested as the allocator keeps them (``torch.cuda.memory_stats``
     flattens the whole tree, which a trainer reading it every step would pay for)."""
-    reserved = torch.cuda.memory_stats_as_nested_dict(device).get("reserved_bytes", {})
-    return int(reserved.get("all", {}).get("current", 0)), int(
-        reserved.get("all", {}).get("peak", 0)
-    )
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    reserved = stats.get("reserved_bytes", {}).get("all", {})
+    return int(reserved.get("current", 0)), int(reserved.get("peak", 0))
 
 
 class CudaProbe:
