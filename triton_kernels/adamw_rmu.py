@@ -35,12 +35,14 @@ agree with itself, which it does: the kernel is element-wise and deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
+from triton.runtime.jit import mangle_type
 
 BLOCK = 1024
 """Elements per program; also the granularity of the restore (one flag per block)."""
@@ -257,6 +259,49 @@ def adamw_chunk(
     )
 
 
+class ChunkLauncher:
+    """:func:`adamw_chunk` over operands fixed for many launches (a step's chunks, step after
+    step), each launch after a table's first one straight through Triton's compiled kernel.
+
+    Triton's JIT launch binds the arguments, computes their specialisation key and looks the
+    kernel up on every call: tens of microseconds of host time, a step's chunks' worth of it
+    on a host-bound step. Here the operands are fixed, so the specialisation of a table's
+    launch changes only with the token's integer width (``mangle_type``: i32, then i64
+    from step 256); the compiled kernel that the JIT's launch returned is kept per table and
+    width and launched itself (``CompiledKernel[grid]``). Under Triton's interpreter there is
+    none, and every launch goes through the JIT. Make a new launcher for new operands."""
+
+    def __init__(
+        self,
+        state: torch.Tensor,
+        grads: torch.Tensor,
+        scale: torch.Tensor,
+        undo: torch.Tensor,
+        flags: torch.Tensor,
+        scalars: torch.Tensor,
+    ) -> None:
+        check_operands(state, grads, scale, undo, flags)
+        self._operands = (state, grads, scale, undo, flags)
+        self._scalars = scalars
+        self._compiled: dict[tuple[int, str], tuple[PieceTable, Callable[..., object]]] = {}
+
+    def launch(self, table: PieceTable, token: int) -> None:
+        """The kernel over ``table``'s pieces with flag ``token`` (one launch)."""
+        if table.programs == 0:
+            return
+        key = (id(table), mangle_type(token))
+        args = (*self._operands, table.pieces, table.blocks, self._scalars, token)
+        cached = self._compiled.get(key)
+        if cached is not None and cached[0] is table:  # the table held: its id is not reused
+            cached[1](*args, table.align, BLOCK)
+            return
+        compiled = _adamw_chunk_kernel[(table.programs,)](
+            *args, ALIGN=table.align, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS
+        )
+        if isinstance(compiled, CompiledKernel):
+            self._compiled[key] = (table, compiled[(table.programs, 1, 1)])
+
+
 def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
     """Compile and load the specialisations that :func:`adamw_chunk` would launch.
 
@@ -266,8 +311,6 @@ def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
     above). One launch per distinct key, on scratch memory of ``device``, over a one-piece
     table with nothing to do but set a scratch flag. Returns the number of launches.
     """
-    from triton.runtime.jit import mangle_type
-
     scratch = torch.zeros(BLOCK, dtype=torch.float32, device=device)
     flags = torch.zeros(1, dtype=torch.int64, device=device)
     scalars = torch.zeros(SCALAR_FIELDS, dtype=torch.float32, device=device)

@@ -116,8 +116,7 @@ class FusedChunks:
             raise ProtocolError(
                 "triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ"
             )
-        self._check = adamw_rmu.check_operands
-        self._launch = adamw_rmu.adamw_chunk
+        self._launcher_for = adamw_rmu.ChunkLauncher
         self.flag_nbytes = flag_bytes(chunks)
         self._undo_nbytes = max(c.undo_bytes for c in chunks)
         self.state = state
@@ -155,7 +154,9 @@ class FusedChunks:
         self.undo_bytes = undo
         self.undo_f = _f32(undo[:data_nbytes])
         self.flags = undo[data_nbytes : data_nbytes + self.flag_nbytes].view(torch.int64)
-        self._check(self.state_f, self.grads_f, self._scale, self.undo_f, self.flags)
+        self._launcher = self._launcher_for(
+            self.state_f, self.grads_f, self._scale, self.undo_f, self.flags, self._scalars.table
+        )
 
     @staticmethod
     def _plan(layout: Layout, chunk: Chunk) -> _ChunkPlan:
@@ -235,17 +236,8 @@ class FusedChunks:
 
     def apply(self, j: int, step: int) -> None:
         """The kernel over chunk ``j`` (one launch), with the scalars of the last :meth:`begin`
-        (the operands were checked once, by :meth:`bind`)."""
-        self._launch(
-            self.state_f,
-            self.grads_f,
-            self._scale,
-            self.undo_f,
-            self.flags,
-            self.tables[j],
-            self._scalars.table,
-            fused_token(step, j),
-        )
+        (the launcher :meth:`bind` made checked the operands once)."""
+        self._launcher.launch(self.tables[j], fused_token(step, j))
 
     def restore(self, j: int, step: int) -> None:
         """Undo chunk ``j`` of step ``step``: gaps, and the element blocks that were written."""

@@ -13,7 +13,7 @@ from leto.errors import ConfigError
 from leto.retained.marker import Phase
 from leto.updater.fused import BLOCK, fused_token, resolve_fused
 from tests.updater.rig import Killed, Rig, kill_at, model, no_faults
-from tests.updater.test_rmu import CHUNK, ERASURE, _step, sweep_kill_points
+from tests.updater.test_rmu import CHUNK, ERASURE, LRS, _clip, _step, sweep_kill_points
 
 WIDE = 16384
 """Chunk bytes for tests that need several kernel blocks per chunk (4096 elements)..."""
@@ -159,3 +159,48 @@ def test_the_kernel_s_operands_are_checked_once_when_bound() -> None:
         adamw_rmu.check_operands(flat, flat, torch.ones(()), flat, flags)  # 0-d, not flat
     with pytest.raises(TypeError, match="flags must be a flat"):
         adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags.view(torch.float64))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton's interpreter compiles no kernel to keep")
+def test_a_chunk_s_later_launches_go_straight_to_its_compiled_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One updater, three steps: each chunk goes through Triton's JIT launch once, then
+    through the compiled kernel it returned, with the same results as launches that all go
+    through the JIT."""
+    from triton_kernels import adamw_rmu
+
+    jit = adamw_rmu._adamw_chunk_kernel
+    through_jit: list[object] = []
+
+    class Counted:
+        def __getitem__(self, grid: object) -> object:
+            through_jit.append(grid)
+            return jit[grid]
+
+    monkeypatch.setattr(adamw_rmu, "_adamw_chunk_kernel", Counted())
+
+    def three_steps() -> tuple[Rig, int]:
+        through_jit.clear()
+        rig = Rig.build(
+            model(dim=DIM), erasure=ERASURE, chunk_bytes=WIDE, fused=True, device=DEVICE
+        )
+        updater = rig.updater(no_faults())
+        for s in range(3):
+            rig.set_grads(seed=100 + s)
+            _clip(rig)
+            rig.grads_ready(LRS[s])
+            updater.run(s)
+        updater.drain()
+        return rig, len(updater.chunks)
+
+    kept, chunks = three_steps()
+    assert chunks > 1 and len(through_jit) == chunks
+
+    class Never:  # no launch's result is kept: every one goes through the JIT
+        pass
+
+    monkeypatch.setattr(adamw_rmu, "CompiledKernel", Never)
+    every, _ = three_steps()
+    assert len(through_jit) == 3 * chunks
+    _compare(every, kept, rtol=0, atol=0)
