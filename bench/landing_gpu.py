@@ -11,10 +11,8 @@ optimizer: forward and backward only, each step starting with every ``.grad`` un
   caching allocator;
 * ``copy, vmm``: the same into a ``cuMemCreate`` region mapped as Leto maps its regions
   (``leto.pool.cuda_vmm``);
-* ``landing, vmm``: Leto's own ``GradLanding`` into the vmm region (gradients wait and
-  land together, neighbours by one ``torch.cat``);
-* ``landing, 1 MiB waits``: the same with at most 1 MiB waiting (every larger gradient
-  copied alone as it arrives).
+* ``landing, vmm``: Leto's own ``GradLanding`` into the vmm region (small gradients wait and
+  land together when backward ends).
 
 Prints each variant's median step (host wall, unsynchronised: the host is the bottleneck
 here) and its excess over ``plain``, then the host time of single ``copy_`` calls of a 16
@@ -41,7 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "examples")]
 from train_gpt import GPT
 
 from leto.pool import cuda_vmm
-from leto.trainer.grad_landing import WAITING_BYTES, GradLanding, GradWrites
+from leto.trainer.grad_landing import GradLanding, GradWrites
 
 
 def vmm_region(nbytes: int, device: int) -> torch.Tensor:
@@ -106,12 +104,10 @@ def main() -> None:
 
         return make
 
-    # GradLanding hooks its parameters for good: a copy of the model each
-    landings = {}
-    for name, waiting in (("landing, vmm", WAITING_BYTES), ("landing, 1 MiB waits", 1 << 20)):
-        net = copy.deepcopy(model)
-        landed = [p for p in net.parameters() if p.requires_grad]
-        landings[name] = net, GradLanding(landed, views(landed, vmm), vmm, GradWrites(vmm), waiting)
+    # GradLanding hooks its parameters for good: a copy of the model of its own
+    landed_model = copy.deepcopy(model)
+    landed = [p for p in landed_model.parameters() if p.requires_grad]
+    landing = GradLanding(landed, views(landed, vmm), GradWrites(vmm))
 
     def setups() -> dict[str, Callable[[], None]]:
         return {
@@ -133,7 +129,7 @@ def main() -> None:
         for p in params:
             p.grad = None
 
-    times: dict[str, list[float]] = {name: [] for name in [*setups(), *landings]}
+    times: dict[str, list[float]] = {name: [] for name in [*setups(), "landing, vmm"]}
     for k in range(args.steps + 5):
         for name, setup in setups().items():
             setup()
@@ -142,11 +138,10 @@ def main() -> None:
             if k >= 5:
                 times[name].append(t)
         unhook()
-        for name, (net, landing) in landings.items():
-            t = step(net, landing.begin)
-            torch.cuda.synchronize()
-            if k >= 5:
-                times[name].append(t)
+        t = step(landed_model, landing.begin)
+        torch.cuda.synchronize()
+        if k >= 5:
+            times["landing, vmm"].append(t)
     unhook()
     base = statistics.median(times["plain"])
     print(f"forward + backward, host wall, median of {args.steps} interleaved steps:")

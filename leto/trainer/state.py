@@ -228,12 +228,7 @@ class RetainedState:
             self._compute.stop_lending("the forward replay's blocks serve the compute phase")
         self._bind()
         self._landing = (
-            GradLanding(
-                self.params,
-                self._seen_grads(),
-                self.grad_regions["grads"],
-                GradWrites(self.grad_regions["grads"]),
-            )
+            GradLanding(self.params, self._seen_grads(), GradWrites(self.grad_regions["grads"]))
             if self.shards is None and not self.layout.main_grad
             else None
         )
