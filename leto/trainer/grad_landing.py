@@ -33,7 +33,6 @@ and hooks it up (gradual unfreezing).
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,35 +63,26 @@ def _script_hooked(p: torch.Tensor) -> bool:
 
 
 class SideCopies:
-    """Copies on a side stream of the device's, each after what the current stream has
-    queued (the gradient's producer). Each source is held until its copy has run (an event
-    per copy, polled as copies are added) or until :meth:`join`, which orders the current
-    stream after every copy: a source freed then is reused only after its copy. (Not
-    ``record_stream``: a block freed that way stays live to the allocator until it polls
-    the event, and the lent-memory check would find it in use.)"""
+    """Copies on a side stream of the device's: each after what the current stream has
+    queued (the gradient's producer), its source kept from reuse until it ran
+    (``record_stream``); :meth:`join` orders the current stream after all of them."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
         self.device = device
         self.pending = 0
         """Copies launched since the last join."""
-        self._held: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = collections.deque()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             dst.copy_(src)
-            done = torch.cuda.Event()
-            done.record()
-        while self._held and self._held[0][0].query():
-            self._held.popleft()
-        self._held.append((done, src))
+        src.record_stream(self.stream)
         self.pending += 1
 
     def join(self) -> None:
         if self.pending:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._held.clear()
             self.pending = 0
 
 
