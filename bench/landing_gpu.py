@@ -11,10 +11,8 @@ optimizer: forward and backward only, each step starting with every ``.grad`` un
   caching allocator;
 * ``copy, vmm``: the same into a ``cuMemCreate`` region mapped as Leto maps its regions
   (``leto.pool.cuda_vmm``);
-* ``copy on a side stream, vmm``: the same, each copy on a side stream after the current
-  one (``grad_landing.SideCopies``), joined when backward ends;
 * ``landing, vmm``: Leto's own ``GradLanding`` into the vmm region (small gradients wait and
-  land together when backward ends, large ones are copied on the side stream).
+  land together when backward ends).
 
 Prints each variant's median step (host wall, unsynchronised: the host is the bottleneck
 here) and its excess over ``plain``, then the host time of single ``copy_`` calls of a 16
@@ -41,7 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "examples")]
 from train_gpt import GPT
 
 from leto.pool import cuda_vmm
-from leto.trainer.grad_landing import GradLanding, GradWrites, SideCopies
+from leto.trainer.grad_landing import GradLanding, GradWrites
 
 
 def vmm_region(nbytes: int, device: int) -> torch.Tensor:
@@ -111,31 +109,12 @@ def main() -> None:
     landed = [p for p in landed_model.parameters() if p.requires_grad]
     landing = GradLanding(landed, views(landed, vmm), GradWrites(vmm))
 
-    side = SideCopies(torch.device("cuda", 0))
-
-    def side_copying(
-        targets: list[torch.Tensor],
-    ) -> Callable[[int], Callable[[torch.Tensor], None]]:
-        def make(i: int) -> Callable[[torch.Tensor], None]:
-            view = targets[i]
-
-            def hook(p: torch.Tensor) -> None:
-                side.copy(view, p.grad)  # type: ignore[arg-type]
-                p.grad = view
-                if side.pending == 1:
-                    torch.autograd.Variable._execution_engine.queue_callback(side.join)
-
-            return hook
-
-        return make
-
     def setups() -> dict[str, Callable[[], None]]:
         return {
             "plain": unhook,
             "noop hooks": lambda: hooked(lambda i: lambda p: None),
             "copy, allocator": lambda: hooked(copying(views(params, alloc))),
             "copy, vmm": lambda: hooked(copying(views(params, vmm))),
-            "copy on a side stream, vmm": lambda: hooked(side_copying(views(params, vmm))),
         }
 
     def step(net: torch.nn.Module, begin: Callable[[], None]) -> float:

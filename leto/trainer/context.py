@@ -44,7 +44,6 @@ from leto.preinit.probe import probe_for
 from leto.preinit.site import ShadowSite
 from leto.priority import ShadowPriority
 from leto.trainer.env import TrainerEnv
-from leto.trainer.grad_landing import own_hook
 from leto.trainer.grad_sync import GradSync
 from leto.trainer.services import TrainerServices
 
@@ -324,7 +323,7 @@ class Context:
         for module in spread(compiled.hook_sites(model), BEATS_PER_PASS):
             module.register_forward_pre_hook(beat)
         for p in spread([p for p in model.parameters() if p.requires_grad], BEATS_PER_PASS):
-            p.register_post_accumulate_grad_hook(own_hook(beat))
+            p.register_post_accumulate_grad_hook(beat)
         optimizer.register_step_pre_hook(hb.beat)
         optimizer.register_step_post_hook(hb.beat)
 

@@ -11,13 +11,7 @@ gradient more at most. Small gradients (biases, norms' weights: under
 ``SMALL_GRAD_BYTES`` each) wait, and land together by one multi-tensor copy when backward
 ends (a callback on the engine) or when ``WAITING_BYTES`` wait: one launch where there
 were dozens, each a few microseconds of host time. (A large gradient is copied alone, at
-once: a multi-tensor copy walks its elements on the host in blocks.) On a GPU the large
-copies, a pass over most of the gradients' bytes, are memory-bound work in a backward of
-compute-bound kernels: they run on a side stream of their own (``SideCopies``) that
-overlaps them, and the backward's end makes the current stream wait for it. Not for a
-parameter with a post-accumulate hook of the script's (``own_hook`` marks Leto's): that
-hook runs after Leto's and may read or write the gradient, on the current stream, in its
-view. Until its copy a
+once: a multi-tensor copy walks its elements on the host in blocks.) Until its copy a
 waiting gradient stays the parameter's ``.grad``, so a hook of the script's after Leto's
 reads its value. Later backward passes of the same step (gradient accumulation) find the
 view bound and accumulate into it in place, as before.
@@ -43,47 +37,6 @@ SMALL_GRAD_BYTES = 1 << 20
 """A gradient smaller than this waits to land with the others (at the end of backward);
 ``WAITING_BYTES`` bounds what waits, so the peak grows by that at most."""
 WAITING_BYTES = 8 << 20
-
-OWN_HOOK = "__leto_own_hook__"
-"""Set on Leto's own post-accumulate hooks (:func:`own_hook`): a parameter with none other
-has its large gradient copied on the side stream."""
-
-
-def own_hook(fn: Callable[..., object]) -> Callable[..., object]:
-    """Mark ``fn`` as a post-accumulate hook of Leto's that neither reads nor writes the
-    gradient (or, the landing's, knows its copy's stream)."""
-    setattr(fn, OWN_HOOK, True)
-    return fn
-
-
-def _script_hooked(p: torch.Tensor) -> bool:
-    """Whether ``p`` has a post-accumulate hook that is not Leto's."""
-    hooks = p._post_accumulate_grad_hooks
-    return bool(hooks) and any(not getattr(h, OWN_HOOK, False) for h in hooks.values())
-
-
-class SideCopies:
-    """Copies on a side stream of the device's: each after what the current stream has
-    queued (the gradient's producer), its source kept from reuse until it ran
-    (``record_stream``); :meth:`join` orders the current stream after all of them."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
-        self.device = device
-        self.pending = 0
-        """Copies launched since the last join."""
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src)
-        src.record_stream(self.stream)
-        self.pending += 1
-
-    def join(self) -> None:
-        if self.pending:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self.pending = 0
 
 
 class GradWrites:
@@ -146,9 +99,6 @@ class GradLanding:
         """Parameters whose fresh gradient (their ``.grad``) waits to be copied into its view."""
         self._waiting_bytes = 0
         self._end_queued = False
-        cuda = bool(self.views) and self.views[0].is_cuda
-        self.side = SideCopies(self.views[0].device) if cuda else None
-        """Where large gradients are copied on a GPU (None on CPU: copied in the hook)."""
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._hook_up(i)
@@ -162,7 +112,6 @@ class GradLanding:
         nbytes = view.numel() * view.element_size()
         small = nbytes < SMALL_GRAD_BYTES
 
-        @own_hook
         def landed(p: torch.Tensor) -> None:
             if not self._end_queued:  # what waits lands, and the writes are counted, at the end
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -172,10 +121,7 @@ class GradLanding:
                 return
             # the step's first gradient: autograd's fresh tensor, to copy into the view
             if not small:
-                if self.side is not None and not _script_hooked(p):
-                    self.side.copy(view, p.grad)  # type: ignore[arg-type]
-                else:
-                    view.copy_(p.grad)
+                view.copy_(p.grad)
                 p.grad = view
                 arrived[i] = True
                 return
@@ -191,8 +137,6 @@ class GradLanding:
         in place): the rest lands, and the region's version is what ``GradWrites`` expects."""
         self._end_queued = False
         self.flush()
-        if self.side is not None:  # callbacks run on the backward caller's current stream
-            self.side.join()
         self.writes.arrived()
 
     def flush(self) -> None:
@@ -233,8 +177,8 @@ class GradLanding:
         all-reduce) and is returned, for the update to skip where no rank had one
         (``leto.retained.presence``). ``ScriptError`` for a gradient unset after it landed
         or written in place (``GradWrites``)."""
-        if self._waiting or (self.side is not None and self.side.pending):
-            self._end_of_backward()  # only if backward's callback did not run
+        if self._waiting:  # backward's end copies them all: only if its callback did not run
+            self._end_of_backward()
         self.writes.check()
         absent = []
         for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):
