@@ -1,4 +1,4 @@
-"""What landing the gradients in retained memory costs a host-bound backward, on one GPU.
+"""What landing the gradients in retained memory costs a backward, on one GPU.
 
 The 1.1 B GPT of ``bench/recovery_gpu.py`` (bf16 autocast, fp32 weights), one process, no
 optimizer: forward and backward only, each step starting with every ``.grad`` unset (torch's
@@ -14,9 +14,10 @@ optimizer: forward and backward only, each step starting with every ``.grad`` un
 * ``landing, vmm``: Leto's own ``GradLanding`` into the vmm region (small gradients wait and
   land together when backward ends).
 
-Prints each variant's median step (host wall, unsynchronised: the host is the bottleneck
-here) and its excess over ``plain``, then the host time of single ``copy_`` calls of a 16
-MiB gradient into each kind of memory.
+Prints each variant's median step (host wall to the end of ``backward()``, the device
+synchronised between steps: on this model the launch queue fills, so the wall counts the
+device's work as well as the host's) and its excess over ``plain``, then the host time of
+single ``copy_`` calls of a 16 MiB gradient into each kind of memory (host time alone).
 
     python3 bench/landing_gpu.py [--steps 60]
 """
