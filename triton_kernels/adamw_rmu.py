@@ -230,7 +230,7 @@ def adamw_chunk(
     table: PieceTable,
     scalars: torch.Tensor,
     token: int,
-) -> None:
+) -> object:
     """AdamW on every piece of ``table``, saving their old values first, in one launch.
 
     ``state``/``grads``/``undo`` are flat float32 views, ``flags`` flat int64 (one per
@@ -240,10 +240,12 @@ def adamw_chunk(
     by it in place, a pass over them that this saves; the product is the same float32
     multiply). Only the launch: a caller checks its operands once with
     :func:`check_operands` (a step launches a chunk after another over the same ones).
+    Returns what Triton's JIT launch returned (the ``CompiledKernel``; None under the
+    interpreter or for an empty table), which :class:`ChunkLauncher` keeps.
     """
     if table.programs == 0:
-        return
-    _adamw_chunk_kernel[(table.programs,)](
+        return None
+    return _adamw_chunk_kernel[(table.programs,)](
         state,
         grads,
         scale,
@@ -287,17 +289,13 @@ class ChunkLauncher:
 
     def launch(self, table: PieceTable, token: int) -> None:
         """The kernel over ``table``'s pieces with flag ``token`` (one launch)."""
-        if table.programs == 0:
-            return
         key = (id(table), mangle_type(token))
-        args = (*self._operands, table.pieces, table.blocks, self._scalars, token)
         cached = self._compiled.get(key)
         if cached is not None and cached[0] is table:  # the table held: its id is not reused
-            cached[1](*args, table.align, BLOCK)
+            args = (table.pieces, table.blocks, self._scalars, token, table.align, BLOCK)
+            cached[1](*self._operands, *args)
             return
-        compiled = _adamw_chunk_kernel[(table.programs,)](
-            *args, ALIGN=table.align, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS
-        )
+        compiled = adamw_chunk(*self._operands, table, self._scalars, token)
         if isinstance(compiled, CompiledKernel):
             self._compiled[key] = (table, compiled[(table.programs, 1, 1)])
 
