@@ -1,4 +1,4 @@
-"""A pre-warmed fork server: group restarts start workers without paying for ``import torch``.
+"""A pre-warmed fork server: workers start without paying for ``import torch``.
 
 Started by the agent before it creates any thread, CUDA context or process group, the
 server imports torch (and torch.distributed, torch.nn) and waits on its end of a socket
@@ -8,6 +8,17 @@ double-forks, so the worker is re-parented to the agent (a child subreaper,
 ``PR_SET_CHILD_SUBREAPER``) and the agent waits on it like on any child: exit codes,
 signals, pidfds and ``killpg`` work as for torchrun's Popen. The server and, once
 re-parented, every worker die with the agent (``leto.lifetime``).
+
+Once ready, the server forks a second one, the *compiler server*, which also imports
+``torch._dynamo`` (2.4 s of CPU here, ~5 s on a GPU host; torch's ``Optimizer`` imports it
+on its first call, so every trainer pays it). A request marked ``compiler`` (a Leto trainer:
+a shadow, or a group restart of a job whose trainers joined Leto) is forked from there once
+it is ready, and from this server until then. Other workers never are: a served
+``DistributedDataParallel`` script on gloo whose process had ``torch._dynamo`` loaded
+before it started hangs at exit often enough to matter (its last gloo work, which holds the
+backward's stashed Python context, is freed on a gloo thread that waits for the GIL while
+the main thread, holding it, joins that thread in ``~ProcessGroupGloo``), and a Leto
+trainer never wraps its model in DDP (``ctx.retain`` refuses it).
 
 The worker then runs the script with ``runpy`` as ``__main__``: torchrun's
 ``python -u script args`` and ``python -u -m module args`` command lines are served;
@@ -23,6 +34,7 @@ import json
 import logging
 import os
 import runpy
+import select
 import socket
 import sys
 import time
@@ -39,17 +51,14 @@ WARM_MODULES = (
     "torch.nn",
     "torch.nn.functional",
     "torch.optim",
-    # Not torch._dynamo: with it loaded, a served DDP script on gloo deadlocks at exit often
-    # enough to matter (the last gloo work, holding the backward's stashed Python context, is
-    # freed on a gloo thread that needs the GIL while the main thread joins it in
-    # ~ProcessGroupGloo). A script that compiles, or sets deterministic algorithms, pays for
-    # that import itself.
     # what a leto trainer imports next (a shadow forked from here starts with them loaded);
     # imports only: no autograd, no CUDA, no threads before the fork
     "leto",
     "leto.trainer.context",
     "leto.trainer.state",
 )
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor.config")
+"""What the compiler server imports on top of ``WARM_MODULES``."""
 
 
 def served_argv(argv: list[str]) -> bool:
@@ -141,11 +150,70 @@ def _spawn(request: dict[str, Any], fds: list[int], agent: int) -> int:
     return pid
 
 
-def serve(conn: socket.socket, agent: int) -> None:
-    """Answer the agent's spawn requests on ``conn`` until it closes; ``agent``: its pid."""
-    for name in WARM_MODULES:
-        __import__(name)
-    print("ready", flush=True)
+class CompilerServer:
+    """The server's handle on its compiler server: a child forked once the warm modules are
+    loaded, importing ``COMPILER_MODULES`` and then answering the requests handed on to it."""
+
+    def __init__(self, agent: int, agent_conn: socket.socket) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                ours.close()
+                agent_conn.close()  # the agent's end of the server stays the server's alone
+                die_with_agent(parent=server)  # dies with the server (which dies with the agent)
+                for name in COMPILER_MODULES:
+                    __import__(name)
+                theirs.send(b"ready")
+                _answer(theirs, agent)
+            except BaseException:  # the server serves alone then
+                logger.exception("the compiler server failed")
+                code = 1
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.pid = pid
+        self._sock: socket.socket | None = ours
+        self._ready = False
+
+    def ready(self) -> bool:
+        """Whether it has imported its modules (never waits); False once it has failed."""
+        if self._ready or self._sock is None:
+            return self._ready
+        if select.select([self._sock], [], [], 0)[0]:
+            if self._sock.recv(16) == b"ready":
+                self._ready = True
+            else:  # it exited before it was ready
+                self.close()
+        return self._ready
+
+    def spawn(self, msg: bytes, fds: list[int]) -> dict[str, Any] | None:
+        """Hand a request on; its reply, or None if the compiler server is gone."""
+        assert self._sock is not None
+        try:
+            socket.send_fds(self._sock, [msg], fds)
+            reply = self._sock.recv(1 << 16)
+        except OSError:
+            reply = b""
+        if not reply:
+            self.close()
+            return None
+        for fd in fds:
+            os.close(fd)
+        return json.loads(reply)
+
+    def close(self) -> None:
+        self._ready = False
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _answer(conn: socket.socket, agent: int, compiler: CompilerServer | None = None) -> None:
+    """Answer spawn requests on ``conn`` until it closes; those marked ``compiler`` go to
+    ``compiler`` while it is ready."""
     while True:
         try:
             msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MSG, 2)
@@ -153,11 +221,25 @@ def serve(conn: socket.socket, agent: int) -> None:
             return
         if not msg:
             return
+        reply = None
         try:
-            reply = {"pid": _spawn(json.loads(msg), fds, agent)}
+            request = json.loads(msg)
+            if request.get("compiler") and compiler is not None and compiler.ready():
+                reply = compiler.spawn(msg, fds)
+            if reply is None:
+                reply = {"pid": _spawn(request, fds, agent)}
         except Exception as e:  # noqa: BLE001 - reported to the agent, which falls back to Popen
             reply = {"error": f"{type(e).__name__}: {e}"}
         conn.send(json.dumps(reply).encode())
+
+
+def serve(conn: socket.socket, agent: int) -> None:
+    """Answer the agent's spawn requests on ``conn`` until it closes; ``agent``: its pid."""
+    for name in WARM_MODULES:
+        __import__(name)
+    compiler = CompilerServer(agent, conn)
+    print("ready", flush=True)
+    _answer(conn, agent, compiler)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,10 @@ class LetoAgent(LocalElasticAgent):
         )
         """This node's shadows (spawn, watch, reclaim, relaunch) of the current attempt."""
         self.forkserver: ForkServer | None = None
-        """Set by launch: group restarts start their workers from it (warm restarts)."""
+        """Set by launch: workers start from it (warm starts and restarts)."""
+        self._leto_job = False
+        """Whether this job's trainers joined Leto (``leto.init()``): its later workers are
+        Leto trainers too, forked with the compiler loaded (``leto.forkserver``)."""
         self.recoveries = 0
         self.restarts = 0
         self._fresh_starts = 0
@@ -244,11 +247,9 @@ class LetoAgent(LocalElasticAgent):
         active = self._pcontext
         try:
             with (
-                # Shadows and restarts fork from the warm server (the first actives do not
-                # wait for it to import torch).
-                warm_spawns(
-                    self.forkserver if role == ROLE_SHADOW or self._restart_count() > 0 else None
-                ),
+                # Every worker forks from the warm server; Leto trainers (shadows, and the
+                # workers of a job whose trainers joined Leto) from its compiler server.
+                warm_spawns(self.forkserver, compiler=role == ROLE_SHADOW or self._leto_job),
                 _environ_overlay(None if _HAS_ENV_HOOK else self._spawn_env),
             ):
                 super()._start_workers(worker_group)
@@ -320,7 +321,7 @@ class LetoAgent(LocalElasticAgent):
             Kind.WORKERS_STARTED,
             restart=self._restart_count(),
             **pids_of(worker_group, pcontext),
-            warm=self.forkserver is not None and self._restart_count() > 0,
+            warm=self.forkserver is not None,
         )
         return pcontext.pids()
 
@@ -694,6 +695,7 @@ class LetoAgent(LocalElasticAgent):
         if self._phase is not Phase.STARTING or self._leto.recovery != "in_place":
             return
         if self._current.store.check(self._local_keys(worker_group, contract.registered, 0)):
+            self._leto_job = True
             self._to(Phase.RUNNING)
             self._shadows.spawn(self._current, worker_group)
 

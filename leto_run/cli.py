@@ -177,7 +177,7 @@ def _add_leto_group(parser: argparse.ArgumentParser) -> None:
         dest="warm_restarts",
         action="store_const",
         const=False,
-        help="Group restarts start workers cold, as torchrun does.",
+        help="Start workers cold, as torchrun does (not from the warm fork server).",
     )
     g.add_argument(
         "--checkpoint-dir",

@@ -1,11 +1,12 @@
-"""Warm restarts: torch's worker processes, started from Leto's pre-warmed fork server.
+"""Warm starts: torch's worker processes, started from Leto's pre-warmed fork server.
 
 torch's ``SubprocessContext`` starts each worker through ``get_subprocess_handler``; while
 ``warm_spawns(server)`` is active that factory returns a handler whose "Popen" is a worker
 forked by :mod:`leto.forkserver` (torch already imported) and re-parented to this agent.
 Everything else — environment, log files, tee, exit codes, ``killpg`` on close — is
-torch's own code, so a plain torchrun script restarts exactly as under torchrun, only
-without paying for interpreter start-up and ``import torch`` again.
+torch's own code, so a plain torchrun script starts and restarts exactly as under
+torchrun, only without paying for interpreter start-up and ``import torch`` in every
+worker.
 """
 
 from __future__ import annotations
@@ -69,10 +70,20 @@ class ForkServer:
             self._ready = True
         return self._sock
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout_fd: int, stderr_fd: int) -> int:
-        """Fork a worker running ``argv`` (a served Python command line); returns its pid."""
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout_fd: int,
+        stderr_fd: int,
+        compiler: bool = False,
+    ) -> int:
+        """Fork a worker running ``argv`` (a served Python command line); returns its pid.
+        ``compiler``: a Leto trainer, which may come from the compiler server
+        (``leto.forkserver``)."""
         sock = self._connect()
-        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "compiler": compiler}
+        request = json.dumps(request).encode()
         socket.send_fds(sock, [request], [stdout_fd, stderr_fd])
         reply = json.loads(sock.recv(1 << 16))
         if "pid" not in reply:
@@ -132,25 +143,27 @@ class WarmPopen:
         self.send_signal(signal.SIGKILL)
 
 
-def _handler_class(server: ForkServer) -> type[SubprocessHandler]:
+def _handler_class(server: ForkServer, compiler: bool) -> type[SubprocessHandler]:
     class WarmHandler(SubprocessHandler):
         def _popen(self, args: tuple[str, ...], env: dict[str, str]) -> Any:
             if args[0] != sys.executable or not served_argv(list(args)):
                 return super()._popen(args, env)
             out = self._stdout.fileno() if self._stdout else sys.stdout.fileno()
             err = self._stderr.fileno() if self._stderr else sys.stderr.fileno()
-            return WarmPopen(server.spawn([str(a) for a in args], env, out, err), args)
+            pid = server.spawn([str(a) for a in args], env, out, err, compiler)
+            return WarmPopen(pid, args)
 
     return WarmHandler
 
 
 @contextlib.contextmanager
-def warm_spawns(server: ForkServer | None) -> Iterator[None]:
-    """Within this block torch starts binary workers from ``server`` (None: as usual)."""
+def warm_spawns(server: ForkServer | None, compiler: bool = False) -> Iterator[None]:
+    """Within this block torch starts binary workers from ``server`` (None: as usual);
+    ``compiler``: they are Leto trainers (``ForkServer.spawn``)."""
     if server is None:
         yield
         return
-    handler = _handler_class(server)
+    handler = _handler_class(server, compiler)
     original = mp_api.get_subprocess_handler
 
     def get_handler(**kwargs: Any) -> SubprocessHandler:

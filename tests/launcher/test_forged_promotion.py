@@ -8,6 +8,8 @@ and the job must finish exactly as the fault-free run.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import time
 from datetime import timedelta
@@ -23,9 +25,22 @@ STEPS = 1000
 while the actives train."""
 
 
-def _environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        return dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
+def _listening_ports(pid: int) -> list[int]:
+    """The TCP ports ``pid`` listens on (its sockets' inodes in ``/proc/net/tcp*``)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
 
 
 @pytest.mark.timeout(400)
@@ -58,19 +73,18 @@ def test_promotion_keys_written_without_the_token_are_ignored(tmp_path) -> None:
             time.sleep(0.1)
         else:
             pytest.fail("the shadows never became ready")
-        active = next(
-            e["pid"] for e in events if e["kind"] == Kind.TRAINER_STARTED and e["role"] == "active"
-        )
-        env = _environ(active)  # the forger learns the port (not the token: it is not asked for)
-        store = dist.TCPStore(
-            env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=10),
-        )
-        forged = dist.PrefixStore("/leto/attempt_0/", store)  # leto's key layout, without the token
-        for rank in range(2):
-            forged.set(f"promote/1/{rank}", "1")
+        # The forger finds the agent's ports (the worker store among them) and writes leto's
+        # promotion keys without the token to each.
+        ports = _listening_ports(proc.pid)
+        assert ports, "the agent listens on no port"
+        for port in ports:
+            with contextlib.suppress(Exception):  # a port that is not a TCPStore
+                store = dist.TCPStore(
+                    "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5)
+                )
+                forged = dist.PrefixStore("/leto/attempt_0/", store)  # leto's key layout
+                for rank in range(2):
+                    forged.set(f"promote/1/{rank}", "1")
         _, err = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:

@@ -38,6 +38,9 @@ def test_warm_restart_equals_cold_restart(tmp_path) -> None:
         started = [
             e for e in read_events(run_dir / "events.jsonl") if e["kind"] == Kind.WORKERS_STARTED
         ]
-        assert [(e["restart"], e["warm"]) for e in started] == [(0, False), (1, mode == "warm")]
+        assert [(e["restart"], e["warm"]) for e in started] == [
+            (0, mode == "warm"),
+            (1, mode == "warm"),
+        ]
     assert results["warm"] == results["cold"]
     assert results["warm"]["attempt"] == 1

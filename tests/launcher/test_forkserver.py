@@ -1,0 +1,76 @@
+"""The fork server: workers start with torch imported; a request marked ``compiler`` (a Leto
+trainer) gets ``torch._dynamo`` loaded too, once the compiler server is ready; any other
+never does (``leto.forkserver``: a served DDP script on gloo could hang at exit)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from tests.launcher.harness import REPO, _env
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    with open(sys.argv[1], "w") as f:
+        json.dump({"torch": "torch" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
+                   "cwd": os.getcwd(), "marker": os.environ.get("MARKER")}, f)
+    """
+)
+
+# The client runs in a process of its own: ForkServer makes its process a child subreaper.
+CLIENT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from leto_run.warm_start import ForkServer
+
+    worker, out = sys.argv[1], sys.argv[2]
+    server = ForkServer()
+
+    def run(compiler, name):
+        path = os.path.join(out, name)
+        pid = server.spawn([sys.executable, "-u", worker, path], {"MARKER": name},
+                           1, 2, compiler=compiler)
+        _, status = os.waitpid(pid, 0)  # re-parented to this process
+        assert os.waitstatus_to_exitcode(status) == 0
+        with open(path) as f:
+            return json.load(f)
+
+    seen = {"plain": run(False, "plain")}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the compiler server is ready
+        seen["compiler"] = run(True, "compiler")
+        if seen["compiler"]["dynamo"]:
+            break
+        time.sleep(0.2)
+    seen["plain_after"] = run(False, "plain_after")
+    server.close()
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    proc = subprocess.run(
+        [sys.executable, "-c", CLIENT, str(worker), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, worker_saw in seen.items():
+        assert worker_saw["torch"], f"{name}: torch was not imported before the script"
+        assert worker_saw["marker"] == name, f"{name}: the request's environment was not set"
+        assert worker_saw["cwd"] == str(REPO)
+    assert seen["compiler"]["dynamo"], "the compiler server never served a request"
+    assert not seen["plain"]["dynamo"] and not seen["plain_after"]["dynamo"], (
+        "a worker not marked compiler started with torch._dynamo loaded"
+    )
