@@ -115,9 +115,10 @@ def _run_worker(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, err
         import atexit
         import threading
 
-        for thread in threading.enumerate():  # the interpreter joins non-daemon threads at exit
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
+        # The interpreter's exit, in its order: threading's exit callbacks (a
+        # concurrent.futures pool's, which end its idle workers: Inductor compiles on one),
+        # then the join of non-daemon threads, then atexit.
+        threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -74,3 +74,57 @@ def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
     assert not seen["plain"]["dynamo"] and not seen["plain_after"]["dynamo"], (
         "a worker not marked compiler started with torch._dynamo loaded"
     )
+
+
+EXITING = textwrap.dedent(
+    """
+    import atexit, concurrent.futures, sys, threading, time
+    pool = concurrent.futures.ThreadPoolExecutor(2)  # idle workers once this is done (Inductor's)
+    pool.submit(time.sleep, 0).result()
+    done = []
+    threading.Thread(target=lambda: (time.sleep(0.3), done.append(1))).start()
+    atexit.register(lambda: open(sys.argv[1], "w").write(str(len(done))))
+    """
+)
+
+EXIT_CLIENT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from leto_run.warm_start import ForkServer
+
+    worker, path = sys.argv[1], sys.argv[2]
+    server = ForkServer()
+    pid = server.spawn([sys.executable, "-u", worker, path], {}, 1, 2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print(os.waitstatus_to_exitcode(status))
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        print("hung")
+    server.close()
+    """
+)
+
+
+def test_a_served_script_exits_as_the_interpreter_would(tmp_path) -> None:
+    """Thread pools' exit callbacks run before non-daemon threads are joined (an idle pool's
+    workers would wait forever otherwise), and the joins before atexit."""
+    worker, out = tmp_path / "worker.py", tmp_path / "atexit.txt"
+    worker.write_text(EXITING)
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_CLIENT, str(worker), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "0", "the served script did not exit cleanly"
+    assert out.read_text() == "1", "atexit ran before the script's thread was joined"
