@@ -5,8 +5,10 @@ with ``--kills`` SIGKILLs, each once the previous replacement shadows are ready.
 recovery: the time from the promotion (``shadows_promoted.promote_t``) to the last local
 rank's replacement ``shadow_ready``, split into spawn (until ``shadows_spawned``), process
 start (until the replacement's ``trainer_started``: interpreter + imports) and
-pre-initialisation (until ``shadow_ready``). ``--baseline-rev REV`` also runs the same job
-from a git worktree of REV in this call (before/after); the last line is the ratio.
+pre-initialisation (until ``shadow_ready``). And the job's own start: from the first
+``workers_started`` to the first step every rank committed, and to the first shadows' last
+``shadow_ready``. ``--baseline-rev REV`` also runs the same job from a git worktree of REV
+in this call (before/after); the last line is the ratio of the recovery windows.
 
     python bench/shadow_ready.py --kills 4 [--baseline-rev 89d410c] [--json out.json]
 """
@@ -104,6 +106,21 @@ def windows(events: list[dict]) -> list[dict[str, float]]:
     return out
 
 
+def job_start(events: list[dict]) -> dict[str, float]:
+    """From the first ``workers_started``: every rank's first committed step, and the first
+    shadows' readiness (seconds)."""
+    t0 = next(e["t"] for e in events if e["kind"] == "workers_started")
+    first_steps: dict[int, float] = {}
+    for e in events:
+        if e["kind"] == "step_done":  # the first of each rank: before any kill
+            first_steps.setdefault(e["rank"], e["t"])
+    ready = [e["t"] for e in events if e["kind"] == "shadow_ready" and e["gen"] == 1]
+    return {
+        "first_step_s": max(first_steps.values()) - t0,
+        "shadows_ready_s": (max(ready) - t0) if ready else float("nan"),
+    }
+
+
 def _row(name: str, ws: list[dict[str, float]]) -> str:
     med = {k: statistics.median(w[k] for w in ws) for k in ws[0]}
     return (
@@ -134,20 +151,20 @@ def main() -> None:
     args = p.parse_args()
     script_args = args.script_args or CPU_MODEL
     results: dict[str, list[dict[str, float]]] = {}
+    starts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="leto-ready-") as d:
         tmp = Path(d)
         if args.baseline_dir:
             (tmp / "b").mkdir()
-            results["baseline"] = windows(
-                run(
-                    args.baseline_dir.resolve(),
-                    tmp / "b",
-                    args.kills,
-                    args.gap,
-                    script_args,
-                    args.nproc,
-                )
+            events = run(
+                args.baseline_dir.resolve(),
+                tmp / "b",
+                args.kills,
+                args.gap,
+                script_args,
+                args.nproc,
             )
+            results["baseline"], starts["baseline"] = windows(events), job_start(events)
         elif args.baseline_rev:
             base = tmp / "baseline"
             subprocess.run(
@@ -166,18 +183,16 @@ def main() -> None:
             )
             try:
                 (tmp / "b").mkdir()
-                results["baseline"] = windows(
-                    run(base, tmp / "b", args.kills, args.gap, script_args, args.nproc)
-                )
+                events = run(base, tmp / "b", args.kills, args.gap, script_args, args.nproc)
+                results["baseline"], starts["baseline"] = windows(events), job_start(events)
             finally:
                 subprocess.run(
                     ["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
                     check=False,
                 )
         (tmp / "l").mkdir()
-        results["leto"] = windows(
-            run(REPO, tmp / "l", args.kills, args.gap, script_args, args.nproc)
-        )
+        events = run(REPO, tmp / "l", args.kills, args.gap, script_args, args.nproc)
+        results["leto"], starts["leto"] = windows(events), job_start(events)
     print(
         f"{'':10s} {'n':>3s}  {'spawn':>8s} {'start':>8s} {'pre-init':>9s} {'ready':>8s}  (medians, s)"
     )
@@ -194,9 +209,14 @@ def main() -> None:
                 f"{'':10s} start = process until leto.init {parts['before_init_s']:.2f} + store "
                 f"{parts['store_s']:.2f} + context {parts['context_s']:.2f} (+ the fork)"
             )
+    print(
+        f"{'job start':10s} {'first step':>11s} {'shadows ready':>14s}  (s after workers_started)"
+    )
+    for name, st in starts.items():
+        print(f"{name:10s} {st['first_step_s']:11.2f} {st['shadows_ready_s']:14.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({**results, "job_start": starts}, indent=1))
     now = statistics.median(w["ready_s"] for w in results["leto"])
     if "baseline" in results:
         before = statistics.median(w["ready_s"] for w in results["baseline"])
