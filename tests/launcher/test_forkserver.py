@@ -52,11 +52,10 @@ CLIENT = textwrap.dedent(
 )
 
 
-def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
+def _client(code: str, *args: object) -> str:
+    """The last line ``code`` prints, run in a process of its own (it must succeed)."""
     proc = subprocess.run(
-        [sys.executable, "-c", CLIENT, str(worker), str(tmp_path)],
+        [sys.executable, "-c", code, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=180,
@@ -65,7 +64,13 @@ def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    seen = json.loads(_client(CLIENT, worker, tmp_path))
     for name, worker_saw in seen.items():
         assert worker_saw["torch"], f"{name}: torch was not imported before the script"
         assert worker_saw["marker"] == name, f"{name}: the request's environment was not set"
@@ -116,15 +121,5 @@ def test_a_served_script_exits_as_the_interpreter_would(tmp_path) -> None:
     workers would wait forever otherwise), and the joins before atexit."""
     worker, out = tmp_path / "worker.py", tmp_path / "atexit.txt"
     worker.write_text(EXITING)
-    proc = subprocess.run(
-        [sys.executable, "-c", EXIT_CLIENT, str(worker), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env=_env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "0", "the served script did not exit cleanly"
+    assert _client(EXIT_CLIENT, worker, out) == "0", "the served script did not exit cleanly"
     assert out.read_text() == "1", "atexit ran before the script's thread was joined"
