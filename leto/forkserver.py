@@ -24,11 +24,17 @@ The worker then runs the script with ``runpy`` as ``__main__``: torchrun's
 ``python -u script args`` and ``python -u -m module args`` command lines are served;
 anything else is started the normal way by the caller.
 
-    python -m leto.forkserver SOCKET_FD AGENT_PID
+A worker rewrites the server's command line in its memory with its own (what ``ps`` and
+``pgrep -f`` show, as for a worker torchrun starts): the agent starts the server with a
+last argument of ``TITLE_ROOM`` spaces to make room for it.
+
+    python -m leto.forkserver SOCKET_FD AGENT_PID [SPACES]
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import json
 import logging
@@ -57,6 +63,8 @@ WARM_MODULES = (
     "leto.trainer.context",
     "leto.trainer.state",
 )
+TITLE_ROOM = 4096
+"""Bytes of command line a worker can show (a longer one is cut there)."""
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.config")
 """What the compiler server imports on top of ``WARM_MODULES``."""
 
@@ -71,6 +79,19 @@ def served_argv(argv: list[str]) -> bool:
     if rest[0] == "-m":
         return len(rest) >= 2
     return not rest[0].startswith("-")
+
+
+def show_command_line(argv: list[str]) -> None:
+    """Make this process's ``/proc/self/cmdline`` read ``argv`` (cut to the room the
+    process's own command line took): its bytes are overwritten in place, where the kernel
+    reads them. Python keeps its own copy of its arguments, so nothing else reads these."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48, 49)
+    if end <= start:
+        return
+    title = b"\0".join(a.encode(errors="replace") for a in argv)[: end - start - 1]
+    ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
 
 
 def _run_worker(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, err_fd: int) -> None:
@@ -88,6 +109,8 @@ def _run_worker(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, err
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+        with contextlib.suppress(OSError, ValueError, IndexError):  # left as it was
+            show_command_line(argv)
         if "OMP_NUM_THREADS" in env:
             import torch
 
@@ -165,6 +188,8 @@ class CompilerServer:
                 ours.close()
                 agent_conn.close()  # the agent's end of the server stays the server's alone
                 die_with_agent(parent=server)  # dies with the server (which dies with the agent)
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    show_command_line([*sys.orig_argv[:3], "(compiler server)"])
                 for name in COMPILER_MODULES:
                     __import__(name)
                 theirs.send(b"ready")

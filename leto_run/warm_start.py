@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from leto.errors import ProtocolError
-from leto.forkserver import served_argv
+from leto.forkserver import TITLE_ROOM, served_argv
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,14 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "leto.forkserver", str(theirs.fileno()), str(os.getpid())],
+                [
+                    sys.executable,
+                    "-m",
+                    "leto.forkserver",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    " " * TITLE_ROOM,  # where a worker writes its own command line
+                ],
                 stdout=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),

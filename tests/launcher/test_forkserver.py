@@ -1,6 +1,7 @@
-"""The fork server: workers start with torch imported; a request marked ``compiler`` (a Leto
-trainer) gets ``torch._dynamo`` loaded too, once the compiler server is ready; any other
-never does (``leto.forkserver``: a served DDP script on gloo could hang at exit)."""
+"""The fork server: workers start with torch imported and show their own command line; a
+request marked ``compiler`` (a Leto trainer) gets ``torch._dynamo`` loaded too, once the
+compiler server is ready; any other never does (``leto.forkserver``: a served DDP script on
+gloo could hang at exit)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ WORKER = textwrap.dedent(
     import json, os, sys
     with open(sys.argv[1], "w") as f:
         json.dump({"torch": "torch" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
-                   "cwd": os.getcwd(), "marker": os.environ.get("MARKER")}, f)
+                   "cwd": os.getcwd(), "marker": os.environ.get("MARKER"),
+                   "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode()}, f)
     """
 )
 
@@ -75,6 +77,8 @@ def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
         assert worker_saw["torch"], f"{name}: torch was not imported before the script"
         assert worker_saw["marker"] == name, f"{name}: the request's environment was not set"
         assert worker_saw["cwd"] == str(REPO)
+        argv = [sys.executable, "-u", str(worker), str(tmp_path / name)]
+        assert worker_saw["cmdline"] == "\0".join(argv), f"{name}: ps shows the server's command"
     assert seen["compiler"]["dynamo"], "the compiler server never served a request"
     assert not seen["plain"]["dynamo"] and not seen["plain_after"]["dynamo"], (
         "a worker not marked compiler started with torch._dynamo loaded"
