@@ -109,6 +109,7 @@ def _run_worker(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, err
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+        sys.orig_argv = list(argv)
         with contextlib.suppress(OSError, ValueError, IndexError):  # left as it was
             show_command_line(argv)
         if "OMP_NUM_THREADS" in env:

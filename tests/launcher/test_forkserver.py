@@ -18,6 +18,7 @@ WORKER = textwrap.dedent(
     with open(sys.argv[1], "w") as f:
         json.dump({"torch": "torch" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
                    "cwd": os.getcwd(), "marker": os.environ.get("MARKER"),
+                   "orig_argv": sys.orig_argv,
                    "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode()}, f)
     """
 )
@@ -79,6 +80,7 @@ def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
         assert worker_saw["cwd"] == str(REPO)
         argv = [sys.executable, "-u", str(worker), str(tmp_path / name)]
         assert worker_saw["cmdline"] == "\0".join(argv), f"{name}: ps shows the server's command"
+        assert worker_saw["orig_argv"] == argv
     assert seen["compiler"]["dynamo"], "the compiler server never served a request"
     assert not seen["plain"]["dynamo"] and not seen["plain_after"]["dynamo"], (
         "a worker not marked compiler started with torch._dynamo loaded"
