@@ -236,6 +236,8 @@ class CompilerServer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        with contextlib.suppress(ChildProcessError):  # reaped if it has exited
+            os.waitpid(self.pid, os.WNOHANG)
 
 
 def _answer(conn: socket.socket, agent: int, compiler: CompilerServer | None = None) -> None:

@@ -49,6 +49,11 @@ CLIENT = textwrap.dedent(
             break
         time.sleep(0.2)
     seen["plain_after"] = run(False, "plain_after")
+    pid = server.proc.pid  # its one child left is the compiler server: killed, the server serves
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        (compiler_server,) = map(int, f.read().split())
+    os.kill(compiler_server, 9)
+    seen["compiler_dead"] = run(True, "compiler_dead")
     server.close()
     print(json.dumps(seen))
     """
@@ -85,6 +90,7 @@ def test_compiler_requests_get_dynamo_and_others_never(tmp_path) -> None:
     assert not seen["plain"]["dynamo"] and not seen["plain_after"]["dynamo"], (
         "a worker not marked compiler started with torch._dynamo loaded"
     )
+    assert not seen["compiler_dead"]["dynamo"]  # served by the server itself
 
 
 EXITING = textwrap.dedent(
