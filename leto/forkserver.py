@@ -42,10 +42,12 @@ import os
 import runpy
 import select
 import socket
+import subprocess
 import sys
 import time
 from typing import Any
 
+from leto.errors import ProtocolError
 from leto.lifetime import die_with_agent
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ WARM_MODULES = (
     "leto.trainer.context",
     "leto.trainer.state",
 )
+_PR_SET_CHILD_SUBREAPER = 36
 TITLE_ROOM = 4096
 """Bytes of command line a worker can show (a longer one is cut there)."""
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.config")
@@ -173,6 +176,79 @@ def _spawn(request: dict[str, Any], fds: list[int], agent: int) -> int:
         pid = int(f.read() or b"-1")
     os.waitpid(intermediate, 0)  # after this the worker's parent is the agent
     return pid
+
+
+class ForkServer:
+    """The agent's handle on its fork server process (started before any agent thread)."""
+
+    def __init__(self) -> None:
+        # Workers forked by the server are re-parented to us: we wait on them as on children.
+        # Set before the server is forked: the kernel looks for a subreaper above an orphan
+        # only if one existed when its ancestors were forked.
+        if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise ProtocolError(
+                "prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable"
+            )
+        # A socket pair, not a path: nothing on disk, and no other process can connect.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "leto.forkserver",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    " " * TITLE_ROOM,  # where a worker writes its own command line
+                ],
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+            )
+        self._sock: socket.socket | None = ours
+        self._ready = False
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            raise ProtocolError("the fork server is closed")
+        if not self._ready:
+            assert self.proc.stdout is not None
+            if self.proc.stdout.readline().strip() != b"ready":  # waits for its imports, once
+                raise ProtocolError(
+                    f"the fork server exited (code {self.proc.wait()}) before it was ready"
+                )
+            self._ready = True
+        return self._sock
+
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout_fd: int,
+        stderr_fd: int,
+        compiler: bool = False,
+    ) -> int:
+        """Fork a worker running ``argv`` (a served Python command line); returns its pid.
+        ``compiler``: a Leto trainer, which may come from the compiler server
+        (``leto.forkserver``)."""
+        sock = self._connect()
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "compiler": compiler}
+        request = json.dumps(request).encode()
+        socket.send_fds(sock, [request], [stdout_fd, stderr_fd])
+        reply = json.loads(sock.recv(1 << 16))
+        if "pid" not in reply:
+            raise ProtocolError(f"the fork server could not start a worker: {reply.get('error')}")
+        return int(reply["pid"])
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 class CompilerServer:

@@ -60,6 +60,7 @@ from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import NvmlHealth
 from leto.epoch import EpochBoard, EpochRecord
 from leto.events import ENV_EVENTS_FILE, EventLog, EventTail, Kind
+from leto.forkserver import ForkServer
 from leto.health import ENV_HEARTBEAT, FailureClass, HangWatch, HeartbeatBoard
 from leto.pool.process import StateManagerProcess
 from leto.preinit.controller import PreinitController
@@ -75,7 +76,7 @@ from leto_run.agent_state import (
 from leto_run.failures import classify, kill_hung, log_group_restart, stop_for_restart
 from leto_run.policy import Action, FailureFacts, decide
 from leto_run.shadows import Shadows, pids_of
-from leto_run.warm_start import ForkServer, warm_spawns
+from leto_run.warm_start import warm_spawns
 
 logger = logging.getLogger(__name__)
 

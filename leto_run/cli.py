@@ -25,6 +25,7 @@ import click
 
 from leto.config import FaultSpec, LetoConfig, SettingError
 from leto.errors import ConfigError, LetoError, StoreLostError
+from leto.forkserver import ForkServer
 from leto_run.jobfile import JobFile, launch_actions, load_jobfile
 
 if TYPE_CHECKING:
@@ -508,6 +509,31 @@ def _check_faults_can_fire(leto: LetoConfig, nnodes: str, nproc: int, origins: O
             )
 
 
+def parse_launch(argv: Sequence[str]) -> tuple[argparse.Namespace, LetoConfig]:
+    """``leto-run ARGV`` parsed and checked, without torch: ``-h`` and every error a user can
+    cause end here, before anything starts."""
+    args, leto, origins = _parse(argv)
+    _check_script_exists(args)
+    _check_nnodes(args.nnodes, origins)
+    nproc = _check_launch_values(args, origins)
+    _check_events_file(leto, origins)
+    _check_faults_can_fire(leto, args.nnodes, nproc, origins)
+    return args, leto
+
+
+def launch_config(
+    args: argparse.Namespace,
+) -> tuple[LaunchConfig, Callable[..., object] | str, list[str]]:
+    """torchrun's config, cmd and args for parsed arguments (``parse_launch``)."""
+    from torch.distributed.run import config_from_args
+
+    try:
+        apply_torchrun_run_defaults(args)
+        return config_from_args(args)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        raise ConfigError(f"invalid launch options: {e}") from None
+
+
 def build_launch(
     argv: Sequence[str],
 ) -> tuple[LaunchConfig, Callable[..., object] | str, list[str], LetoConfig]:
@@ -515,20 +541,8 @@ def build_launch(
 
     Every value that could only fail after the launch is checked here first.
     """
-    from torch.distributed.run import config_from_args
-
-    args, leto, origins = _parse(argv)
-    _check_script_exists(args)
-    _check_nnodes(args.nnodes, origins)
-    nproc = _check_launch_values(args, origins)
-    _check_events_file(leto, origins)
-    _check_faults_can_fire(leto, args.nnodes, nproc, origins)
-    try:
-        apply_torchrun_run_defaults(args)
-        config, cmd, cmd_args = config_from_args(args)
-    except (ValueError, RuntimeError, AssertionError) as e:
-        raise ConfigError(f"invalid launch options: {e}") from None
-    return config, cmd, cmd_args, leto
+    args, leto = parse_launch(argv)
+    return (*launch_config(args), leto)
 
 
 # ---------------------------------------------------------------------------- entry
@@ -536,23 +550,31 @@ def build_launch(
 
 def _launch(argv: Sequence[str]) -> None:
     """Build the launch and hand it to Leto's agent; recorded like torchrun's main."""
-    import torch
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-
-    config, cmd, cmd_args, leto = build_launch(argv)  # before importing the agent: -h, errors
-
-    from leto_run.launch import launch
-
-    torch.multiprocessing._set_thread_name("pt_elastic")  # as torch.distributed.run.run
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-
+    args, leto = parse_launch(argv)  # before torch: -h, errors
+    # Before torch and before any thread of ours: the fork server's import of torch runs
+    # while this process imports its own.
+    forkserver = ForkServer() if leto.warm_restarts else None
     try:
-        record(launch)(config, cmd, cmd_args, leto)
-    except ChildFailedError as e:  # torchrun's exit code, with torch's failure report
-        print(e.format_msg(), file=sys.stderr)
-        sys.exit(1)
-    except RendezvousConnectionError as e:  # torch's rendezvous met the same loss first
-        _die(str(StoreLostError(config.rdzv_endpoint, e.__cause__ or e)), code=1)
+        import torch
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+        config, cmd, cmd_args = launch_config(args)
+
+        from leto_run.launch import launch
+
+        torch.multiprocessing._set_thread_name("pt_elastic")  # as torch.distributed.run.run
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        try:
+            record(launch)(config, cmd, cmd_args, leto, forkserver)
+        except ChildFailedError as e:  # torchrun's exit code, with torch's failure report
+            print(e.format_msg(), file=sys.stderr)
+            sys.exit(1)
+        except RendezvousConnectionError as e:  # torch's rendezvous met the same loss first
+            _die(str(StoreLostError(config.rdzv_endpoint, e.__cause__ or e)), code=1)
+    finally:
+        if forkserver is not None:
+            forkserver.close()
 
 
 def _run_sim(argv: Sequence[str]) -> None:

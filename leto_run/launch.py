@@ -25,10 +25,10 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _ge
 from leto.config import LetoConfig
 from leto.errors import ConfigError
 from leto.events import EventLog, Kind
+from leto.forkserver import ForkServer
 from leto.lifetime import ENV_AGENT_PID, sweep_leftovers
 from leto_run.agent import GenerationLogsSpecs, LetoAgent
 from leto_run.metrics import MetricsServer
-from leto_run.warm_start import ForkServer
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,15 @@ def _logs_specs(config: LaunchConfig) -> GenerationLogsSpecs:
 
 
 def launch(
-    config: LaunchConfig, entrypoint: str, args: list[str], leto: LetoConfig
+    config: LaunchConfig,
+    entrypoint: str,
+    args: list[str],
+    leto: LetoConfig,
+    forkserver: ForkServer | None = None,
 ) -> dict[int, Any]:
-    """Run this node's share of the job; raises ``ChildFailedError`` as torchrun does."""
+    """Run this node's share of the job; raises ``ChildFailedError`` as torchrun does.
+    ``forkserver``: the caller's, started before anything else (the caller closes it);
+    workers start from it (None: cold, as torchrun's)."""
     if os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
         raise ConfigError(
             "leto-run needs the agent's shared store; unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -70,8 +76,6 @@ def launch(
     # A reused events file: this job's summary starts at its current end.
     events_offset = os.path.getsize(events_path) if os.path.exists(events_path) else 0
     events = EventLog(events_path, source="agent")
-    # Before any thread of ours exists: a fork server that has imported torch.
-    forkserver = ForkServer() if leto.warm_restarts else None
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -157,7 +161,5 @@ def launch(
         dashboard.stop()
         metrics.stop()
         events.close()
-        if forkserver is not None:
-            forkserver.close()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()

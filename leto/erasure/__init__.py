@@ -12,10 +12,23 @@ Public API for the pool and the updater:
 
 from __future__ import annotations
 
-from leto.erasure.config import ErasureConfig
-from leto.erasure.group import ProtectionGroup, RebuildReport
-from leto.erasure.layout import GroupSpan, PageSpan, padded_bytes, plan_groups, split_range
-from leto.erasure.rs import CauchyCode, DecodePlan, PageRef
+import importlib
+from typing import Any
+
+_LAZY = {
+    "CauchyCode": "leto.erasure.rs",
+    "DecodePlan": "leto.erasure.rs",
+    "ErasureConfig": "leto.erasure.config",
+    "GroupSpan": "leto.erasure.layout",
+    "PageRef": "leto.erasure.rs",
+    "PageSpan": "leto.erasure.layout",
+    "ProtectionGroup": "leto.erasure.group",
+    "RebuildReport": "leto.erasure.group",
+    "padded_bytes": "leto.erasure.layout",
+    "plan_groups": "leto.erasure.layout",
+    "split_range": "leto.erasure.layout",
+}
+"""Each export's module, imported at first access: the configuration needs no torch."""
 
 __all__ = [
     "CauchyCode",
@@ -30,3 +43,9 @@ __all__ = [
     "plan_groups",
     "split_range",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'leto.erasure' has no attribute {name!r}")

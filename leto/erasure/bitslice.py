@@ -26,12 +26,11 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from leto.erasure.config import TILE_BYTES
 from leto.erasure.gf16 import EXP, LOG, bitmatrix_rows_np
 
 logger = logging.getLogger(__name__)
 
-TILE_BYTES = 2048
-"""Bytes per tile; page sizes and update ranges must be multiples of this."""
 PLANES = 16
 WORDS_PER_PLANE = 32
 SYMBOLS_PER_TILE = 1024

@@ -1,12 +1,18 @@
-"""Configuration of two-tier erasure protection (the ``erasure:`` section of a job file)."""
+"""Configuration of two-tier erasure protection (the ``erasure:`` section of a job file).
+
+No torch here: ``leto-run`` reads job files before it imports torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from leto.erasure.bitslice import TILE_BYTES
-from leto.erasure.gf16 import ORDER
 from leto.errors import ConfigError
+
+TILE_BYTES = 2048
+"""Bytes per bit-sliced tile (``leto.erasure.bitslice``); page sizes and update ranges must
+be multiples of this."""
+ORDER = 1 << 16
+"""Number of elements of the field GF(2^16) (``leto.erasure.gf16``)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -16,14 +16,13 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from leto.erasure.config import ORDER
 from leto.errors import UnrecoverableStateError
 
 logger = logging.getLogger(__name__)
 
 POLY = 0x1100B
 """The primitive polynomial x^16 + x^12 + x^3 + x + 1."""
-ORDER = 1 << 16
-"""Number of field elements."""
 ALPHA = 2
 """The generator ``x``."""
 

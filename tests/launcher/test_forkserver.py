@@ -27,7 +27,7 @@ WORKER = textwrap.dedent(
 CLIENT = textwrap.dedent(
     """
     import json, os, sys, time
-    from leto_run.warm_start import ForkServer
+    from leto.forkserver import ForkServer
 
     worker, out = sys.argv[1], sys.argv[2]
     server = ForkServer()
@@ -107,7 +107,7 @@ EXITING = textwrap.dedent(
 EXIT_CLIENT = textwrap.dedent(
     """
     import os, signal, sys, time
-    from leto_run.warm_start import ForkServer
+    from leto.forkserver import ForkServer
 
     worker, path = sys.argv[1], sys.argv[2]
     server = ForkServer()
