@@ -76,7 +76,7 @@ from leto_run.agent_state import (
 from leto_run.failures import classify, kill_hung, log_group_restart, stop_for_restart
 from leto_run.policy import Action, FailureFacts, decide
 from leto_run.shadows import Shadows, pids_of
-from leto_run.warm_start import warm_spawns
+from leto_run.warm_start import started_warm, warm_spawns
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class LetoAgent(LocalElasticAgent):
             Kind.WORKERS_STARTED,
             restart=self._restart_count(),
             **pids_of(worker_group, pcontext),
-            warm=self.forkserver is not None,
+            warm=started_warm(pcontext),
         )
         return pcontext.pids()
 

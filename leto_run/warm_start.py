@@ -84,6 +84,13 @@ def _handler_class(server: ForkServer, compiler: bool) -> type[SubprocessHandler
     return WarmHandler
 
 
+def started_warm(pcontext: Any) -> bool:
+    """Whether every worker of ``pcontext`` (torch's process context) came from the fork
+    server (a command line it cannot serve starts cold)."""
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    return bool(handlers) and all(isinstance(h.proc, WarmPopen) for h in handlers.values())
+
+
 @contextlib.contextmanager
 def warm_spawns(server: ForkServer | None, compiler: bool = False) -> Iterator[None]:
     """Within this block torch starts binary workers from ``server`` (None: as usual);

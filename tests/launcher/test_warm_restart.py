@@ -4,6 +4,7 @@ server, and computes exactly what a cold (torchrun-style) restart computes."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -44,3 +45,28 @@ def test_warm_restart_equals_cold_restart(tmp_path) -> None:
         ]
     assert results["warm"] == results["cold"]
     assert results["warm"]["attempt"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_command_line_the_server_cannot_run_starts_cold_and_says_so(tmp_path) -> None:
+    """``--no-python`` with interpreter flags: torch's Popen starts the workers, and the
+    ``workers_started`` event says they are not warm."""
+    out = tmp_path / "out.json"
+    proc = _leto_run(
+        tmp_path,
+        "--no-python",
+        sys.executable,
+        "-X",
+        "utf8",
+        DDP,
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["attempt"] == 0
+    started = [
+        e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == Kind.WORKERS_STARTED
+    ]
+    assert [e["warm"] for e in started] == [False]
