@@ -1,8 +1,9 @@
 """A pre-warmed fork server: workers start without paying for ``import torch``.
 
-Started by the agent before it creates any thread, CUDA context or process group, the
-server imports torch (and torch.distributed, torch.nn) and waits on its end of a socket
-pair (inherited: nothing on disk). For each worker the agent sends ``argv``, ``env`` and
+Started by ``leto-run`` (:class:`ForkServer`, the agent's handle on it) once its arguments
+are checked and before it imports torch itself or creates any thread, CUDA context or
+process group, the server imports torch (and torch.distributed, torch.nn) and waits on its
+end of a socket pair (inherited: nothing on disk). For each worker the agent sends ``argv``, ``env`` and
 ``cwd`` plus the worker's stdout and stderr descriptors (SCM_RIGHTS); the server
 double-forks, so the worker is re-parented to the agent (a child subreaper,
 ``PR_SET_CHILD_SUBREAPER``) and the agent waits on it like on any child: exit codes,
@@ -179,7 +180,8 @@ def _spawn(request: dict[str, Any], fds: list[int], agent: int) -> int:
 
 
 class ForkServer:
-    """The agent's handle on its fork server process (started before any agent thread)."""
+    """The agent's handle on its fork server process (started before the agent imports torch
+    or starts a thread)."""
 
     def __init__(self) -> None:
         # Workers forked by the server are re-parented to us: we wait on them as on children.
@@ -187,7 +189,8 @@ class ForkServer:
         # only if one existed when its ancestors were forked.
         if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise ProtocolError(
-                "prctl(PR_SET_CHILD_SUBREAPER) failed; warm restarts are unavailable"
+                "prctl(PR_SET_CHILD_SUBREAPER) failed: no fork server here; start workers "
+                "cold with --no-warm-restarts"
             )
         # A socket pair, not a path: nothing on disk, and no other process can connect.
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
