@@ -88,10 +88,14 @@ def served_argv(argv: list[str]) -> bool:
 def show_command_line(argv: list[str]) -> None:
     """Make this process's ``/proc/self/cmdline`` read ``argv`` (cut to the room the
     process's own command line took): its bytes are overwritten in place, where the kernel
-    reads them. Python keeps its own copy of its arguments, so nothing else reads these."""
-    with open("/proc/self/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48, 49)
+    reads them. Python keeps its own copy of its arguments, so nothing else reads these.
+    Where ``/proc`` does not say where they are, the command line is left as it was."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): 48, 49)
+    except (OSError, ValueError, IndexError):
+        return
     if end <= start:
         return
     title = b"\0".join(a.encode(errors="replace") for a in argv)[: end - start - 1]
@@ -114,8 +118,7 @@ def _run_worker(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, err
         os.environ.clear()
         os.environ.update(env)
         sys.orig_argv = list(argv)
-        with contextlib.suppress(OSError, ValueError, IndexError):  # left as it was
-            show_command_line(argv)
+        show_command_line(argv)
         if "OMP_NUM_THREADS" in env:
             import torch
 
@@ -268,8 +271,7 @@ class CompilerServer:
                 ours.close()
                 agent_conn.close()  # the agent's end of the server stays the server's alone
                 die_with_agent(parent=server)  # dies with the server (which dies with the agent)
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    show_command_line([*sys.orig_argv[:3], "(compiler server)"])
+                show_command_line([*sys.orig_argv[:3], "(compiler server)"])
                 for name in COMPILER_MODULES:
                     __import__(name)
                 theirs.send(b"ready")
