@@ -313,6 +313,7 @@ SCHEMA: dict[Kind, EventSpec] = {
             "device_peak_bytes": _opt(int, "bytes"),
             "lent_bytes": _opt(int, "bytes"),
             "attempt": _opt(int),
+            "compiled_graphs": _opt(int),
         },
     ),
     Kind.MODEL_WARMED: EventSpec(

@@ -186,9 +186,18 @@ def _wait_for_report(
     return None if words[1] == 0 else words  # type: ignore[return-value]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForwardWarmup:
+    """What a shadow's forward replay did (its ``model_warmed`` event), and the hooks the
+    model's compiled graphs were traced under (None: none were compiled)."""
+
+    result: ModelWarmupResult
+    traced: compiled.TracedHooks | None = None
+
+
 def warm_forward(
     site: ShadowSite, model: torch.nn.Module, *, keep_cache: bool = False
-) -> ModelWarmupResult | None:
+) -> ForwardWarmup | None:
     """A shadow's forward replay (``leto.preinit.replay``) under :func:`warm_model`'s rules;
     None (and no event) where it does not apply: an active trainer, CPU unless asked, an
     integration's model (its own warm-up, collectives in its forward), a sharded model."""
@@ -201,15 +210,20 @@ def warm_forward(
     if isinstance(spec, str):
         result = ModelWarmupResult(ran=False, reason=spec)
         _emit(site, replay.NAME, result)
-        return result
-    return warm_model(
+        return ForwardWarmup(result)
+    replayed: list[replay.ReplayResult] = []
+    result = warm_model(
         site,
-        lambda: replay.replay(model, spec, site.device),
+        lambda: replayed.append(replay.replay(model, spec, site.device)),
         name=replay.NAME,
         transient_bytes=replay.transient_bytes(model),
         config=config,
         keep_cache=keep_cache,
     )
+    assert result is not None  # a shadow's
+    if replayed and replayed[0].eager is not None:
+        logger.info("[rank %d shadow] forward replay ran eager: %s", site.rank, replayed[0].eager)
+    return ForwardWarmup(result, replayed[0].traced if replayed and result.ran else None)
 
 
 COMPILER = "compiler"
@@ -219,12 +233,17 @@ _COMPILER_TRANSIENT_BYTES = 1 << 20
 """The throwaway function's device memory (a few KiB of tensors), rounded up."""
 
 
-def warm_compiler(site: ShadowSite, model: torch.nn.Module) -> ModelWarmupResult | None:
+def warm_compiler(
+    site: ShadowSite, model: torch.nn.Module, replayed: ForwardWarmup | None = None
+) -> ModelWarmupResult | None:
     """In a level-3 shadow of a model with compiled modules: ``compiled.compile_once`` with
     the model's compile settings, under :func:`warm_model`'s rules. None (and no event)
     where it does not apply: an active trainer, a model without compiled modules,
-    ``preinit.warm_kernels: false``."""
+    ``preinit.warm_kernels: false``, a forward replay that compiled the model (``replayed``:
+    the compiler's first use is paid)."""
     if not site.is_shadow or not site.env.preinit.warm_kernels:
+        return None
+    if replayed is not None and replayed.traced is not None:
         return None
     found = compiled.compiled_modules(model)
     if not found:

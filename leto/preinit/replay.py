@@ -17,8 +17,10 @@ model's, for any ``nn.Module``:
   actives leave, skipped once a promotion is pending, the RNG forked.
 
 Nothing retained is read or written: the copy is made from the meta model before binding.
-Compiled modules run eager in the copy; the compiler is warmed apart
-(``leto.compiled``).
+Compiled modules are compiled in the copy with the model's settings, so the model's graphs
+are in Dynamo's caches before any failure, with the hooks they saw recorded for the
+promoted trainer to check (``leto.compiled.TracedHooks``); where the settings cannot be
+read or capture CUDA graphs, they run eager and the compiler is warmed apart.
 Inputs that are not tensors, JSON scalars, lists, tuples or string-keyed dicts, models
 that are not all on the meta device and sharded (``DTensor``) models are not replayed; the
 ``model_warmed`` event says why.
@@ -27,6 +29,7 @@ that are not all on the meta device and sharded (``DTensor``) models are not rep
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from leto import contract
+from leto import compiled, contract
 from leto.preinit.levels import DeviceMemory
 
 if TYPE_CHECKING:
@@ -159,20 +162,38 @@ class ReplayResult:
     """Parameters that received a gradient (and went through the clip)."""
     backward: bool
     """The model returned a floating tensor with a gradient, so backward ran."""
+    traced: compiled.TracedHooks | None = None
+    """The hooks the model's compiled graphs were traced under; None: it ran eager."""
+    eager: str | None = None
+    """Why a model with compiled modules ran eager, or None."""
 
 
 def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
     """One forward, backward and clip of a scratch copy of the meta-device ``model``.
 
-    Compiled modules and functions run eager here (``torch.compiler.set_stance``): a graph
-    compiled for the copy would be reused by the trainer's first call without the module
-    hooks registered after it (``leto.compiled``)."""
-    with torch.compiler.set_stance("force_eager"):
-        return _replay(model, spec, device)
+    Its compiled modules are compiled in the copy (``leto.compiled.compile_like``); where
+    that cannot be done they run eager (``torch.compiler.set_stance``) and ``eager`` says
+    why. A replay that raises leaves no graph: Dynamo's caches are dropped."""
+    scratch = copy.deepcopy(model)
+    try:
+        compiling = compiled.compile_like(model, scratch) > 0
+        eager = None
+    except ValueError as e:
+        compiling, eager = False, str(e)
+    if not compiling:
+        with torch.compiler.set_stance("force_eager"):
+            return dataclasses.replace(_replay(scratch, spec, device), eager=eager)
+    traced = compiled.TracedHooks.of(model)  # the copy's hooks are the model's, as copied
+    try:
+        result = _replay(scratch, spec, device)
+    except BaseException:
+        torch._dynamo.reset()  # graphs of a failed replay are not kept
+        raise
+    return dataclasses.replace(result, traced=traced)
 
 
-def _replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
-    scratch = copy.deepcopy(model).to_empty(device=device)
+def _replay(scratch: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
+    scratch.to_empty(device=device)
     with torch.no_grad():
         for p in scratch.parameters():
             if p.is_floating_point():

@@ -124,6 +124,11 @@ class RetainedState:
         mapped_ahead = wait_for_promotion is None or services.ready_to_map_ahead()
         self._replay_kept = False
         """This shadow's forward replay left its blocks cached for the first step."""
+        self._graphs_at_begin = 0
+        """Dynamo's graphs compiled in this process when the step began."""
+        self._traced_hooks: compiled.TracedHooks | None = None
+        """The hooks this shadow's replay compiled the model's graphs under, until the
+        promoted trainer's first ``compute`` checks them (``leto.compiled``)."""
         self._frozen_schedulers: list | None = None
         """A shadow's LR schedulers found before it froze its heap (``extras.freeze_heap``)."""
         self.mapped_ahead_step: int | None = None
@@ -203,8 +208,9 @@ class RetainedState:
         # afresh, so a trainer whose shadow kept them does not lend.
         keep = self.services.env.lend_activations is not True
         replayed = warm_forward(site, self.model, keep_cache=keep)
-        self._replay_kept = replayed is not None and replayed.kept_bytes > 0
-        warm_compiler(site, self.model)  # a compiled model: the compiler's first use
+        self._replay_kept = replayed is not None and replayed.result.kept_bytes > 0
+        self._traced_hooks = None if replayed is None else replayed.traced
+        warm_compiler(site, self.model, replayed)  # a compiled model: the compiler's first use
 
         def freeze() -> None:  # once ready: the scan must not delay readiness
             self._frozen_schedulers = freeze_heap(self.optimizer)
@@ -456,6 +462,7 @@ class RetainedState:
             )
         self._committed_this_step = False
         self._step_started = time.perf_counter()
+        self._graphs_at_begin = compiled.graphs_compiled()
         self._phases = PhaseTimes(
             self.device, self._step_started, enabled=self.services.env.phase_times
         )
@@ -500,7 +507,20 @@ class RetainedState:
         ``fn`` must not run collectives: the other ranks do not retry with this one (so with
         a model-parallel ``Context.grad_sync`` the error always propagates).
         """
+        if self._traced_hooks is not None:  # a promoted shadow's first step
+            self._keep_traced_graphs(self._traced_hooks)
+            self._traced_hooks = None
         return self._compute.run(self.marker.step, fn)
+
+    def _keep_traced_graphs(self, traced: compiled.TracedHooks) -> None:
+        """The graphs the replay compiled serve this trainer where its model has the hooks
+        they were traced under; else Dynamo's caches are dropped and it compiles afresh."""
+        if not traced.keep_or_drop(self.model):
+            logger.info(
+                "[rank %d] the module hooks changed since the shadow compiled the model: "
+                "compiling afresh",
+                self.services.rank,
+            )
 
     def _restart_compute(self) -> None:
         """Back to the start of this step's compute phase (buffers, zero gradients; the
@@ -576,6 +596,7 @@ class RetainedState:
                 else {"device_peak_bytes": self._device_peak_bytes()}
             ),
             **({} if lender is None else {"lent_bytes": lender.arena.lent_bytes()}),
+            **self._compiled_fields(),
         )
         if not self._announced:  # this generation is training: the agent ends the recovery
             # After step_done, so the agent finds this first step in the events file.
@@ -585,6 +606,11 @@ class RetainedState:
             self._announced = True
         self.services.committed(self)  # heartbeat + fatal-failure checkpoint (leto.checkpoint)
         return norm
+
+    def _compiled_fields(self) -> dict[str, int]:
+        """``compiled_graphs``: what Dynamo compiled during this step, where it did."""
+        graphs = compiled.graphs_compiled() - self._graphs_at_begin
+        return {"compiled_graphs": graphs} if graphs else {}
 
     def _clip(self, max_grad_norm: float | None, skipped: frozenset[int]) -> torch.Tensor | None:
         """Clip to ``max_grad_norm``: where the updater scales the gradients as it reads

@@ -1,6 +1,6 @@
-"""A shadow's warm-ups of a ``torch.compile``'d model, in process: the forward replay runs
-its compiled modules eager, the compiler warm-up compiles with the model's settings
-(``leto.compiled``). A counting Dynamo backend (tests/dynamo_backend.py) stands for Inductor.
+"""A shadow's warm-ups of a ``torch.compile``'d model, in process: the forward replay
+compiles the model's graphs for the promoted trainer, which drops them where its hooks
+changed since; the compiler warm-up compiles with the model's settings (``leto.compiled``). A counting Dynamo backend (tests/dynamo_backend.py) stands for Inductor.
 """
 
 from __future__ import annotations
@@ -60,26 +60,103 @@ def _spec() -> ForwardSpec:
     return ForwardSpec.of((torch.zeros(3, 8),), {})
 
 
-@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
-def test_the_replay_leaves_no_graph_that_would_skip_the_trainers_hooks(how):
-    """Dynamo does not guard on module hooks: a graph the replay compiled would be reused
-    by the trainer's first call, without a hook registered after the replay."""
-    backend = CountingBackend()
+def _compiled_meta_net(how: str, backend: CountingBackend) -> torch.nn.Module:
     with torch.device("meta"):
         model = _Net()
     if how == "module.compile":
         for block in model.blocks:
             block.compile(backend=backend)
-    else:
-        model = torch.compile(model, backend=backend)
-    replay(model, _spec(), torch.device("cpu"))
-    assert backend.graphs == 0, "the copy ran eager"
+        return model
+    return torch.compile(model, backend=backend)
+
+
+def _inner(net: torch.nn.Module) -> torch.nn.Module:
+    return getattr(net, "_orig_mod", net)
+
+
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+def test_the_replay_compiles_the_models_graphs_for_the_trainers_first_call(how):
+    backend = CountingBackend()
+    model = _compiled_meta_net(how, backend)
+    result = replay(model, _spec(), torch.device("cpu"))
+    assert result.traced is not None and result.eager is None
+    traced = backend.graphs
+    assert traced >= 1, "the copy ran compiled"
     net = _materialise(model)
-    calls = []
-    inner = net._orig_mod if how == "torch.compile" else net
-    inner.blocks[0].fc.register_forward_pre_hook(lambda *_: calls.append(1))
+    outside = net.head if how == "module.compile" else net  # where Leto's hooks go
+    outside.register_forward_hook(lambda *_: None)
+    assert result.traced.keep_or_drop(net)
     net(torch.randn(3, 8)).sum().backward()
-    assert backend.graphs >= 1 and calls == [1], "the first call compiled, with the hook"
+    assert backend.graphs == traced, "the trainer's first call reused the replay's graphs"
+
+
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+@pytest.mark.parametrize("where", ["leaf", "block", "global", "removed"])
+def test_a_hook_changed_after_the_replay_drops_its_graphs(how, where):
+    """Dynamo does not guard on module hooks: reused, a graph the replay traced would skip
+    a hook registered after it, or run one removed since."""
+    backend = CountingBackend()
+    model = _compiled_meta_net(how, backend)
+    calls: list[int] = []
+    early = _inner(model).blocks[0].fc.register_forward_pre_hook(lambda *_: calls.append(0))
+    result = replay(model, _spec(), torch.device("cpu"))
+    assert result.traced is not None
+    calls.clear()
+    traced = backend.graphs
+    net = _materialise(model)
+    block = _inner(net).blocks[0]
+    handle = None
+    if where == "leaf":
+        block.fc.register_forward_pre_hook(lambda *_: calls.append(1))
+    elif where == "block" and how == "module.compile":
+        block.register_forward_hook(lambda *_: calls.append(1))  # inside its compiled call
+    elif where == "block":
+        block.norm.register_forward_hook(lambda *_: calls.append(1))
+    elif where == "global":
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, _: calls.append(1) if m is block.fc else None
+        )
+    else:
+        early.remove()
+    try:
+        assert not result.traced.keep_or_drop(net)
+        net(torch.randn(3, 8)).sum().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert backend.graphs > traced, "compiled afresh"
+    expected = [] if where == "removed" else [0, 1]
+    assert sorted(calls) == expected, "the model's hooks ran, as they are now"
+
+
+def test_settings_that_capture_cuda_graphs_replay_eager():
+    with torch.device("meta"):
+        model = _Net()
+    model.blocks[0].compile(mode="reduce-overhead")
+    result = replay(model, _spec(), torch.device("cpu"))
+    assert result.traced is None and "CUDA graphs" in (result.eager or "")
+
+
+class _Raises(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("after the compiled blocks")
+
+
+def test_a_replay_that_raises_leaves_no_graph():
+    backend = CountingBackend()
+    model = _compiled_meta_net("module.compile", backend)
+    with torch.device("meta"):
+        model.head = torch.nn.Sequential(torch.nn.Linear(8, 4), _Raises())
+    with pytest.raises(RuntimeError, match="after the compiled blocks"):
+        replay(model, _spec(), torch.device("cpu"))
+    assert backend.graphs >= 1
+    traced = backend.graphs
+    net = _materialise(model)
+    calls: list[int] = []
+    net.blocks[0].fc.register_forward_pre_hook(lambda *_: calls.append(1))
+    net.head = torch.nn.Linear(8, 4)
+    net(torch.randn(3, 8)).sum().backward()
+    assert backend.graphs > traced and calls == [1], "nothing of the failed replay was reused"
 
 
 def test_compiled_modules_are_found_with_their_settings():
