@@ -13,11 +13,13 @@ each, every kill once the shadow is ready:
   ``fully_shard``): no forward replay (its forward runs collectives), so the shadow warms
   the compiler (``model_warmup.warm_compiler``); off: ``preinit.warm_kernels: false``.
 * ``gpt``: ``examples/train_gpt.py --compile`` (each block compiled) with
-  ``preinit.replay_forward: true`` (the replay runs the blocks eager) and the compiler
-  warm-up; off: ``replay_forward: false`` and ``warm_kernels: false``.
+  ``preinit.replay_forward: true`` (the replay compiles the model's blocks, so the
+  promoted trainer's first step compiles nothing); off: ``replay_forward: false`` and
+  ``warm_kernels: false``.
 
 Each recovery's phases come from the agent's ``recovery_done`` event; the steady step is
-the median of rank 0's step periods outside recoveries (``summary.step_periods``). Inductor's on-disk cache is warm
+the median of rank 0's step periods outside recoveries (``summary.step_periods``); the graphs
+Dynamo compiled in each promoted trainer's first step come from its ``step_done``. Inductor's on-disk cache is warm
 for every run (a first run fills it). Prints one row per run and, last, the first step's
 excess over a steady step with the warm-ups over without.
 
@@ -119,9 +121,25 @@ def run(job: str, warm: bool, tmp: Path, cache: Path, steps: int) -> dict[str, o
         "job": job,
         "warm": warm,
         "recoveries_s": recoveries,
+        "first_step_graphs": first_step_graphs(evs),
         "steady_ms": round(1e3 * statistics.median(steady), 1),
         "warmups": warmups,
     }
+
+
+def first_step_graphs(evs: list[dict]) -> list[int]:
+    """Graphs Dynamo compiled in each promoted trainer's first step, in promotion order."""
+    out = []
+    for promoted in (e for e in evs if e["kind"] == Kind.PROMOTED):
+        first = next(
+            e
+            for e in evs
+            if e["kind"] == Kind.STEP_DONE
+            and e["rank"] == promoted["rank"]
+            and e["t"] > promoted["t"]
+        )
+        out.append(first.get("compiled_graphs", 0))
+    return out
 
 
 def steady(tmp: Path, cache: Path, steps: int) -> dict[str, float]:
@@ -156,26 +174,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--jobs", default="fsdp2,gpt")
-    p.add_argument("--steady-steps", type=int, default=40)
+    p.add_argument("--steady-steps", type=int, default=40, help="0: no steady comparison")
     p.add_argument("--json", default=str(REPO / "bench/results/compiled_cpu.json"))
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp, cache = Path(d), Path(d) / "inductor"
-        run("fsdp2", True, tmp, cache, 3)  # fills Inductor's on-disk cache
-        ratio = steady(tmp, cache, args.steady_steps)
+        ratio = None
+        if args.steady_steps:
+            run("fsdp2", True, tmp, cache, 3)  # fills Inductor's on-disk cache
+            ratio = steady(tmp, cache, args.steady_steps)
         for job in args.jobs.split(","):
             run(job, True, tmp, cache, 3)  # fills Inductor's on-disk cache
             for warm in (True, False):
                 rows.append(run(job, warm, tmp, cache, args.steps))
-    print(f"{'job':<6} {'warm-ups':<8} | first step ms per recovery | recovery ms | steady ms")
+    print(
+        f"{'job':<6} {'warm-ups':<8} | first step ms per recovery | recovery ms | steady ms "
+        "| graphs in first steps"
+    )
     for r in rows:
         firsts = [1e3 * rec.get("first step", float("nan")) for rec in r["recoveries_s"]]
         totals = [1e3 * sum(rec.values()) for rec in r["recoveries_s"]]
         print(
             f"{r['job']:<6} {'on' if r['warm'] else 'off':<8} | "
             f"{', '.join(f'{x:.0f}' for x in firsts):<26} | "
-            f"{', '.join(f'{x:.0f}' for x in totals):<11} | {r['steady_ms']}"
+            f"{', '.join(f'{x:.0f}' for x in totals):<11} | {r['steady_ms']:<9} "
+            f"| {r['first_step_graphs']}"
         )
         r["first_step_ms"] = firsts
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +210,8 @@ def main() -> None:
         )
         excess = [statistics.median(r["first_step_ms"]) - r["steady_ms"] for r in (on, off)]
         print(f"{job}: first-step excess with warm-ups / without = {excess[0] / excess[1]:.3f}")
+    if ratio is None:
+        return
     print(
         f"fsdp2 steady step: torchrun {ratio['torchrun']} ms, leto-run {ratio['leto']} ms, "
         f"leto / torchrun = {ratio['leto'] / ratio['torchrun']:.3f}"

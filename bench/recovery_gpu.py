@@ -382,10 +382,18 @@ def print_phases(timed: dict[str, dict[str, float]]) -> None:
         )
 
 
-def no_lend_args(tmp: Path) -> tuple[str, ...]:
-    """leto-run's arguments for a job with ``lend_activation_memory: false``."""
-    job = tmp / "no-lend.yaml"
-    job.write_text("leto:\n  lend_activation_memory: false\n")
+def config_args(tmp: Path, no_lend: bool = False, no_replay: bool = False) -> tuple[str, ...]:
+    """leto-run's arguments for a job with ``lend_activation_memory: false`` and/or
+    ``preinit.replay_forward: false`` (none if neither)."""
+    lines = ["leto:"]
+    if no_lend:
+        lines.append("  lend_activation_memory: false")
+    if no_replay:
+        lines.append("  preinit:\n    replay_forward: false")
+    if len(lines) == 1:
+        return ()
+    job = tmp / "leto-job.yaml"
+    job.write_text("\n".join(lines) + "\n")
     return ("--config", str(job))
 
 
@@ -412,9 +420,9 @@ def ablate(args: argparse.Namespace) -> None:
         restart = ("--recovery", "restart")
         runs = {
             "leto-run": (),
-            "leto-run, no lending": no_lend_args(tmp),
+            "leto-run, no lending": config_args(tmp, no_lend=True),
             "leto-run, no shadows": restart,
-            "leto-run, no shadows, no lending": (*restart, *no_lend_args(tmp)),
+            "leto-run, no shadows, no lending": (*restart, *config_args(tmp, no_lend=True)),
         }
         iters = {
             "torchrun": after_shadows_settled(
@@ -495,7 +503,7 @@ def iteration_only(args: argparse.Namespace) -> None:
 
         jobs = {"torchrun": torchrun_round, "leto-run": leto_round}
         if args.with_no_lend:
-            jobs["leto-run, no lending"] = lambda: leto_round(*no_lend_args(tmp))
+            jobs["leto-run, no lending"] = lambda: leto_round(*config_args(tmp, no_lend=True))
         names = list(jobs)
         rounds = []
         for r in range(args.rounds):
@@ -570,7 +578,7 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
     steps = kills[-1][1] + 12
     env = {"LETO_PHASE_TIMES": "1"} if args.phase_times else {}
     with tempfile.TemporaryDirectory() as d:
-        extra = no_lend_args(Path(d)) if args.no_lend else ()
+        extra = config_args(Path(d), no_lend=args.no_lend, no_replay=args.no_replay)
         events = run_leto(Path(d), steps, kills, args.nproc, args.consistency, extra, **env)
     recs = [r for r in summary.recoveries(events) if r.total_s is not None]
     iters = summary.step_periods(events)  # across no recovery: steady steps only
@@ -598,6 +606,7 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
                     f"  first step after promotion at {first['step']} (ms): "
                     + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in first["phases_s"].items())
                     + f", total {first['iter_s'] * 1e3:.1f}"
+                    + f"; graphs compiled {first.get('compiled_graphs', 0)}"
                 )
     for phase, rs in by_phase.items():
         p50 = statistics.median(r.total_s for r in rs)
@@ -681,6 +690,16 @@ def main() -> None:
         help="with --kills-per-phase: lend_activation_memory: false",
     )
     p.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="with --kills-per-phase: preinit.replay_forward: false (no forward replay)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="leto-run's script compiles each block (examples/train_gpt.py --compile)",
+    )
+    p.add_argument(
         "--ablate",
         action="store_true",
         help="diagnostic: leto-run's steady step with and without shadows and lending, and by "
@@ -730,6 +749,8 @@ def main() -> None:
         SCRIPTS["torchrun"] = ["examples/torchrun_gpt_ckpt.py", "--arch", "hf-llama"]
     if args.small:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
+    if args.compile:
+        MODEL.append("--compile")
     if args.iteration_only:
         iteration_only(args)
         return
