@@ -142,10 +142,11 @@ def main() -> None:
     )
     p.add_argument(
         "--allreduce",
-        choices=("flat", "per-param"),
-        default="flat",
-        help="gradients all-reduced in one flattened call (as DDP's bucket; leto all-reduces "
-        "its one gradient region) or one call per parameter",
+        choices=("ddp", "flat", "per-param"),
+        default="ddp",
+        help="over several ranks: DistributedDataParallel (bucketed all-reduces overlapping "
+        "backward, gradients as bucket views: what a careful user runs), one flattened "
+        "all-reduce after backward, or one call per parameter",
     )
     p.add_argument(
         "--ckpt-async",
@@ -228,6 +229,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     with device:
         model = build(args)
+    if world > 1 and args.allreduce == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[device] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
     make_batch = batch
     if args.arch == "hf-llama":
         from train_hf_llama import batch as make_batch

@@ -48,7 +48,9 @@ MARKER_BYTES = 4096
 _WORDS = MARKER_BYTES // 8
 _IDENTITY = _WORDS - 4
 """Words _IDENTITY .. _IDENTITY + 3: identity digest, instance, last serial, checksum."""
-_MAX_LR = _IDENTITY - 4
+_PASSES = _IDENTITY - 1
+"""The backward passes of the last step that recorded them (``record_passes``)."""
+_MAX_LR = _PASSES - 4
 MAX_CHUNKS = 1 << 23
 
 
@@ -243,6 +245,15 @@ class Marker:
         for i, word in enumerate(words, start=3):
             if int(self._words[i]) != word:
                 self._set(i, word)
+
+    def record_passes(self, passes: int) -> None:
+        """The step's backward passes, with its gradients (plain data parallelism's buckets
+        launch during the pass the last step ran last: ``leto.trainer.grad_buckets``)."""
+        if int(self._words[_PASSES]) != passes:
+            self._set(_PASSES, passes)
+
+    def recorded_passes(self) -> int:
+        return int(self._words[_PASSES])
 
     def recorded_lrs(self) -> list[float]:
         n = int(self._words[3])

@@ -54,14 +54,17 @@ class ComputePhase:
         restart: Callable[[], None],
         lent: dict[str, torch.Tensor],
         lend_asked: bool | None,
+        launched: Callable[[], bool] = lambda: False,
     ) -> None:
         """``guard``: this trainer's side of the pre-initialisation controller; ``grad_sync``:
         the context's as it is now (a model-parallel one turns retries off); ``restart``:
         brings the step back to the start of its compute phase (buffers, zeroed gradients;
         the RNG is set here). ``lent``: the regions to lend to activations (empty: none), built into a
         lender at the first phase; ``lend_asked``: ``leto.lend_activation_memory`` (True: a
-        lender that cannot be built is an error, else a warning)."""
+        lender that cannot be built is an error, else a warning). ``launched``: whether this
+        step's backward launched gradient all-reduces (``leto.trainer.grad_buckets``)."""
         self.rank, self.device, self.guard = rank, device, guard
+        self.launched = launched
         self.grad_sync, self.restart = grad_sync, restart
         self.lent, self.lend_asked = lent, lend_asked
         self.lender: ActivationLender | None = None
@@ -142,4 +145,6 @@ class ComputePhase:
             return "a model-parallel forward runs collectives"
         if sync.collectives_in_backward:
             return "an overlapped backward runs bucket all-reduces"
+        if self.launched():
+            return "this step's backward launched gradient all-reduces"
         return ""

@@ -28,10 +28,14 @@ and hooks it up (gradual unfreezing).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from leto.errors import ScriptError
+
+if TYPE_CHECKING:
+    from leto.trainer.grad_buckets import BucketedMean
 
 SMALL_GRAD_BYTES = 1 << 20
 """A gradient smaller than this waits to land with the others (at the end of backward);
@@ -87,9 +91,13 @@ class GradLanding:
         params: Sequence[torch.nn.Parameter],
         views: Sequence[torch.Tensor],
         writes: GradWrites,
+        reduce: BucketedMean | None = None,
     ) -> None:
+        """``reduce``: plain data parallelism's mean, told of each gradient as it lands
+        (``leto.trainer.grad_buckets``); None: nothing overlaps backward."""
         self.params, self.views = list(params), list(views)
         self.writes = writes
+        self.reduce = reduce
         self.arrived = [False] * len(self.params)
         """Whether parameter ``i``'s gradient has landed since the step began."""
         self.hooked = [False] * len(self.params)
@@ -102,13 +110,15 @@ class GradLanding:
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._hook_up(i)
+        if reduce is not None:
+            reduce.hooked(self.hooked)
 
     def _hook_up(self, i: int) -> None:
         self.params[i].register_post_accumulate_grad_hook(self._hook(i))
         self.hooked[i] = True
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        view, arrived = self.views[i], self.arrived
+        view, arrived, reduce = self.views[i], self.arrived, self.reduce
         nbytes = view.numel() * view.element_size()
         small = nbytes < SMALL_GRAD_BYTES
 
@@ -116,14 +126,25 @@ class GradLanding:
             if not self._end_queued:  # what waits lands, and the writes are counted, at the end
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._end_queued = True
+            if (
+                reduce is not None
+                and self._waiting
+                and reduce.overlapping
+                and reduce.bucket_of[self._waiting[0]] != reduce.bucket_of[i]
+            ):
+                self.flush()  # backward left the waiting gradients' bucket: it may be complete
             if p.grad is view:  # accumulated in place: a later backward of the step
                 arrived[i] = True
+                if reduce is not None:
+                    reduce.landed(i)
                 return
             # the step's first gradient: autograd's fresh tensor, to copy into the view
             if not small:
                 view.copy_(p.grad)
                 p.grad = view
                 arrived[i] = True
+                if reduce is not None:
+                    reduce.landed(i)
                 return
             self._waiting.append(i)
             self._waiting_bytes += nbytes
@@ -137,6 +158,8 @@ class GradLanding:
         in place): the rest lands, and the region's version is what ``GradWrites`` expects."""
         self._end_queued = False
         self.flush()
+        if self.reduce is not None:
+            self.reduce.end_of_backward()
         self.writes.arrived()
 
     def flush(self) -> None:
@@ -146,6 +169,7 @@ class GradLanding:
         if not self._waiting:
             return
         bound = [i for i in self._waiting if self.params[i].grad is not None]
+        landed = set(bound)
         targets = [self.views[i] for i in bound]
         sources = [self.params[i].grad for i in bound]
         if len(targets) == 1:
@@ -156,6 +180,8 @@ class GradLanding:
             self.params[i].grad = self.views[i]
         for i in self._waiting:
             self.arrived[i] = True
+            if self.reduce is not None and i in landed:
+                self.reduce.landed(i)
         self._drop_waiting()
 
     def _drop_waiting(self) -> None:
@@ -166,6 +192,8 @@ class GradLanding:
         """At the step's start (and an OOM retry's): no gradient has landed yet."""
         self._drop_waiting()  # an OOM retry: what waited belongs to the failed attempt
         self._end_queued = False
+        if self.reduce is not None:
+            self.reduce.begin()
         for i, p in enumerate(self.params):
             p.grad = None
             self.arrived[i] = False
@@ -195,6 +223,8 @@ class GradLanding:
                 view.copy_(p.grad)
                 p.grad = view
                 self._hook_up(i)
+                if self.reduce is not None:
+                    self.reduce.hooked(self.hooked)
                 continue
             if p.grad is not None:
                 raise ScriptError(

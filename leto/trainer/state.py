@@ -52,6 +52,7 @@ from leto.trainer import placement
 from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.compute import ComputePhase, lends
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, freeze_heap, map_records
+from leto.trainer.grad_buckets import BucketedMean
 from leto.trainer.grad_landing import GradLanding, GradWrites
 from leto.trainer.loss import LossReport
 from leto.trainer.loss_scale import LossScale
@@ -124,6 +125,7 @@ class RetainedState:
         mapped_ahead = wait_for_promotion is None or services.ready_to_map_ahead()
         self._replay_kept = False
         """This shadow's forward replay left its blocks cached for the first step."""
+        self._buckets: BucketedMean | None = None
         self._graphs_at_begin = 0
         """Dynamo's graphs compiled in this process when the step began."""
         self._traced_hooks: compiled.TracedHooks | None = None
@@ -197,6 +199,7 @@ class RetainedState:
             restart=self._restart_compute,
             lent=lent if lending else {},
             lend_asked=env.lend_activations,
+            launched=lambda: self._buckets is not None and self._buckets.launched,
         )
 
     def _wait_as_shadow(self, wait_for_promotion: Callable[[Callable[[], None]], None]) -> None:
@@ -233,8 +236,16 @@ class RetainedState:
         if self._replay_kept:
             self._compute.stop_lending("the forward replay's blocks serve the compute phase")
         self._bind()
+        self._buckets = self._bucketed_mean()
+        """Plain data parallelism's mean, launched bucket by bucket as backward lands the
+        gradients (``leto.trainer.grad_buckets``); None where nothing overlaps backward."""
         self._landing = (
-            GradLanding(self.params, self._seen_grads(), GradWrites(self.grad_regions["grads"]))
+            GradLanding(
+                self.params,
+                self._seen_grads(),
+                GradWrites(self.grad_regions["grads"]),
+                self._buckets,
+            )
             if self.shards is None and not self.layout.main_grad
             else None
         )
@@ -785,6 +796,33 @@ class RetainedState:
                 "called inside the step?); leto zeroes gradients at the start of each step"
             )
 
+    def _bucketed_mean(self) -> BucketedMean | None:
+        """The overlapped mean over Leto's flat gradient region: plain data parallelism over
+        more than one rank, every gradient of one dtype (else the mean runs after backward,
+        ``_allreduce_grads``). Its first step launches during the backward pass the marker
+        says the last step ran last (a promoted trainer's: its predecessor's)."""
+        sync = self.services.grad_sync()
+        if (
+            self.shards is not None
+            or self.layout.main_grad
+            or sync.reduce is not None
+            or self.layout.grad_scale is None
+            or self.services.world_size == 1
+            or sync.size() == 1
+            or len({s.dtype for s in self.layout.grads}) != 1
+        ):
+            return None
+        dtype = self.layout.grads[0].dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        (nbytes,) = (n for _, n in self.layout.grad_regions)
+        flat = self.grad_regions["grads"][:nbytes].view(dtype)
+        end = self.layout.grad_scale.offset // size
+        starts = [s.offset // size for s in self.layout.grads]
+        spans = list(zip(starts, [*starts[1:], end], strict=True))
+        buckets = BucketedMean(flat[:end], spans, flat[end:], sync)
+        buckets.expected = self.marker.recorded_passes()
+        return buckets
+
     def _allreduce_grads(self) -> None:
         """Mean over ``ctx.grad_sync``'s group (the world unless an integration set its
         data-parallel group): one flat all-reduce when every gradient has one dtype; or the
@@ -797,6 +835,9 @@ class RetainedState:
             raise ProtocolError(
                 "gradients live in an integration's buffers but ctx.grad_sync has no reduce"
             )
+        if self._buckets is not None:
+            self.marker.record_passes(self._buckets.finish())
+            return
         if self.services.world_size == 1 or sync.size() == 1:
             return
         dtypes = {s.dtype for s in self.layout.grads}
