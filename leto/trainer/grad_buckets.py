@@ -130,6 +130,12 @@ class BucketedMean:
             self._launch(self.buckets[self._next].view)
             self._next += 1
 
+    def landed_late(self, i: int) -> None:
+        """Parameter ``i``'s gradient landed after backward (a parameter unfrozen since the
+        job began): where its bucket was launched without it, every bucket is reduced again."""
+        if self.bucket_of[i] < self._next:
+            self._stale = True
+
     def end_of_backward(self) -> None:
         """Once a backward pass has run every hook: what it launched is waited for."""
         self._wait()

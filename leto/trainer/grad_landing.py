@@ -224,6 +224,7 @@ class GradLanding:
                 p.grad = view
                 self._hook_up(i)
                 if self.reduce is not None:
+                    self.reduce.landed_late(i)
                     self.reduce.hooked(self.hooked)
                 continue
             if p.grad is not None:

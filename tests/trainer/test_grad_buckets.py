@@ -2,7 +2,8 @@
 real gloo ranks: buckets launch while backward still runs, and every gradient ends as the
 mean a flat all-reduce of torch's own gradients gives — bit for bit with two ranks, for one
 backward pass or several, with a parameter one rank leaves without a gradient; to float
-rounding where a step runs more passes than the previous one."""
+rounding where a step runs more passes than the previous one, or a parameter unfrozen
+since the landing began lands its gradient after backward."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def _reference(net: _Net, xs: list[torch.Tensor], extra: bool) -> list[torch.Ten
     return list(flat.split([p.numel() for p in net.parameters()]))
 
 
-def _case(rank: int, passes: int, expected: int, extra: bool) -> dict:
+def _case(rank: int, passes: int, expected: int, extra: bool, unfreeze: bool = False) -> dict:
+    """``unfreeze``: the last layer's weight is frozen when the landing is built and unfrozen
+    before backward (gradual unfreezing: ``settle`` lands its first gradient)."""
     torch.manual_seed(0)
     net = _Net()  # its own: a landing's hooks stay on the parameters
     params = list(net.parameters())
@@ -74,7 +77,10 @@ def _case(rank: int, passes: int, expected: int, extra: bool) -> dict:
     xs = _inputs(rank, passes)
     want = _reference(net, xs, extra)
     net.zero_grad(set_to_none=True)
+    late = net.layers[-1].weight
+    late.requires_grad_(not unfreeze)
     landing = GradLanding(params, views, GradWrites(flat), reduce)
+    late.requires_grad_(True)
     seen = []  # after the landing's hook on the first layer's weight, which lands last
     net.layers[0].weight.register_post_accumulate_grad_hook(lambda _: seen.append(reduce.launched))
     landing.begin()
@@ -103,6 +109,7 @@ def _worker(rank: int, init: str, out: mp.Queue) -> None:
             "two passes": _case(rank, passes=2, expected=2, extra=True),
             "one more pass than expected": _case(rank, passes=2, expected=1, extra=True),
             "absent on rank 1": _case(rank, passes=1, expected=1, extra=rank == 0),
+            "unfrozen": _case(rank, passes=1, expected=1, extra=True, unfreeze=True),
         }
         dist.destroy_process_group()
         out.put((rank, results))
@@ -127,6 +134,7 @@ def test_buckets_overlap_backward_and_average_as_a_flat_all_reduce(tmp_path: Pat
             assert r[name]["exact"], (rank, name)
             assert r[name]["tail"] == [0.5] * 3, "the tail is averaged in finish"
         assert r["one more pass than expected"]["close"], rank
+        assert r["unfrozen"]["close"], "a gradient landed after its bucket's launch is averaged"
         assert r["one pass"]["launched_in_backward"] == [True], "buckets launch during backward"
         assert r["first step"]["launched_in_backward"] == [False], "no pass is known to be last"
         assert r["two passes"]["launched_in_backward"] == [False, True], "in the last pass only"
