@@ -28,7 +28,9 @@ backward or in ``finish`` (the same bucket, the same reduction), so a step re-ru
 failure reduces bit for bit as the fault-free run did.
 
 NCCL averages in the collective (``ReduceOp.AVG``); gloo sums, and the launched buckets
-are divided by the group's size once waited for.
+are divided by the group's size once waited for. Over gloo the trainer launches every
+bucket in ``finish``: on a CPU the ranks' compute and gloo's threads share the cores, and
+overlapping them did not make a step faster (``bench/dp_overlap.py``).
 """
 
 from __future__ import annotations
@@ -66,12 +68,14 @@ class BucketedMean:
         tail: torch.Tensor,
         sync: GradSync,
         *,
+        overlap: bool,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         """``grads``: the region's gradient part, one dtype, flat; ``spans[i]``: parameter
         ``i``'s element range in it, in order, contiguous (padding included); ``tail``: the
-        rest of the region, reduced in ``finish``."""
-        self.sync, self.tail = sync, tail
+        rest of the region, reduced in ``finish``; ``overlap``: launch buckets during
+        backward (else all in ``finish``, the same reductions)."""
+        self.sync, self.tail, self.overlap = sync, tail, overlap
         self.size = sync.size()
         nccl = dist.get_backend(sync.group) == "nccl"
         self.op = dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM
@@ -118,11 +122,11 @@ class BucketedMean:
     @property
     def overlapping(self) -> bool:
         """Whether this backward pass launches buckets (the one expected to be the last)."""
-        return self.passes + 1 == self.expected
+        return self.overlap and self.passes + 1 == self.expected
 
     def landed(self, i: int) -> None:
         """Parameter ``i``'s gradient is in its view for this backward pass."""
-        if self.passes + 1 != self.expected:
+        if not self.overlapping:
             return
         bucket = self.buckets[self.bucket_of[i]]
         bucket.left -= 1

@@ -819,7 +819,8 @@ class RetainedState:
         end = self.layout.grad_scale.offset // size
         starts = [s.offset // size for s in self.layout.grads]
         spans = list(zip(starts, [*starts[1:], end], strict=True))
-        buckets = BucketedMean(flat[:end], spans, flat[end:], sync)
+        overlap = dist.get_backend(sync.group) == "nccl"  # gloo: see grad_buckets
+        buckets = BucketedMean(flat[:end], spans, flat[end:], sync, overlap=overlap)
         buckets.expected = self.marker.recorded_passes()
         return buckets
 

@@ -72,7 +72,7 @@ def _case(rank: int, passes: int, expected: int, extra: bool, unfreeze: bool = F
     views = [flat[a:b].view(p.shape) for (a, b), p in zip(spans, params, strict=True)]
     tail = flat[start:]
     tail.fill_(float(rank))
-    reduce = BucketedMean(flat[:start], spans, tail, GradSync(), bucket_bytes=1 << 20)
+    reduce = BucketedMean(flat[:start], spans, tail, GradSync(), overlap=True, bucket_bytes=1 << 20)
     reduce.expected = expected
     xs = _inputs(rank, passes)
     want = _reference(net, xs, extra)
