@@ -19,6 +19,7 @@ from leto.trainer.grad_buckets import BucketedMean
 from leto.trainer.grad_landing import GradLanding, GradWrites
 from leto.trainer.grad_sync import GradSync
 
+CPU = torch.device("cpu")
 DIM = 512
 """Weights of 1 MiB land at once, biases wait to land together (``grad_landing``)."""
 
@@ -37,9 +38,9 @@ class _Net(torch.nn.Module):
         return x.square().sum()
 
 
-def _inputs(rank: int, passes: int) -> list[torch.Tensor]:
+def _inputs(rank: int, passes: int, device: torch.device) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(8, DIM, generator=g) for _ in range(passes)]
+    return [torch.randn(8, DIM, generator=g).to(device) for _ in range(passes)]
 
 
 def _reference(net: _Net, xs: list[torch.Tensor], extra: bool) -> list[torch.Tensor]:
@@ -58,13 +59,20 @@ def _reference(net: _Net, xs: list[torch.Tensor], extra: bool) -> list[torch.Ten
     return list(flat.split([p.numel() for p in net.parameters()]))
 
 
-def _case(rank: int, passes: int, expected: int, extra: bool, unfreeze: bool = False) -> dict:
+def _case(
+    rank: int,
+    passes: int,
+    expected: int,
+    extra: bool,
+    unfreeze: bool = False,
+    device: torch.device = CPU,
+) -> dict:
     """``unfreeze``: the last layer's weight is frozen when the landing is built and unfrozen
     before backward (gradual unfreezing: ``settle`` lands its first gradient)."""
     torch.manual_seed(0)
-    net = _Net()  # its own: a landing's hooks stay on the parameters
+    net = _Net().to(device)  # its own: a landing's hooks stay on the parameters
     params = list(net.parameters())
-    flat = torch.full((sum(p.numel() for p in params) + 3,), float("nan"))
+    flat = torch.full((sum(p.numel() for p in params) + 3,), float("nan"), device=device)
     spans, start = [], 0
     for p in params:
         spans.append((start, start + p.numel()))
@@ -74,7 +82,7 @@ def _case(rank: int, passes: int, expected: int, extra: bool, unfreeze: bool = F
     tail.fill_(float(rank))
     reduce = BucketedMean(flat[:start], spans, tail, GradSync(), overlap=True, bucket_bytes=1 << 20)
     reduce.expected = expected
-    xs = _inputs(rank, passes)
+    xs = _inputs(rank, passes, device)
     want = _reference(net, xs, extra)
     net.zero_grad(set_to_none=True)
     late = net.layers[-1].weight
@@ -96,7 +104,7 @@ def _case(rank: int, passes: int, expected: int, extra: bool, unfreeze: bool = F
         ),
         "launched_in_backward": seen,
         "buckets": len(reduce.buckets),
-        "tail": tail.tolist(),
+        "tail": tail.cpu().tolist(),
     }
 
 
