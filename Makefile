@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/leto-run --config configs/demo.yaml
 
 test: $(STAMP) lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

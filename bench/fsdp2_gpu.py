@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.recovery_gpu import _env, after_shadows_settled
+from bench.recovery_gpu import _env, after_shadows_settled, config_args
 from leto.events import Kind, read_events
 
 SCRIPT = str(REPO / "examples" / "train_llama_fsdp.py")
@@ -54,7 +54,7 @@ def plain(args: argparse.Namespace, model: list[str], cwd: Path) -> float:
 def leto(args: argparse.Namespace, model: list[str], cwd: Path) -> list[dict]:
     events = cwd / "leto.jsonl"
     cmd = [sys.executable, "-m", "leto_run", "--standalone", "--nproc-per-node", str(args.nproc)]
-    cmd += ["--no-dashboard", "--events", str(events)]
+    cmd += ["--no-dashboard", "--events", str(events), *config_args(cwd, no_replay=args.no_replay)]
     every = args.steps // (len(KILLS) + 1)
     for k, phase in enumerate(KILLS):
         step = every * (k + 1)
@@ -107,12 +107,24 @@ def main() -> None:
         help="synchronised phases per step (LETO_PHASE_TIMES=1): the first step after each "
         "promotion against the steady median",
     )
+    p.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="preinit.replay_forward: false (no unsharded forward replay in the shadows)",
+    )
+    p.add_argument("--leto-only", action="store_true", help="no torchrun run")
     args = p.parse_args()
     model = SMALL if args.small else MODEL
     with tempfile.TemporaryDirectory() as d:
         cwd = Path(d)
-        torch_s = plain(args, model, cwd)
+        torch_s = float("nan") if args.leto_only else plain(args, model, cwd)
         events = leto(args, model, cwd)
+    for e in events:
+        if e["kind"] == Kind.MODEL_WARMED:
+            print(
+                f"rank {e['rank']} gen {e['gen']} {e['name']}: ran {e['ran']} ({e['reason']}), "
+                f"{e['warm_s']:.2f} s, peak {e['peak_bytes'] / 2**30:.2f} GiB"
+            )
     leto_s, n = after_shadows_settled(
         [e for e in events if e["kind"] != Kind.STEP_DONE or not e.get("finished_in_recovery")]
     )

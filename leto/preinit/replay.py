@@ -21,8 +21,13 @@ Compiled modules are compiled in the copy with the model's settings, so the mode
 are in Dynamo's caches before any failure, with the hooks they saw recorded for the
 promoted trainer to check (``leto.compiled.TracedHooks``); where the settings cannot be
 read or capture CUDA graphs, they run eager and the compiler is warmed apart.
-Inputs that are not tensors, JSON scalars, lists, tuples or string-keyed dicts, models
-that are not all on the meta device and sharded (``DTensor``) models are not replayed; the
+A ``fully_shard`` (FSDP2) model is replayed unsharded (:func:`unsharded_copy`): the same
+modules with plain parameters of the full shapes in FSDP's compute dtype and without
+FSDP's hooks, so the replay runs no collective and its kernels are the ones FSDP2's
+unsharded compute launches; its compiled modules run eager (Dynamo would trace the plain
+classes, not the sharded ones). The copy holds the whole model, so the headroom rule skips
+it where that does not fit. Inputs that are not tensors, JSON scalars, lists, tuples or
+string-keyed dicts and models that are not all on the meta device are not replayed; the
 ``model_warmed`` event says why.
 """
 
@@ -174,12 +179,16 @@ def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> R
     Its compiled modules are compiled in the copy (``leto.compiled.compile_like``); where
     that cannot be done they run eager (``torch.compiler.set_stance``) and ``eager`` says
     why. A replay that raises leaves no graph: Dynamo's caches are dropped."""
-    scratch = copy.deepcopy(model)
-    try:
-        compiling = compiled.compile_like(model, scratch) > 0
-        eager = None
-    except ValueError as e:
-        compiling, eager = False, str(e)
+    if _sharded(model):
+        scratch, compiling = unsharded_copy(model), False
+        eager = "FSDP2: replayed unsharded" if compiled.compiled_modules(model) else None
+    else:
+        scratch = copy.deepcopy(model)
+        try:
+            compiling = compiled.compile_like(model, scratch) > 0
+            eager = None
+        except ValueError as e:
+            compiling, eager = False, str(e)
     if not compiling:
         with torch.compiler.set_stance("force_eager"):
             return dataclasses.replace(_replay(scratch, spec, device), eager=eager)
@@ -190,6 +199,66 @@ def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> R
         torch._dynamo.reset()  # graphs of a failed replay are not kept
         raise
     return dataclasses.replace(result, traced=traced)
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    return any(type(p) is not torch.nn.Parameter for p in model.parameters())
+
+
+def _fsdp_hook(hook: Any) -> bool:
+    fn = getattr(hook, "__func__", hook)
+    return getattr(fn, "__module__", "").startswith("torch.distributed.fsdp")
+
+
+def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of a ``fully_shard`` meta ``model`` (``copy.deepcopy`` refuses FSDP
+    modules): each module of its original class, its attributes shared, its parameters
+    plain meta tensors of their full shapes in the compute dtype of FSDP's mixed precision
+    (else their own), buffers copied on meta, FSDP's hooks left out, nothing compiled."""
+    from torch.distributed.fsdp import FSDPModule
+
+    dtype: torch.dtype | None = None
+    if isinstance(model, FSDPModule):
+        policy = getattr(model._get_fsdp_state(), "_mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
+    made: dict[int, torch.nn.Module] = {}
+
+    def plain(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) in made:
+            return made[id(module)]
+        cls = type(module)
+        if issubclass(cls, FSDPModule):
+            cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        new = made[id(module)] = cls.__new__(cls)
+        state = dict(module.__dict__)
+        state["_compiled_call_impl"] = None
+        state["_parameters"] = {
+            name: None
+            if p is None
+            else torch.nn.Parameter(
+                torch.empty(p.shape, dtype=dtype or p.dtype, device="meta"),
+                requires_grad=p.requires_grad,
+            )
+            for name, p in module._parameters.items()
+        }
+        state["_buffers"] = {
+            name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
+            for name, b in module._buffers.items()
+        }
+        state["_modules"] = {n: None if m is None else plain(m) for n, m in module._modules.items()}
+        for attr in (
+            "_forward_pre_hooks",
+            "_forward_hooks",
+            "_backward_pre_hooks",
+            "_backward_hooks",
+        ):
+            state[attr] = type(state[attr])(
+                (k, h) for k, h in state[attr].items() if not _fsdp_hook(h)
+            )
+        new.__dict__.update(state)
+        return new
+
+    return plain(model)
 
 
 def _replay(scratch: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
@@ -239,8 +308,6 @@ def skip_reason(site: ShadowSite, model: torch.nn.Module) -> str | None:
     tensors = [*model.parameters(), *model.buffers()]
     if not all(t.is_meta for t in tensors):
         return "the shadow's model is not on the meta device"
-    if any(type(p) is not torch.nn.Parameter for p in model.parameters()):
-        return "sharded parameters (DTensor): the forward would run collectives"
     return None
 
 

@@ -82,3 +82,33 @@ def test_a_model_without_a_differentiable_output_still_runs_forward():
     with torch.no_grad():
         result = replay(net, spec, torch.device("cpu"))
     assert not result.backward and result.parameters == 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_fully_sharded_model_replays_unsharded_without_collectives(bf16):
+    """FSDP2 refuses ``deepcopy``; the replay runs a plain copy of its modules (full shapes,
+    FSDP's compute dtype, no FSDP hooks): with the process group gone, a collective in it
+    would raise."""
+    import argparse
+
+    import torch.distributed as dist
+    from train_llama_fsdp import build
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = argparse.Namespace(
+            vocab=64, dim=16, layers=2, heads=2, seq=8, bf16=bf16, reshard=False, compile=False
+        )
+        model = build(args, torch.device("cpu"), 1)
+    finally:
+        dist.destroy_process_group()
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    seen: list[torch.dtype] = []
+    model.blocks[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))  # a script's
+    result = replay(model, ForwardSpec.of((idx, idx), {}), torch.device("cpu"))
+    params = list(model.parameters())
+    assert result.backward and result.parameters == len(params)
+    assert seen == [torch.bfloat16 if bf16 else torch.float32], (
+        "the script's hook ran, in FSDP's dtype"
+    )
+    assert all(p.is_meta and p.grad is None for p in params), "the model itself is untouched"
