@@ -300,7 +300,7 @@ def setting_reason(setting: bool | None, device: torch.device) -> str | None:
 
 def skip_reason(site: ShadowSite, model: torch.nn.Module) -> str | None:
     """Why this shadow does not replay its model's forward, or None."""
-    if site.forward_collectives:
+    if site.forward_collectives and not _sharded(model):  # FSDP2's are its hooks': left out
         return "an integration's gradient sync: its forward may run collectives"
     reason = setting_reason(site.env.preinit.replay_forward, site.device)
     if reason is not None:

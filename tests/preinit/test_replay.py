@@ -112,3 +112,38 @@ def test_a_fully_sharded_model_replays_unsharded_without_collectives(bf16):
         "the script's hook ran, in FSDP's dtype"
     )
     assert all(p.is_meta and p.grad is None for p in params), "the model itself is untouched"
+
+
+def test_a_shadow_replays_a_fully_sharded_model_despite_its_collectives(tmp_path):
+    """FSDP2's gradient sync says its forward runs collectives (its all-gathers): the
+    unsharded copy has none, so the replay is not skipped for it; a model-parallel
+    integration's plain model still is."""
+    import dataclasses
+
+    from leto.preinit.replay import skip_reason
+    from tests.preinit.test_model_warmup import _shadow
+
+    site, _ = _shadow(tmp_path, 3)
+    site = dataclasses.replace(
+        site,
+        forward_collectives=True,
+        env=dataclasses.replace(
+            site.env, preinit=dataclasses.replace(site.env.preinit, replay_forward=True)
+        ),
+    )
+    with torch.device("meta"):
+        plain = _Net()
+    assert "collectives" in skip_reason(site, plain)
+    import argparse
+
+    import torch.distributed as dist
+    from train_llama_fsdp import build
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = argparse.Namespace(
+            vocab=64, dim=16, layers=1, heads=2, seq=8, bf16=False, reshard=False, compile=False
+        )
+        assert skip_reason(site, build(args, torch.device("cpu"), 1)) is None
+    finally:
+        dist.destroy_process_group()
