@@ -263,6 +263,57 @@ def warm_compiler(
     )
 
 
+SHARDED_CLIP = "sharded clip"
+"""The ``name`` of :func:`warm_sharded_clip`'s ``model_warmed`` event."""
+
+
+def warm_sharded_clip(
+    site: ShadowSite, params: list[torch.nn.Parameter]
+) -> ModelWarmupResult | None:
+    """In a level-3 shadow of a ``fully_shard`` model: torch's ``clip_grad_norm_`` once over
+    gradients on the meta device with the parameters' ``DTensor`` layouts, under
+    :func:`warm_model`'s rules. A process's first clip over DTensors computes DTensor's
+    sharding propagation for each op and shape (~0.1 s for a 1 B model; a steady clip takes
+    a few ms); computed here, the promoted trainer's first clip finds it cached. On meta
+    nothing is computed and the redistribution's all-reduce communicates nothing (its meta
+    kernel). None (and no event) where it does not apply: an active trainer, parameters
+    that are not DTensors, ``preinit.warm_kernels: false``."""
+    from torch.distributed.tensor import DTensor
+
+    if not site.is_shadow or not site.env.preinit.warm_kernels:
+        return None
+    sharded = [p for p in params if isinstance(p, DTensor) and p.requires_grad]
+    if not sharded:
+        return None
+    return warm_model(site, lambda: _clip_on_meta(sharded), name=SHARDED_CLIP)
+
+
+def _clip_on_meta(params: list[torch.nn.Parameter]) -> None:
+    import types
+
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import clip_grad
+
+    grads = [
+        DTensor.from_local(
+            torch.empty(p.to_local().shape, dtype=p.dtype, device="meta"),
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=p.shape,
+            stride=p.stride(),
+        )
+        for p in params
+    ]
+    supported = clip_grad._device_has_foreach_support  # refuses meta: the trainer's path is foreach
+    clip_grad._device_has_foreach_support = lambda d: d.type == "meta" or supported(d)
+    try:
+        holders = [types.SimpleNamespace(grad=g) for g in grads]  # what the clip reads
+        torch.nn.utils.clip_grad_norm_(holders, 1.0, foreach=True)  # type: ignore[arg-type]
+    finally:
+        clip_grad._device_has_foreach_support = supported
+
+
 def _promote_key(site: ShadowSite) -> str:
     return contract.promote(
         site.env.generation, site.rank

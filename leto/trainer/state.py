@@ -44,7 +44,7 @@ from leto import compiled, contract
 from leto.errors import ConfigError, ProtocolError, ScriptError, UnrecoverableStateError
 from leto.events import EventLog, Kind, last_event
 from leto.preinit import probe, replay
-from leto.preinit.model_warmup import warm_compiler, warm_forward
+from leto.preinit.model_warmup import warm_compiler, warm_forward, warm_sharded_clip
 from leto.preinit.warmup import warm_shadow
 from leto.retained.marker import Phase
 from leto.retained.optim_state import StateSlots
@@ -214,6 +214,7 @@ class RetainedState:
         self._replay_kept = replayed is not None and replayed.result.kept_bytes > 0
         self._traced_hooks = None if replayed is None else replayed.traced
         warm_compiler(site, self.model, replayed)  # a compiled model: the compiler's first use
+        warm_sharded_clip(site, self.params)  # FSDP2: DTensor's sharding propagation of the clip
 
         def freeze() -> None:  # once ready: the scan must not delay readiness
             self._frozen_schedulers = freeze_heap(self.optimizer)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from leto.events import Kind, read_events
 from leto.preinit.replay import ForwardRecorder, ForwardSpec, Unsupported, replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -147,3 +148,60 @@ def test_a_shadow_replays_a_fully_sharded_model_despite_its_collectives(tmp_path
         assert skip_reason(site, build(args, torch.device("cpu"), 1)) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_shadow_of_a_fully_sharded_model_computes_the_clips_sharding_ahead(tmp_path):
+    """Over meta gradients with the parameters' DTensor layouts: the first real clip over
+    DTensors then computes no sharding (DTensor's dispatcher takes its slow path only where
+    its cache misses), where a model of other shapes computes it in its first clip."""
+    import argparse
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from train_llama_fsdp import build
+
+    from leto.preinit.model_warmup import SHARDED_CLIP, warm_sharded_clip
+    from tests.preinit.test_model_warmup import _report, _shadow
+
+    site, hb_board = _shadow(tmp_path, 3)
+    _report(hb_board, total=0, free=0, reserved=0, peak=0)
+    dispatcher = DTensor._op_dispatcher
+    slow = dispatcher._propagate_op_sharding_dispatch_slow_path
+    computed: list[str] = []
+
+    def counting(op, *args, **kwargs):
+        computed.append(str(op))
+        return slow(op, *args, **kwargs)
+
+    def first_clip(model: torch.nn.Module) -> list[str]:
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            local = torch.randn(p.to_local().shape)
+            p.grad = DTensor.from_local(
+                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+        computed.clear()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        return list(computed)
+
+    def args(dim: int) -> argparse.Namespace:
+        return argparse.Namespace(
+            vocab=64, dim=dim, layers=2, heads=2, seq=8, bf16=False, reshard=False, compile=False
+        )
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dispatcher._propagate_op_sharding_dispatch_slow_path = counting
+    try:
+        model = build(args(16), torch.device("cpu"), 1)
+        result = warm_sharded_clip(site, list(model.parameters()))
+        assert result is not None and result.ran, result
+        assert any("_foreach_norm" in op for op in computed), "the warm-up computed them"
+        assert first_clip(model) == []
+        assert any(
+            "_foreach_norm" in op for op in first_clip(build(args(24), torch.device("cpu"), 1))
+        )
+    finally:
+        del dispatcher._propagate_op_sharding_dispatch_slow_path
+        dist.destroy_process_group()
+    (event,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == Kind.MODEL_WARMED]
+    assert event["name"] == SHARDED_CLIP and event["ran"]
