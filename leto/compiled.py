@@ -154,7 +154,8 @@ def compile_like(model: torch.nn.Module, copy: torch.nn.Module) -> int:
     return len(found)
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+"""A module's hook dicts that run around its call (forward, and backward through autograd)."""
 _GLOBAL_HOOKS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",
@@ -200,7 +201,7 @@ class TracedHooks:
         local = tuple(
             (name, attr, _hook_ids(getattr(m, attr)))
             for name, m in _compiled_regions(model).items()
-            for attr in _HOOKS
+            for attr in MODULE_HOOKS
         )
         return cls(
             key=(local, tuple(_hook_ids(getattr(nn_module, attr)) for attr in _GLOBAL_HOOKS))

@@ -202,7 +202,10 @@ def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> R
 
 
 def _sharded(model: torch.nn.Module) -> bool:
-    return any(type(p) is not torch.nn.Parameter for p in model.parameters())
+    """Whether ``model``'s parameters are ``DTensor``s (``fully_shard``)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _fsdp_hook(hook: Any) -> bool:
@@ -236,7 +239,11 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
             name: None
             if p is None
             else torch.nn.Parameter(
-                torch.empty(p.shape, dtype=dtype or p.dtype, device="meta"),
+                torch.empty(
+                    p.shape,
+                    dtype=dtype if dtype is not None and p.is_floating_point() else p.dtype,
+                    device="meta",
+                ),
                 requires_grad=p.requires_grad,
             )
             for name, p in module._parameters.items()
@@ -246,12 +253,7 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
             for name, b in module._buffers.items()
         }
         state["_modules"] = {n: None if m is None else plain(m) for n, m in module._modules.items()}
-        for attr in (
-            "_forward_pre_hooks",
-            "_forward_hooks",
-            "_backward_pre_hooks",
-            "_backward_hooks",
-        ):
+        for attr in compiled.MODULE_HOOKS:
             state[attr] = type(state[attr])(
                 (k, h) for k, h in state[attr].items() if not _fsdp_hook(h)
             )
