@@ -10,8 +10,9 @@ First step: two jobs, each run twice in this call (warm-ups on, then off), two S
 each, every kill once the shadow is ready:
 
 * ``fsdp2``: ``examples/train_llama_fsdp.py --compile`` (each block compiled, then
-  ``fully_shard``): no forward replay (its forward runs collectives), so the shadow warms
-  the compiler (``model_warmup.warm_compiler``); off: ``preinit.warm_kernels: false``.
+  ``fully_shard``): no forward replay (off on CPU; on a GPU it runs the blocks eager,
+  unsharded), so the shadow warms the compiler (``model_warmup.warm_compiler``) and the
+  sharded clip; off: ``preinit.warm_kernels: false``.
 * ``gpt``: ``examples/train_gpt.py --compile`` (each block compiled) with
   ``preinit.replay_forward: true`` (the replay compiles the model's blocks, so the
   promoted trainer's first step compiles nothing); off: ``replay_forward: false`` and
