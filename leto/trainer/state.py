@@ -622,7 +622,7 @@ class RetainedState:
     def _compiled_fields(self) -> dict[str, int]:
         """``compiled_graphs``: what Dynamo compiled during this step, where it did."""
         graphs = compiled.graphs_compiled() - self._graphs_at_begin
-        return {"compiled_graphs": graphs} if graphs else {}
+        return {"compiled_graphs": graphs} if graphs > 0 else {}
 
     def _clip(self, max_grad_norm: float | None, skipped: frozenset[int]) -> torch.Tensor | None:
         """Clip to ``max_grad_norm``: where the updater scales the gradients as it reads
