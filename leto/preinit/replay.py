@@ -215,52 +215,55 @@ def _fsdp_hook(hook: Any) -> bool:
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain copy of a ``fully_shard`` meta ``model`` (``copy.deepcopy`` refuses FSDP
-    modules): each module of its original class, its attributes shared, its parameters
-    plain meta tensors of their full shapes in the compute dtype of FSDP's mixed precision
-    (else their own), buffers copied on meta, FSDP's hooks left out, nothing compiled."""
+    modules): each module of its original class; its parameters plain meta tensors of their
+    full shapes in the compute dtype of FSDP's mixed precision (else their own), buffers
+    new on meta; FSDP's state left out, and its hooks from the shared hook registries; every
+    other attribute deep-copied as ``deepcopy`` would (a cache the forward fills stays the
+    copy's), references to the model's modules becoming their copies; nothing compiled."""
     from torch.distributed.fsdp import FSDPModule
 
     dtype: torch.dtype | None = None
     if isinstance(model, FSDPModule):
         policy = getattr(model._get_fsdp_state(), "_mp_policy", None)
         dtype = getattr(policy, "param_dtype", None)
-    made: dict[int, torch.nn.Module] = {}
-
-    def plain(module: torch.nn.Module) -> torch.nn.Module:
-        if id(module) in made:
-            return made[id(module)]
+    memo: dict[int, Any] = {}
+    modules = list(model.modules())
+    for module in modules:  # every copy exists before any attribute refers to it
         cls = type(module)
         if issubclass(cls, FSDPModule):
             cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
-        new = made[id(module)] = cls.__new__(cls)
-        state = dict(module.__dict__)
-        state["_compiled_call_impl"] = None
-        state["_parameters"] = {
-            name: None
-            if p is None
-            else torch.nn.Parameter(
-                torch.empty(
-                    p.shape,
-                    dtype=dtype if dtype is not None and p.is_floating_point() else p.dtype,
-                    device="meta",
-                ),
-                requires_grad=p.requires_grad,
-            )
-            for name, p in module._parameters.items()
-        }
-        state["_buffers"] = {
-            name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
-            for name, b in module._buffers.items()
-        }
-        state["_modules"] = {n: None if m is None else plain(m) for n, m in module._modules.items()}
-        for attr in compiled.MODULE_HOOKS:
-            state[attr] = type(state[attr])(
-                (k, h) for k, h in state[attr].items() if not _fsdp_hook(h)
-            )
-        new.__dict__.update(state)
-        return new
+        memo[id(module)] = cls.__new__(cls)
+    for module in modules:
+        state: dict[str, Any] = {}
+        for name, value in module.__dict__.items():
+            if name.startswith("__composable_api_state_key"):
+                continue  # FSDP's state of the module (its process groups, its streams)
+            if name == "_parameters":
+                value = {k: None if p is None else _plain_param(p, dtype) for k, p in value.items()}
+            elif name == "_buffers":
+                value = {
+                    k: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
+                    for k, b in value.items()
+                }
+            elif name == "_modules":
+                value = {k: None if m is None else memo[id(m)] for k, m in value.items()}
+            elif name == "_compiled_call_impl":
+                value = None
+            elif "hooks" in name and isinstance(value, dict):
+                value = type(value)((k, h) for k, h in value.items() if not _fsdp_hook(h))
+            else:
+                value = copy.deepcopy(value, memo)
+            state[name] = value
+        memo[id(module)].__dict__.update(state)
+    return memo[id(model)]
 
-    return plain(model)
+
+def _plain_param(p: torch.Tensor, dtype: torch.dtype | None) -> torch.nn.Parameter:
+    """A plain meta parameter of ``p``'s full shape, in ``dtype`` if it is floating."""
+    dtype = dtype if dtype is not None and p.is_floating_point() else p.dtype
+    return torch.nn.Parameter(
+        torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad
+    )
 
 
 def _replay(scratch: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:

@@ -205,3 +205,37 @@ def test_a_shadow_of_a_fully_sharded_model_computes_the_clips_sharding_ahead(tmp
         dist.destroy_process_group()
     (event,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == Kind.MODEL_WARMED]
     assert event["name"] == SHARDED_CLIP and event["ran"]
+
+
+class _Cached(torch.nn.Module):
+    """Fills a cache of its own on its first call (as some rotary embeddings do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.cache: dict[int, torch.Tensor] = {}
+        self.alias = self.lin  # another reference to a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.setdefault(x.shape[0], x.detach())
+        return self.alias(x)
+
+
+def test_the_unsharded_copy_keeps_what_its_forward_caches_to_itself():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from leto.preinit.replay import unsharded_copy
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch.device("meta"):
+            model = _Cached()
+        fully_shard(model)
+    finally:
+        dist.destroy_process_group()
+    copy_ = unsharded_copy(model)
+    assert copy_.alias is copy_.lin and copy_.lin is not model.lin
+    result = replay(model, ForwardSpec.of((torch.zeros(3, 8),), {}), torch.device("cpu"))
+    assert result.backward and result.parameters == 2
+    assert model.cache == {}, "the model's own cache was not filled by the replay"
