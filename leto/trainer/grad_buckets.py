@@ -104,14 +104,18 @@ class BucketedMean:
         """Which parameters' gradients land by backward (the others' buckets wait for ``finish``)."""
         for bucket in self.buckets:
             bucket.needed = sum(1 for i in bucket.params if hooked[i])
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """A backward pass starts: every bucket waits for all its gradients."""
+        for bucket in self.buckets:
             bucket.left = bucket.needed
 
     def begin(self) -> None:
         """At the step's start: nothing launched, no backward pass yet."""
         self.passes, self._next, self._stale = 0, 0, False
         self._works, self._undivided = [], []
-        for bucket in self.buckets:
-            bucket.left = bucket.needed
+        self._rearm()
 
     @property
     def launched(self) -> bool:
@@ -146,8 +150,7 @@ class BucketedMean:
         self.passes += 1
         if self.passes > self.expected and self._next > 0:
             self._stale = True  # a later pass accumulates onto averaged buckets
-        for bucket in self.buckets:
-            bucket.left = bucket.needed
+        self._rearm()
 
     def finish(self) -> int:
         """Inside ``state.step()``, after absent gradients are zeroed and the presence words

@@ -48,6 +48,7 @@ from leto.preinit.model_warmup import warm_compiler, warm_forward, warm_sharded_
 from leto.preinit.warmup import warm_shadow
 from leto.retained.marker import Phase
 from leto.retained.optim_state import StateSlots
+from leto.retained.slot import element_size
 from leto.trainer import placement
 from leto.trainer.buffers import BufferUndo, own_view
 from leto.trainer.compute import ComputePhase, lends
@@ -814,7 +815,7 @@ class RetainedState:
         ):
             return None
         dtype = self.layout.grads[0].dtype
-        size = torch.empty((), dtype=dtype).element_size()
+        size = element_size(dtype)
         (nbytes,) = (n for _, n in self.layout.grad_regions)
         flat = self.grad_regions["grads"][:nbytes].view(dtype)
         end = self.layout.grad_scale.offset // size
@@ -827,8 +828,9 @@ class RetainedState:
 
     def _allreduce_grads(self) -> None:
         """Mean over ``ctx.grad_sync``'s group (the world unless an integration set its
-        data-parallel group): one flat all-reduce when every gradient has one dtype; or the
-        integration's own reduction of its buffers (``GradSync.reduce``)."""
+        data-parallel group): the flat region's buckets when every gradient has one dtype
+        (``BucketedMean``), else one all-reduce per gradient; or the integration's own
+        reduction of its buffers (``GradSync.reduce``)."""
         sync = self.services.grad_sync()
         if sync.reduce is not None:
             sync.reduce()
@@ -842,16 +844,10 @@ class RetainedState:
             return
         if self.services.world_size == 1 or sync.size() == 1:
             return
-        dtypes = {s.dtype for s in self.layout.grads}
-        if len(dtypes) == 1:
-            (dtype,) = dtypes
-            (nbytes,) = (n for _, n in self.layout.grad_regions)
-            sync.all_reduce_mean_(self.grad_regions["grads"][:nbytes].view(dtype))
-        else:
-            for p in self.params:
-                sync.all_reduce_mean_(p.grad)
-            if self._presence is not None:  # in the flat case the region's reduction carries it
-                sync.all_reduce_mean_(self._presence.words)
+        for p in self.params:  # gradients of several dtypes (one dtype: the buckets above)
+            sync.all_reduce_mean_(p.grad)
+        if self._presence is not None:  # in the flat case the region's reduction carries it
+            sync.all_reduce_mean_(self._presence.words)
 
     # -- resume ------------------------------------------------------------------------------
     def _resume(self) -> int:
