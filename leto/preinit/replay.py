@@ -203,9 +203,9 @@ def replay(model: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> R
 
 def _sharded(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are ``DTensor``s (``fully_shard``)."""
-    from leto.trainer.sharding import has_dtensor_params
+    from torch.distributed.tensor import DTensor
 
-    return has_dtensor_params(list(model.parameters()))
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _fsdp_hook(hook: Any) -> bool:
