@@ -85,3 +85,12 @@ class GradSync:
         if self.clip is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return self.clip(params, max_norm)
+
+
+def norm_order(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[int]:
+    """Indices of ``params`` in the order ``model.parameters()`` yields them (any not in the
+    model after, as given): the order in which a script's ``clip_grad_norm_(model.parameters())``
+    stacks the per-parameter norms. The optimizer's groups may order them otherwise (decay,
+    then no decay), and the total norm's last bits depend on that order."""
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    return sorted(range(len(params)), key=lambda i: position.get(id(params[i]), len(position) + i))

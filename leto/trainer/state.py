@@ -55,6 +55,7 @@ from leto.trainer.compute import ComputePhase, lends
 from leto.trainer.extras import DEFAULT_SLOT_BYTES, RetainedExtras, freeze_heap, map_records
 from leto.trainer.grad_buckets import BucketedMean
 from leto.trainer.grad_landing import GradLanding, GradWrites
+from leto.trainer.grad_sync import norm_order
 from leto.trainer.loss import LossReport
 from leto.trainer.loss_scale import LossScale
 from leto.trainer.recovery import Recovery
@@ -108,6 +109,9 @@ class RetainedState:
         self.model = plan.model
         self.optimizer = plan.optimizer
         self.params = plan.params
+        self._norm_order = norm_order(plan.model, plan.params)
+        """The parameters' indices in ``model.parameters()`` order, which clipping's total
+        norm follows, so it has the bits of a torch loop's ``clip_grad_norm_``."""
         self.buffers = plan.buffers
         self.frozen = plan.frozen
         self.device = plan.device
@@ -637,9 +641,7 @@ class RetainedState:
         sync = self.services.grad_sync()
         norm = coef = None
         if max_grad_norm is not None:
-            params = self.params
-            if skipped:
-                params = [p for i, p in enumerate(params) if i not in skipped]
+            params = [self.params[i] for i in self._norm_order if i not in skipped]
             folded = None
             if scale is not None and self.shards is None:  # FSDP2's norm is a DTensor
                 folded = sync.clip_coef(params, max_grad_norm)

@@ -1,0 +1,81 @@
+"""``state.step(max_grad_norm=...)`` clips as a torch loop's
+``clip_grad_norm_(model.parameters(), ...)`` does, bit for bit, when the optimizer's groups
+order the parameters otherwise (Hugging Face's Trainer: the weights to decay, then the
+biases and norms): the total norm stacks the per-parameter norms in the model's order, and
+its last bits, and so the clipped update's, depend on that order. A real trainer
+``Context`` in this process (tests/trainer/local.py), against torch alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.trainer.local import local_context
+
+STEPS = 8
+MAX_NORM = 0.05  # below every step's norm: each update is clipped
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for i in range(6):
+        layers += [nn.Linear(8, 8), nn.LayerNorm(8)]
+        with torch.no_grad():
+            layers[-2].weight.mul_(1.0 + i)  # norms of several magnitudes
+    return nn.Sequential(*layers)
+
+
+def _optimizer(net: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for p in net.parameters() if p.ndim >= 2]
+    no_decay = [p for p in net.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+
+def _loss(net: nn.Module, step: int) -> torch.Tensor:
+    return net(_batch(step)).square().mean()
+
+
+def test_the_clipped_update_is_torchs_with_groups_out_of_model_order(monkeypatch) -> None:
+    net = _net()
+    opt = _optimizer(net)
+    torch_norms, orders_differ = [], 0
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(net, step).backward()
+        in_groups = [p.grad for g in opt.param_groups for p in g["params"]]
+        orders_differ += bool(
+            torch.nn.utils.get_total_norm(in_groups, foreach=True)
+            != torch.nn.utils.get_total_norm([p.grad for p in net.parameters()], foreach=True)
+        )
+        torch_norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM))
+        opt.step()
+    expected = [p.detach().clone() for p in net.parameters()]
+
+    with local_context(monkeypatch) as ctx:
+        net = _net()
+        state = ctx.retain(net, _optimizer(net))
+        norms = []
+        for step in state.steps(STEPS):
+            state.compute(lambda step=step: _loss(net, step).backward())
+            norms.append(state.step(max_grad_norm=MAX_NORM))
+        got = [p.detach().clone() for p in net.parameters()]
+    assert all(n > MAX_NORM for n in torch_norms), "every step must be clipped"
+    assert orders_differ, "the groups' order must change some norm's last bits"
+    assert [n.item() for n in norms] == [n.item() for n in torch_norms]
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
