@@ -62,6 +62,7 @@ import torch.distributed as dist
 from leto.errors import ConfigError, ProtocolError
 from leto.integrations.megatron_ddp import check_ddp_config, ddp_on_buffers, region_name
 from leto.retained.layout import GradPlacement
+from leto.trainer.rebind import rebind
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -331,7 +332,7 @@ def place_meta_params(
                 region.untyped_storage(), region.storage_offset() + start, p.shape
             )
             attrs = dict(vars(p))
-            torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+            rebind(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
             for key, value in attrs.items():
                 setattr(p, key, value)
 

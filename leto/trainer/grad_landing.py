@@ -139,6 +139,11 @@ class GradLanding:
                     reduce.landed(i)
                 return
             # the step's first gradient: autograd's fresh tensor, to copy into the view
+            if p.grad.layout != torch.strided:
+                raise ScriptError(
+                    f"a parameter of shape {tuple(p.shape)} got a {p.grad.layout} gradient; "
+                    "leto's retained gradients are dense: produce dense gradients for it"
+                )
             if not small:
                 view.copy_(p.grad)
                 p.grad = view

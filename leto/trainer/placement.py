@@ -82,6 +82,19 @@ def refuse_wrappers(model: torch.nn.Module) -> None:
         )
 
 
+def refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """An embedding built with ``sparse=True`` is refused: its sparse gradients cannot land
+    in the retained (dense) gradient memory, and a dense update of its rows is not the one
+    torch's sparse-aware optimizers make."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise ConfigError(
+                f"ctx.retain(): module {name or 'the model'!r} is an {type(module).__name__}(sparse=True), "
+                "whose sparse gradients leto's retained gradients (dense) cannot hold: build "
+                "it with sparse=False"
+            )
+
+
 def plan(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -98,6 +111,7 @@ def plan(
     ``grads`` and ``mirror``: as ``RetainedState`` describes them. Raises ``ConfigError``
     for settings that cannot go together."""
     refuse_wrappers(model)
+    refuse_sparse_gradients(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in params}) != len(params):
         raise ScriptError("a parameter appears twice in the optimizer's parameter groups")

@@ -38,6 +38,7 @@ import torch
 
 from leto.errors import ConfigError, ScriptError
 from leto.trainer.grad_sync import GradSync
+from leto.trainer.rebind import rebind
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
@@ -172,7 +173,7 @@ class FsdpShards:
             padded.zero_()
             shard.front(padded).copy_(p.to_local())
         new = torch.nn.Parameter(shard.dtensor(padded), requires_grad=p.requires_grad)
-        torch.utils.swap_tensors(p, new)  # the optimizer and the module keep the same object
+        rebind(p, new)  # the optimizer and the module keep the same object
         shard.fsdp_param._sharded_param_data = padded.view(-1)
 
     def seen(self, i: int, view: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ from leto.trainer.grad_landing import GradLanding, GradWrites
 from leto.trainer.grad_sync import norm_order
 from leto.trainer.loss import LossReport
 from leto.trainer.loss_scale import LossScale
+from leto.trainer.rebind import rebind
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import rng_blob, set_rng_blob, staged
@@ -286,7 +287,7 @@ class RetainedState:
             else:
                 if fresh:
                     data.copy_(p.detach())
-                torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+                rebind(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
             if fresh:
                 grad.zero_()
         for p, grad in zip(self.params, self._seen_grads(), strict=True):
@@ -307,7 +308,7 @@ class RetainedState:
             data = own_view(self.state_region, slot)
             if fresh:
                 data.copy_(b)
-            torch.utils.swap_tensors(b, data)
+            rebind(b, data)
         for j, (f, slot) in enumerate(zip(self.frozen, self.layout.frozen, strict=True)):
             data = own_view(self.state_region, slot)
             if shards is not None:  # FSDP2: indexed after the optimizer's parameters
@@ -315,7 +316,7 @@ class RetainedState:
                 continue
             if fresh:
                 data.copy_(f.detach())
-            torch.utils.swap_tensors(f, torch.nn.Parameter(data, requires_grad=f.requires_grad))
+            rebind(f, torch.nn.Parameter(data, requires_grad=f.requires_grad))
         self._frozen_versions = [f._version for f in self.frozen]
 
     def _attach_extras(

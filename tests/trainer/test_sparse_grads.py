@@ -1,0 +1,42 @@
+"""Sparse gradients are refused with one line, never copied into retained memory: an
+``nn.Embedding(sparse=True)`` at ``retain()``, a sparse gradient from elsewhere (a module
+calling ``F.embedding(..., sparse=True)``) when it lands. A real trainer ``Context`` in this process
+(tests/trainer/local.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from leto.errors import ConfigError, ScriptError
+from tests.trainer.local import local_context
+
+
+def test_a_sparse_embedding_is_refused_at_retain(monkeypatch) -> None:
+    net = nn.Sequential(nn.Embedding(16, 4, sparse=True), nn.Linear(4, 2))
+    with (
+        local_context(monkeypatch) as ctx,
+        pytest.raises(ConfigError, match=r"module '0' is an Embedding"),
+    ):
+        ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+class SparseLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(x, self.table, sparse=True)
+
+
+def test_a_sparse_gradient_is_refused_when_it_lands(monkeypatch) -> None:
+    net = nn.Sequential(SparseLookup(), nn.Linear(4, 2))
+    x = torch.arange(4)
+    with local_context(monkeypatch) as ctx:
+        state = ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for _ in state.steps(1):
+            with pytest.raises(ScriptError, match=r"shape \(16, 4\) got a torch.sparse_coo"):
+                state.compute(lambda: net(x).sum().backward())
+            return
