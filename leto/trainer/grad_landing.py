@@ -235,7 +235,9 @@ class GradLanding:
             if p.grad is not None:
                 raise ScriptError(
                     "a gradient no longer lives in retained memory: it was set outside "
-                    "backward (p.grad = ...); only autograd may write a retained gradient"
+                    "backward (p.grad = ...); only autograd may write a retained gradient "
+                    "(hand it the gradient instead: torch.autograd.backward(params, grads), "
+                    "which leto averages over the ranks as any backward's)"
                 )
             view.zero_()
             p.grad = view
