@@ -13,6 +13,7 @@ creates what a successor should find and never reads the data, so a shadow maps 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from leto.updater.base import Updater
 from leto.updater.fused import resolve_fused
 from leto.updater.rmu import PARITY, UNDO, ResumableUpdater
 from leto.updater.snapshot import SNAPSHOT, SnapshotUpdater
+
+logger = logging.getLogger(__name__)
 
 ENV_RMU_PARITY = "LETO_RMU_PARITY"
 """Test hook: "0" turns off the RMU's incremental parity (the paper's "RMP alone")."""
@@ -95,6 +98,22 @@ def refuse_sparse_gradients(model: torch.nn.Module) -> None:
             )
 
 
+def note_strided(model: torch.nn.Module, rank: int) -> None:
+    """Say which parameters are not contiguous (``channels_last`` convolutions, a transposed
+    weight): they are retained contiguous, so their kernels may differ from torch's in the
+    last bits and, on a GPU, in speed (a ``channels_last`` convolution's weight no longer is)."""
+    strided = [n for n, p in model.named_parameters() if p.numel() > 1 and not p.is_contiguous()]
+    if strided:
+        logger.warning(
+            "[rank %d] %d parameter(s) are retained contiguous, not in their own memory layout "
+            "(%s%s)",
+            rank,
+            len(strided),
+            ", ".join(strided[:4]),
+            ", ..." if len(strided) > 4 else "",
+        )
+
+
 def plan(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -112,6 +131,7 @@ def plan(
     for settings that cannot go together."""
     refuse_wrappers(model)
     refuse_sparse_gradients(model)
+    note_strided(model, env.rank)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in params}) != len(params):
         raise ScriptError("a parameter appears twice in the optimizer's parameter groups")

@@ -1,6 +1,8 @@
-"""Sparse gradients are refused with one line, never copied into retained memory: an
-``nn.Embedding(sparse=True)`` at ``retain()``, a sparse gradient from elsewhere (a module
-calling ``F.embedding(..., sparse=True)``) when it lands. A real trainer ``Context`` in this process
+"""Parameters retained memory cannot hold as torch does. Sparse gradients are refused with
+one line, never copied into retained memory: an ``nn.Embedding(sparse=True)`` at
+``retain()``, a sparse gradient from elsewhere (a module calling
+``F.embedding(..., sparse=True)``) when it lands. A parameter out of the contiguous layout
+(a ``channels_last`` convolution's weight) is retained contiguous, and named in a warning. A real trainer ``Context`` in this process
 (tests/trainer/local.py)."""
 
 from __future__ import annotations
@@ -40,3 +42,13 @@ def test_a_sparse_gradient_is_refused_when_it_lands(monkeypatch) -> None:
             with pytest.raises(ScriptError, match=r"shape \(16, 4\) got a torch.sparse_coo"):
                 state.compute(lambda: net(x).sum().backward())
             return
+
+
+def test_parameters_out_of_their_layout_are_named(monkeypatch, caplog) -> None:
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+    net[0].to(memory_format=torch.channels_last)
+    net(torch.zeros(1, 3, 5, 5))
+    with local_context(monkeypatch) as ctx, caplog.at_level("WARNING", "leto.trainer.placement"):
+        ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert "1 parameter(s) are retained contiguous" in caplog.text
+    assert "(0.weight)" in caplog.text
