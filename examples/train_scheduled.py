@@ -6,7 +6,9 @@ The scheduler is built after ``ctx.retain()`` and stepped after ``state.step()``
 documentation has it; it is not named to Leto, which finds it on the optimizer. The data
 position (``SampleCursor``, a user object with ``state_dict()`` / ``load_state_dict()``) is
 named; so is the torchdata ``StatefulDataLoader`` of ``--loader``. BatchNorm updates its
-running statistics in every forward. ``--plain`` runs the same loop with torch alone (one
+running statistics in every forward. ``--augment`` draws each batch's augmentation from
+Python's ``random`` and NumPy's global generator in the loop, as a script's own code does
+(seeded once at the start: Leto retains both with torch's RNG). ``--plain`` runs the same loop with torch alone (one
 process, no Leto): the reference a one-rank leto-run job equals bit for bit.
 """
 
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,6 +125,19 @@ class LoaderBatches:
             return next(self._it)
 
 
+def augment(x: torch.Tensor) -> torch.Tensor:
+    """Scale by a factor from Python's ``random`` and add noise from NumPy's global generator
+    (an odd count of Gaussians, so its cache is left holding one)."""
+    scale = random.uniform(0.5, 1.5)
+    noise = torch.from_numpy(np.random.randn(x.numel() + 1)[: x.numel()].astype(np.float32))
+    return x * scale + 0.1 * noise.view_as(x)
+
+
+def seed_host(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def hyperparameters(opt: torch.optim.Optimizer) -> dict[str, Any]:
     group = opt.param_groups[0]
     return {"lr": group["lr"], "betas": list(group["betas"])}
@@ -149,6 +166,7 @@ def final_state(
 def train_plain(args: argparse.Namespace) -> None:
     """The same loop with torch alone: one process, rank 0's data."""
     torch.manual_seed(args.seed)
+    seed_host(args.seed)
     model = make_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=True)
     cursor = SampleCursor()
@@ -157,6 +175,7 @@ def train_plain(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         start = cursor.take(args.batch)
         x, y = loader.next(start) if loader is not None else samples(start, args.batch, 0, args)
+        x = augment(x) if args.augment else x
         opt.zero_grad()
         forward_backward(model, x, y)
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
@@ -193,6 +212,11 @@ def main() -> None:
         action="store_true",
         help="data from a torchdata StatefulDataLoader (named to leto)",
     )
+    p.add_argument(
+        "--augment",
+        action="store_true",
+        help="augment each batch with draws from Python's random and NumPy's global generator",
+    )
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dropout", type=float, default=0.1)
@@ -219,6 +243,7 @@ def main() -> None:
 
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
     torch.manual_seed(args.seed)
+    seed_host(args.seed + ctx.rank)
     with ctx.init_device(ctx.device):
         model = make_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=True)
@@ -234,6 +259,7 @@ def main() -> None:
         x, y = (
             loader.next(start) if loader is not None else samples(start, args.batch, ctx.rank, args)
         )
+        x = augment(x) if args.augment else x
         x_dev, y_dev = x.to(ctx.device), y.to(ctx.device)
         loss = state.compute(lambda x=x_dev, y=y_dev: forward_backward(model, x, y))
         log(args, ctx.rank, step, opt, cursor, x)

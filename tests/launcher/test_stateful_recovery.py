@@ -8,8 +8,9 @@ in forward. Kills in forward and backward re-run their step (buffers and objects
 its start), kills in the update finish it (objects back to the commit, the scheduler's step
 after it replayed), a fatal failure restarts from the checkpoint. Every (rank, step) digest —
 the state region (buffers included) and the stateful objects' capture at the commit — and
-every step's hyperparameters equal the fault-free run's; the fault-free hyperparameters
-equal torch's own scheduler's. CI runs LambdaLR (the Hugging Face pattern) and OneCycleLR
+every step's hyperparameters and batch (augmented from Python's ``random`` and NumPy's
+global generator in the loop: ``--augment``) equal the fault-free run's; the fault-free
+hyperparameters equal torch's own scheduler's. CI runs LambdaLR (the Hugging Face pattern) and OneCycleLR
 (it cycles beta1 too; with a checkpoint restart); ``--run-slow`` runs
 CosineAnnealingWarmRestarts, torchdata's StatefulDataLoader, random schedules (``LETO_SOAK=N``
 of them), ``consistency: snapshot`` and a one-rank job against plain torch. Their in-process
@@ -114,12 +115,12 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def lambda_ref(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    return Reference(tmp_path_factory.mktemp("ref_lambda"), "lambda")
+    return Reference(tmp_path_factory.mktemp("ref_lambda"), "lambda", "--augment")
 
 
 @pytest.fixture(scope="module")
 def onecycle_ref(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    return Reference(tmp_path_factory.mktemp("ref_onecycle"), "onecycle")
+    return Reference(tmp_path_factory.mktemp("ref_onecycle"), "onecycle", "--augment")
 
 
 KILLS = [
