@@ -61,7 +61,7 @@ from leto.trainer.loss_scale import LossScale
 from leto.trainer.rebind import rebind
 from leto.trainer.recovery import Recovery
 from leto.trainer.resume import ResumeAction, decide_resume
-from leto.trainer.rng import rng_blob, set_rng_blob, staged
+from leto.trainer.rng import HOST_BYTES, rng_blob, set_rng_blob, staged
 from leto.trainer.sharding import ShardGradArrival, local
 from leto.trainer.step_guard import OptimizerStepGuard
 from leto.trainer.timing import PhaseTimes, warn_on_device_waits
@@ -900,10 +900,17 @@ class RetainedState:
         return resume_at
 
     def emit_digest(self) -> str:
-        """Digest of the state region (with a sharded optimizer: and of the full parameters)
-        and of the stateful objects at the last commit (``RetainedExtras.commit_digest``)."""
+        """Digest of the state region but the host generators' states (with a sharded
+        optimizer: and of the full parameters) and of the stateful objects at the last
+        commit (``RetainedExtras.commit_digest``)."""
+        # Python's and NumPy's generators are in the RNG slot, but left out: a script that
+        # never seeds them starts each process from the OS's entropy, and what it draws
+        # from them shows in the model state.
+        host = self.layout.rng.offset + self.layout.rng.nbytes - HOST_BYTES
+        end = self.layout.rng.offset + self.layout.rng.nbytes
         parts = [
-            self.memory.digest(self.state_region),
+            self.memory.digest(self.state_region[:host]),
+            self.memory.digest(self.state_region[end:]),
             *(self.memory.digest(region) for region in self.mirror_regions.values()),
             self.extras.commit_digest,
         ]
