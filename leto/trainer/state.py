@@ -906,8 +906,8 @@ class RetainedState:
         # Python's and NumPy's generators are in the RNG slot, but left out: a script that
         # never seeds them starts each process from the OS's entropy, and what it draws
         # from them shows in the model state.
-        host = self.layout.rng.offset + self.layout.rng.nbytes - HOST_BYTES
         end = self.layout.rng.offset + self.layout.rng.nbytes
+        host, end = end - HOST_BYTES, -(-end // 8) * 8  # to the slot's padding: whole words
         parts = [
             self.memory.digest(self.state_region[:host]),
             self.memory.digest(self.state_region[end:]),

@@ -60,3 +60,33 @@ def test_numpys_capture_follows_a_reseed() -> None:
     x = np.random.rand()
     np.random.seed(5)
     assert x == np.random.rand()
+
+
+def test_the_digest_leaves_out_the_host_generators_in_whole_words(monkeypatch) -> None:
+    """Two runs of an unseeded script differ in Python's and NumPy's states only: their
+    digests agree; torch's generator stays in. Each digested piece starts on an 8-byte
+    word (the GPU digest sums int64 words of it)."""
+    from torch import nn
+
+    from tests.trainer.local import local_context
+
+    with local_context(monkeypatch) as ctx:
+        net = nn.Linear(3, 5)  # an odd size: the RNG slot does not start on its own word
+        state = ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        digest = state.memory.digest
+
+        def aligned(region: torch.Tensor) -> str:
+            assert region.storage_offset() % 8 == 0, region.storage_offset()
+            return digest(region)
+
+        monkeypatch.setattr(state.memory, "digest", aligned)
+        for _ in state.steps(1):
+            state.compute(lambda: net(torch.ones(2, 3)).sum().backward())
+            state.step()
+        before = state.emit_digest()
+        slot = state.layout.rng.view(state.state_region)
+        slot[-1] ^= 0xFF  # NumPy's cached Gaussian
+        slot[-3000] ^= 0xFF  # Python's Mersenne Twister
+        assert state.emit_digest() == before
+        slot[0] ^= 0xFF  # torch's CPU generator
+        assert state.emit_digest() != before
