@@ -97,7 +97,7 @@ class ComputePhase:
                 self.lent = {}
         if step != self._step:
             self._step, self._calls = step, []
-        rng = rng_blob(self.device)  # host only: a few microseconds
+        rng = rng_blob(self.device)  # host only: ~30 microseconds
         retry = False
         while True:
             try:
