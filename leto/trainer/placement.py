@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from leto.contract import ROLE_ACTIVE
 from leto.erasure import padded_bytes
 from leto.erasure.protection import ProtectedRegion
 from leto.errors import ConfigError, ScriptError
@@ -98,6 +99,27 @@ def refuse_sparse_gradients(model: torch.nn.Module) -> None:
             )
 
 
+def note_trainable_outside(
+    model: torch.nn.Module, frozen: list[torch.nn.Parameter], rank: int
+) -> None:
+    """Say which parameters outside the optimizer still require a gradient: autograd
+    computes it every step, but leto neither averages it over the ranks nor counts it in
+    ``step(max_grad_norm=...)``'s norm, which a torch loop's
+    ``clip_grad_norm_(model.parameters())`` would (so its clipping would differ)."""
+    outside = {id(p) for p in frozen}
+    names = [n for n, p in model.named_parameters() if id(p) in outside and p.requires_grad]
+    if names:
+        logger.warning(
+            "[rank %d] %d parameter(s) outside the optimizer require a gradient (%s%s): "
+            "their gradients are computed but never averaged, clipped with or applied; "
+            "freeze them with requires_grad_(False), or give them to the optimizer",
+            rank,
+            len(names),
+            ", ".join(names[:4]),
+            ", ..." if len(names) > 4 else "",
+        )
+
+
 def note_strided(model: torch.nn.Module, rank: int) -> None:
     """Say which parameters are not contiguous (``channels_last`` convolutions, a transposed
     weight): they are retained contiguous, so their kernels may differ from torch's in the
@@ -131,7 +153,6 @@ def plan(
     for settings that cannot go together."""
     refuse_wrappers(model)
     refuse_sparse_gradients(model)
-    note_strided(model, env.rank)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in params}) != len(params):
         raise ScriptError("a parameter appears twice in the optimizer's parameter groups")
@@ -139,6 +160,9 @@ def plan(
     device = device if params[0].is_meta else params[0].device
     # a sharded optimizer holds shards: the full parameters are its mirror regions
     frozen = [] if mirror else outside_optimizer(model, params)
+    if env.role == ROLE_ACTIVE:  # said once: a shadow plans the same model
+        note_trainable_outside(model, frozen, env.rank)
+        note_strided(model, env.rank)
     shards = None
     retained: list[torch.Tensor] = [*params, *frozen]
     if has_dtensor_params(params):  # the frozen ones' shards follow the optimizer's

@@ -52,3 +52,13 @@ def test_parameters_out_of_their_layout_are_named(monkeypatch, caplog) -> None:
         ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
     assert "1 parameter(s) are retained contiguous" in caplog.text
     assert "(0.weight)" in caplog.text
+
+
+def test_trainable_parameters_outside_the_optimizer_are_named(monkeypatch, caplog) -> None:
+    """A torch loop's ``clip_grad_norm_(model.parameters())`` counts their gradients;
+    leto's update never sees them: the job is told."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    net[0].bias.requires_grad_(False)  # frozen as it should be: not named
+    with local_context(monkeypatch) as ctx, caplog.at_level("WARNING", "leto.trainer.placement"):
+        ctx.retain(net, torch.optim.SGD(net[1].parameters(), lr=0.1))
+    assert "1 parameter(s) outside the optimizer require a gradient (0.weight)" in caplog.text
