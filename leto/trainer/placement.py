@@ -107,33 +107,31 @@ def note_trainable_outside(
     ``step(max_grad_norm=...)``'s norm, which a torch loop's
     ``clip_grad_norm_(model.parameters())`` would (so its clipping would differ)."""
     outside = {id(p) for p in frozen}
-    names = [n for n, p in model.named_parameters() if id(p) in outside and p.requires_grad]
-    if names:
-        logger.warning(
-            "[rank %d] %d parameter(s) outside the optimizer require a gradient (%s%s): "
-            "their gradients are computed but never averaged, clipped with or applied; "
-            "freeze them with requires_grad_(False), or give them to the optimizer",
-            rank,
-            len(names),
-            ", ".join(names[:4]),
-            ", ..." if len(names) > 4 else "",
-        )
+    _name_parameters(
+        [n for n, p in model.named_parameters() if id(p) in outside and p.requires_grad],
+        rank,
+        "outside the optimizer require a gradient ({}): their gradients are computed but "
+        "never averaged, clipped with or applied; freeze them with requires_grad_(False), or "
+        "give them to the optimizer",
+    )
 
 
 def note_strided(model: torch.nn.Module, rank: int) -> None:
     """Say which parameters are not contiguous (``channels_last`` convolutions, a transposed
     weight): they are retained contiguous, so their kernels may differ from torch's in the
     last bits and, on a GPU, in speed (a ``channels_last`` convolution's weight no longer is)."""
-    strided = [n for n, p in model.named_parameters() if p.numel() > 1 and not p.is_contiguous()]
-    if strided:
-        logger.warning(
-            "[rank %d] %d parameter(s) are retained contiguous, not in their own memory layout "
-            "(%s%s)",
-            rank,
-            len(strided),
-            ", ".join(strided[:4]),
-            ", ..." if len(strided) > 4 else "",
-        )
+    _name_parameters(
+        [n for n, p in model.named_parameters() if p.numel() > 1 and not p.is_contiguous()],
+        rank,
+        "are retained contiguous, not in their own memory layout ({})",
+    )
+
+
+def _name_parameters(names: list[str], rank: int, what: str) -> None:
+    """One warning naming the first few of ``names``, if any (``what`` has a ``{}`` for them)."""
+    if names:
+        listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        logger.warning("[rank %d] %d parameter(s) %s", rank, len(names), what.format(listed))
 
 
 def plan(
