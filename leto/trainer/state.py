@@ -318,6 +318,7 @@ class RetainedState:
                 data.copy_(f.detach())
             rebind(f, torch.nn.Parameter(data, requires_grad=f.requires_grad))
         self._frozen_versions = [f._version for f in self.frozen]
+        self._note_param_versions()
 
     def _attach_extras(
         self, stateful: Mapping[str, Any] | None, stateful_bytes: int | None
@@ -558,6 +559,7 @@ class RetainedState:
         step = self.marker.step
         self._loss.stage(loss)
         self._check_frozen_unchanged()
+        self._check_params_unwritten()
         self._phases.mark("compute")
         absent = self._absent_grads()
         self._check_grads_bound()
@@ -670,6 +672,28 @@ class RetainedState:
                     "model and name its owner in ctx.retain(..., stateful=...)"
                 )
 
+    def _note_param_versions(self) -> None:
+        """What ``_check_params_unwritten`` compares with: the parameters' version counters
+        once leto has written them (bound, updated, resumed)."""
+        self._param_versions = [p._version for p in self.params]
+
+    def _check_params_unwritten(self) -> None:
+        """Refuse a parameter of the optimizer that the script wrote in place since leto's
+        last update (``ScriptError``): weight clipping after ``state.step()``, an
+        ``nn.Embedding(max_norm=...)`` renormalising rows in forward, a load after
+        ``retain()``. No such write is crash-consistent (a trainer killed in the update
+        never ran the code after it; a re-run forward writes twice) nor in the parity."""
+        for p, version in zip(self.params, self._param_versions, strict=True):
+            if p._version != version:
+                names = {id(q): n for n, q in self.model.named_parameters()}
+                raise ScriptError(
+                    f"parameter {names.get(id(p), '?')} was written in place outside "
+                    "leto's update (weight clipping after state.step(), "
+                    "nn.Embedding(max_norm=...), a load after ctx.retain()?); leto cannot "
+                    "make such a write crash-consistent: load weights before ctx.retain(), "
+                    "and let only state.step() change the optimizer's parameters"
+                )
+
     def _check_lent_memory_returned(self) -> None:
         """Refuse a tensor of the compute phase kept in the lent undo memory (``ProtocolError``).
 
@@ -746,6 +770,7 @@ class RetainedState:
     ) -> None:
         self.updater.run(step, skipped, rng)
         self._gather()
+        self._note_param_versions()
         self._committed()
 
     def _gather(self) -> None:
@@ -895,6 +920,7 @@ class RetainedState:
             buffers_restored=buffers,
         )
         self._gather()  # every rank: the full parameters from every rank's committed shards
+        self._note_param_versions()
         if self.services.env.digest:
             self.emit_digest()
         return resume_at
