@@ -659,18 +659,17 @@ class RetainedState:
         return norm
 
     def _check_frozen_unchanged(self) -> None:
-        """Refuse a parameter outside the optimizer that was written in place (``ProtocolError``):
+        """Refuse a parameter outside the optimizer that was written in place (``ScriptError``):
         it is retained as it was built, but no update of it is crash-consistent (an EMA copy
         among the model's parameters, say), so a recovery would resume it torn or stale."""
-        for i, f in enumerate(self.frozen):
-            if f._version != self._frozen_versions[i]:
-                names = {id(p): n for n, p in self.model.named_parameters()}
-                raise ScriptError(
-                    f"parameter {names.get(id(f), '?')} is outside the optimizer but was written "
-                    "in place; leto retains such parameters as built and cannot make their "
-                    "updates crash-consistent: give it to the optimizer, or keep it out of the "
-                    "model and name its owner in ctx.retain(..., stateful=...)"
-                )
+        self._refuse_written(
+            self.frozen,
+            self._frozen_versions,
+            "is outside the optimizer but was written in place; leto retains such parameters "
+            "as built and cannot make their updates crash-consistent: give it to the "
+            "optimizer, or keep it out of the model and name its owner in "
+            "ctx.retain(..., stateful=...)",
+        )
 
     def _note_param_versions(self) -> None:
         """What ``_check_params_unwritten`` compares with: the parameters' version counters
@@ -683,16 +682,21 @@ class RetainedState:
         ``nn.Embedding(max_norm=...)`` renormalising rows in forward, a load after
         ``retain()``. No such write is crash-consistent (a trainer killed in the update
         never ran the code after it; a re-run forward writes twice) nor in the parity."""
-        for p, version in zip(self.params, self._param_versions, strict=True):
+        self._refuse_written(
+            self.params,
+            self._param_versions,
+            "was written in place outside leto's update (weight clipping after state.step(), "
+            "nn.Embedding(max_norm=...), a load after ctx.retain()?); leto cannot make such a "
+            "write crash-consistent: load weights before ctx.retain(), and let only "
+            "state.step() change the optimizer's parameters",
+        )
+
+    def _refuse_written(self, params: list, versions: list[int], why: str) -> None:
+        """``ScriptError`` naming the first of ``params`` whose version counter moved."""
+        for p, version in zip(params, versions, strict=True):
             if p._version != version:
                 names = {id(q): n for n, q in self.model.named_parameters()}
-                raise ScriptError(
-                    f"parameter {names.get(id(p), '?')} was written in place outside "
-                    "leto's update (weight clipping after state.step(), "
-                    "nn.Embedding(max_norm=...), a load after ctx.retain()?); leto cannot "
-                    "make such a write crash-consistent: load weights before ctx.retain(), "
-                    "and let only state.step() change the optimizer's parameters"
-                )
+                raise ScriptError(f"parameter {names.get(id(p), '?')} {why}")
 
     def _check_lent_memory_returned(self) -> None:
         """Refuse a tensor of the compute phase kept in the lent undo memory (``ProtocolError``).
