@@ -34,7 +34,7 @@ from leto import compiled, contract, kernels
 from leto.config import default_rmu_chunk_bytes
 from leto.contract import ENV_CHECKPOINT, ROLE_ACTIVE, ROLE_SHADOW
 from leto.device_health import DeviceUnhealthyError, check_device
-from leto.errors import ConfigError, ProtocolError, UnrecoverableStateError
+from leto.errors import ConfigError, ProtocolError, ScriptError, UnrecoverableStateError
 from leto.events import EventLog, Kind
 from leto.faults import FaultInjector
 from leto.health import Heartbeat
@@ -98,6 +98,8 @@ class Context:
         self.injector.wait_for_shadow = self._wait_for_own_shadow
         self.injector.kill_shadow = self._kill_own_shadow
         self.checkpointer: Checkpointer | None = None
+        self._retained: bool = False
+        """``retain()`` was called: this process's regions hold that model's state."""
         self.promoted_at: float | None = None
         self.exits_cleanly = False
         """Whether the process leaves by ``os._exit(0)`` once training finished
@@ -214,6 +216,13 @@ class Context:
         from leto.trainer.loss_scale import LossScale
         from leto.trainer.state import RetainedState
 
+        if self._retained:  # a second model would be bound to the first one's regions
+            raise ScriptError(
+                "ctx.retain() was called a second time: leto retains one model and its "
+                "optimizer per trainer; retain them together (several optimizers: "
+                "leto.ChainedOptimizer([...]); other objects: ctx.retain(..., stateful=...))"
+            )
+        self._retained = True
         loss_scale = None if scaler is None else LossScale(scaler, optimizer)
         if loss_scale is not None:
             named = dict(stateful or {})

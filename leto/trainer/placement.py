@@ -99,6 +99,19 @@ def refuse_sparse_gradients(model: torch.nn.Module) -> None:
             )
 
 
+def refuse_uninitialized(model: torch.nn.Module) -> None:
+    """A lazy module's parameter not yet materialised (``nn.LazyLinear`` before its first
+    forward) is refused: it has no shape to retain yet."""
+    from torch.nn.parameter import is_lazy
+
+    for name, p in model.named_parameters():
+        if is_lazy(p):
+            raise ConfigError(
+                f"ctx.retain(): parameter {name} is uninitialised (a lazy module's): run one "
+                "forward pass before ctx.retain(), as before building an optimizer over it"
+            )
+
+
 def note_trainable_outside(
     model: torch.nn.Module, frozen: list[torch.nn.Parameter], rank: int
 ) -> None:
@@ -151,6 +164,7 @@ def plan(
     for settings that cannot go together."""
     refuse_wrappers(model)
     refuse_sparse_gradients(model)
+    refuse_uninitialized(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in params}) != len(params):
         raise ScriptError("a parameter appears twice in the optimizer's parameter groups")

@@ -62,3 +62,21 @@ def test_trainable_parameters_outside_the_optimizer_are_named(monkeypatch, caplo
     with local_context(monkeypatch) as ctx, caplog.at_level("WARNING", "leto.trainer.placement"):
         ctx.retain(net, torch.optim.SGD(net[1].parameters(), lr=0.1))
     assert "1 parameter(s) outside the optimizer require a gradient (0.weight)" in caplog.text
+
+
+def test_a_second_retain_is_refused(monkeypatch) -> None:
+    """It would bind the second model to the first one's regions: its weights replaced by
+    the first model's, silently."""
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    weight = second.weight.detach().clone()
+    with local_context(monkeypatch) as ctx:
+        ctx.retain(first, torch.optim.SGD(first.parameters(), lr=0.1))
+        with pytest.raises(ScriptError, match=r"ctx.retain\(\) was called a second time"):
+            ctx.retain(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    assert torch.equal(second.weight, weight)
+
+
+def test_a_lazy_module_not_yet_materialised_is_refused(monkeypatch) -> None:
+    net = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))
+    with local_context(monkeypatch) as ctx, pytest.raises(ConfigError, match=r"0.weight is uninit"):
+        ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
