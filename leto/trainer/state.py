@@ -110,6 +110,8 @@ class RetainedState:
         self.model = plan.model
         self.optimizer = plan.optimizer
         self.params = plan.params
+        self._groups = _group_sizes(plan.optimizer)
+        """The optimizer's groups as retained (their sizes): a group added later is refused."""
         self._norm_order = norm_order(plan.model, plan.params)
         """The parameters' indices in ``model.parameters()`` order, which clipping's total
         norm follows, so it has the bits of a torch loop's ``clip_grad_norm_``."""
@@ -558,6 +560,7 @@ class RetainedState:
         ``max_grad_norm``."""
         step = self.marker.step
         self._loss.stage(loss)
+        self._check_groups_unchanged()
         self._check_frozen_unchanged()
         self._check_params_unwritten()
         self._phases.mark("compute")
@@ -657,6 +660,17 @@ class RetainedState:
         elif scale is not None:
             scale.fill_(1.0)  # the gradients arrive clipped, or unclipped on purpose
         return norm
+
+    def _check_groups_unchanged(self) -> None:
+        """Refuse parameters added to the optimizer after ``retain()`` (``add_param_group``):
+        the retained layout was planned from its groups then, so leto's update would never
+        apply them, silently, where torch's optimizer would."""
+        if _group_sizes(self.optimizer) != self._groups:
+            raise ScriptError(
+                "the optimizer's parameter groups changed after ctx.retain() (add_param_group?); "
+                "leto plans retained memory from them: give the optimizer every parameter "
+                "before ctx.retain() (one to train later with requires_grad_(False) until then)"
+            )
 
     def _check_frozen_unchanged(self) -> None:
         """Refuse a parameter outside the optimizer that was written in place (``ScriptError``):
@@ -949,6 +963,12 @@ class RetainedState:
             Kind.DIGEST, rank=self.services.rank, step=self.marker.step, digest=digest
         )
         return digest
+
+
+def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
+    """The sizes of ``optimizer``'s parameter groups, and of a ``ChainedOptimizer``'s parts'."""
+    parts = [optimizer, *getattr(optimizer, "parts", ())]
+    return [len(g["params"]) for part in parts for g in part.param_groups]
 
 
 def report_unreported(

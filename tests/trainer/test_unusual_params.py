@@ -80,3 +80,24 @@ def test_a_lazy_module_not_yet_materialised_is_refused(monkeypatch) -> None:
     net = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))
     with local_context(monkeypatch) as ctx, pytest.raises(ConfigError, match=r"0.weight is uninit"):
         ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_a_group_added_after_retain_is_refused(monkeypatch) -> None:
+    """Leto's update would never apply it (its parameters were planned as frozen): torch's
+    optimizer would, so the job is stopped rather than trained otherwise."""
+    head, body = nn.Linear(4, 2), nn.Linear(4, 4)
+    net = nn.Sequential(body, head)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    body.requires_grad_(False)
+    with local_context(monkeypatch) as ctx:
+        state = ctx.retain(net, opt)
+        for step in state.steps(2):
+            if step == 1:
+                body.requires_grad_(True)
+                opt.add_param_group({"params": list(body.parameters())})
+            state.compute(lambda: net(torch.ones(3, 4)).sum().backward())
+            if step == 1:
+                with pytest.raises(ScriptError, match=r"groups changed after ctx.retain"):
+                    state.step()
+                return
+            state.step()
