@@ -44,11 +44,13 @@ import hashlib
 import io
 import logging
 import pickle
+import random
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
@@ -214,6 +216,37 @@ class RecordStore:
 Kind = Literal["optimizer", "scheduler", "stateful"]
 
 
+class GeneratorState:
+    """A random generator named in ``stateful=`` (torch's ``Generator``, NumPy's
+    ``Generator`` or ``RandomState``, Python's ``random.Random``), read and set through
+    torch's ``Stateful`` protocol, which they do not follow: a script that draws its data
+    from one it made itself names it, and a recovery draws what the failed trainer drew."""
+
+    KINDS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self.generator
+        if isinstance(g, torch.Generator):
+            return {"state": g.get_state()}
+        if isinstance(g, np.random.Generator):
+            return {"state": g.bit_generator.state}
+        return {"state": g.get_state() if isinstance(g, np.random.RandomState) else g.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        g, value = self.generator, state["state"]
+        if isinstance(g, torch.Generator):
+            g.set_state(value)
+        elif isinstance(g, np.random.Generator):
+            g.bit_generator.state = value
+        elif isinstance(g, np.random.RandomState):
+            g.set_state(value)
+        else:
+            g.setstate(value)
+
+
 @dataclass(slots=True)
 class Tracked:
     """One retained object and how its state is read and written."""
@@ -322,6 +355,8 @@ class RetainedExtras:
         self.rank = rank
         self._tracked: dict[str, Tracked] = {OPTIMIZER: Tracked(OPTIMIZER, "optimizer", optimizer)}
         for name, obj in (named or {}).items():
+            if isinstance(obj, GeneratorState.KINDS):
+                obj = GeneratorState(obj)
             if name == OPTIMIZER or name.startswith(SCHEDULER_PREFIX):
                 raise ConfigError(f"stateful name {name!r} is reserved: choose another")
             if not (

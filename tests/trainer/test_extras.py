@@ -417,3 +417,45 @@ def test_the_commit_digest_follows_the_objects() -> None:
     job.sched.step()  # one scheduler step more than the fault-free run
     job.extras.before_commit(1)
     assert job.extras.commit_digest != digests[2] and before == digests[1]
+
+
+def test_random_generators_named_come_back() -> None:
+    """Generators a script made itself (torch's, NumPy's two kinds, Python's), named in
+    ``stateful=``: a trainer killed in a step's compute phase draws again what it drew."""
+    import random
+
+    import numpy as np
+
+    def generators() -> dict[str, Any]:
+        return {
+            "torch": torch.Generator().manual_seed(1),
+            "numpy": np.random.default_rng(2),
+            "legacy": np.random.RandomState(3),
+            "python": random.Random(4),
+        }
+
+    def draw(g: dict[str, Any]) -> tuple[float, ...]:
+        return (
+            float(torch.rand((), generator=g["torch"])),
+            float(g["numpy"].random()),
+            float(g["legacy"].rand()),
+            g["python"].random(),
+        )
+
+    def job(region: torch.Tensor, named: dict[str, Any]) -> RetainedExtras:
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+        out = RetainedExtras(RecordStore(region), opt, named, 0)
+        out.discover()
+        return out
+
+    region, named = _region(), generators()
+    first = job(region, named)
+    for t in range(2):
+        first.begin(t)
+        draw(named)
+        first.before_commit(t)
+    first.begin(2)
+    drawn = draw(named)  # step 2's compute phase, then the kill
+    again = generators()  # the promoted trainer's script makes them anew
+    assert job(region.clone(), again).resume(2) == "begin"
+    assert draw(again) == drawn
