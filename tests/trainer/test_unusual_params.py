@@ -101,3 +101,17 @@ def test_a_group_added_after_retain_is_refused(monkeypatch) -> None:
                     state.step()
                 return
             state.step()
+
+
+def test_a_second_step_in_one_iteration_is_refused(monkeypatch) -> None:
+    net = nn.Linear(4, 2)
+    with local_context(monkeypatch) as ctx:
+        state = ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for _ in state.steps(2):
+            state.compute(lambda: net(torch.ones(3, 4)).sum().backward())
+            state.step()
+            with pytest.raises(
+                ScriptError, match=r"state.step\(\) was called twice in one iteration"
+            ):
+                state.step()
+            return
