@@ -8,8 +8,9 @@ position (``SampleCursor``, a user object with ``state_dict()`` / ``load_state_d
 named; so is the torchdata ``StatefulDataLoader`` of ``--loader``. BatchNorm updates its
 running statistics in every forward. ``--augment`` draws each batch's augmentation from
 Python's ``random`` and NumPy's global generator in the loop, as a script's own code does
-(seeded once at the start: Leto retains both with torch's RNG). ``--plain`` runs the same loop with torch alone (one
-process, no Leto): the reference a one-rank leto-run job equals bit for bit.
+(seeded once at the start: Leto retains both with torch's RNG). ``--plain`` runs the same
+loop with torch alone (one process, no Leto): the reference a one-rank leto-run job equals
+bit for bit.
 """
 
 from __future__ import annotations

@@ -93,9 +93,9 @@ def refuse_sparse_gradients(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
             raise ConfigError(
-                f"ctx.retain(): module {name or 'the model'!r} is an {type(module).__name__}(sparse=True), "
-                "whose sparse gradients leto's retained gradients (dense) cannot hold: build "
-                "it with sparse=False"
+                f"ctx.retain(): module {name or 'the model'!r} is an "
+                f"{type(module).__name__}(sparse=True), whose sparse gradients leto's retained "
+                "gradients (dense) cannot hold: build it with sparse=False"
             )
 
 

@@ -156,9 +156,8 @@ class RetainedState:
             self.marker.reload()
         self._recover(stateful, stateful_bytes)
         self.attach_s = time.perf_counter() - t0
-        self._committed_this_step = True
-        self._began = False
-        """An iteration of ``steps()`` has begun: a second ``step()`` in one is refused."""
+        self._committed_this_step = False
+        """This iteration of ``steps()`` committed: a second ``step()`` in it is refused."""
         self._announced = False
         self._total: int | None = None
         """The ``total`` of ``steps()``, reported with each step (progress, ETA)."""
@@ -484,7 +483,6 @@ class RetainedState:
                 f"step {step} begins with the marker at {self.marker.step}/{self.marker.phase.name}"
             )
         self._committed_this_step = False
-        self._began = True
         self._step_started = time.perf_counter()
         self._graphs_at_begin = compiled.graphs_compiled()
         self._phases = PhaseTimes(
@@ -562,7 +560,7 @@ class RetainedState:
         ``clip_grad_norm_`` returns it: reading it waits for the device), or None without
         ``max_grad_norm``."""
         step = self.marker.step
-        if self._committed_this_step and self._began:
+        if self._committed_this_step:
             raise ScriptError(
                 "state.step() was called twice in one iteration of state.steps(): call it "
                 "once in every iteration"
