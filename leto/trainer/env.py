@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from leto import contract
 from leto.contract import ROLE_SHADOW
 from leto.errors import LetoError, ProtocolError
-from leto.trainer.timing import phase_times_enabled, sync_debug_enabled
+from leto.trainer.timing import phase_times_enabled, profile_dir, sync_debug_enabled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +26,9 @@ class TrainerEnv(contract.GenerationEnv):
     phase_times: bool = False
     """``LETO_PHASE_TIMES=1`` (or ``host``): each step's phases in ``step_done``
     (``leto.trainer.timing``)."""
+    profile_dir: str | None = None
+    """``LETO_PROFILE_DIR=dir``: the process's first step and a steady one profiled, their
+    tables written there (``leto.trainer.timing.StepProfiler``)."""
     sync_debug: bool = False
     """``LETO_SYNC_DEBUG=1``: warn at every wait for the device, from the second step to the
     one before the last (``leto.trainer.timing.ENV_SYNC_DEBUG``)."""
@@ -57,5 +60,6 @@ class TrainerEnv(contract.GenerationEnv):
             **contract.GenerationEnv.fields_from_environ(env),
             **torch_env,  # type: ignore[arg-type]
             phase_times=phase_times_enabled(),
+            profile_dir=profile_dir(),
             sync_debug=sync_debug_enabled(),
         )

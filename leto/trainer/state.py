@@ -64,7 +64,7 @@ from leto.trainer.resume import ResumeAction, decide_resume
 from leto.trainer.rng import HOST_BYTES, rng_blob, set_rng_blob, staged
 from leto.trainer.sharding import ShardGradArrival, local
 from leto.trainer.step_guard import OptimizerStepGuard
-from leto.trainer.timing import PhaseTimes, warn_on_device_waits
+from leto.trainer.timing import PhaseTimes, StepProfiler, warn_on_device_waits
 
 if TYPE_CHECKING:
     from leto.trainer.placement import Plan
@@ -444,11 +444,16 @@ class RetainedState:
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         first = step
+        profiler = None
+        if self.services.env.profile_dir is not None:
+            profiler = StepProfiler(self.services.env.profile_dir, self.services.rank, self.device)
         while step < total:
             if self.services.env.sync_debug and step == first + 1:
                 warn_on_device_waits(self.device)
             if self.services.env.sync_debug and step == total - 1:  # its loss is read now
                 warn_on_device_waits(self.device, on=False)
+            if profiler is not None:
+                profiler.begin(step)
             self._begin(step)
             yield step
             if not self._committed_this_step:
@@ -456,6 +461,8 @@ class RetainedState:
                     f"step {step} ended without state.step() being called: leto commits every "
                     "step it begins; call state.step() in every iteration of state.steps()"
                 )
+            if profiler is not None:
+                profiler.end(step)
             step += 1
         self.updater.drain()  # the last flush's host copies land
         self.services.finished()  # no more heartbeats: the hang watch leaves this trainer alone

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
 ENV_PHASE_TIMES = "LETO_PHASE_TIMES"
+ENV_PROFILE_DIR = "LETO_PROFILE_DIR"
+"""A directory: each trainer process profiles its first step and a later one
+(:class:`StepProfiler`) and writes their tables there."""
 ENV_SYNC_DEBUG = "LETO_SYNC_DEBUG"
 """``1``: from its second step to the one before its last, an active trainer on CUDA warns
 at every call that makes the host wait for the device
@@ -27,6 +31,10 @@ out."""
 
 def phase_times_enabled() -> bool:
     return os.environ.get(ENV_PHASE_TIMES, "0") in ("1", "host")
+
+
+def profile_dir() -> str | None:
+    return os.environ.get(ENV_PROFILE_DIR) or None
 
 
 def sync_debug_enabled() -> bool:
@@ -65,3 +73,66 @@ class PhaseTimes:
     def fields(self) -> dict[str, dict[str, float]]:
         """``{"phases_s": {...}}`` when enabled, else nothing (for ``EventLog.emit``)."""
         return {"phases_s": self.seconds} if self.enabled else {}
+
+
+class StepProfiler:
+    """``LETO_PROFILE_DIR=dir``: a trainer process profiles (``torch.profiler``, host and device
+    events) the first step it runs and the step ``STEADY_AFTER`` later, and writes each one's
+    tables to ``dir/rank<r>-pid<pid>-step<n>.txt``: what a fresh process's first step pays
+    that a steady step does not (a promoted shadow's, after a recovery). The device is
+    synchronised at both ends of a profiled step."""
+
+    STEADY_AFTER = 3
+    ROWS = 30
+
+    def __init__(self, directory: str | Path, rank: int, device: torch.device) -> None:
+        self.directory = Path(directory)
+        self.rank = rank
+        self.device = device
+        self._first: int | None = None
+        self._prof: torch.profiler.profile | None = None
+        self._started = 0.0
+        self._allocs = 0
+
+    def begin(self, step: int) -> None:
+        if self._first is None:
+            self._first = step
+        if step - self._first not in (0, self.STEADY_AFTER):
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._sync()
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._allocs = self._device_allocs()
+        self._started = time.perf_counter()
+
+    def end(self, step: int) -> None:
+        if self._prof is None:
+            return
+        self._sync()
+        wall = time.perf_counter() - self._started
+        allocs = self._device_allocs() - self._allocs
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        table = prof.key_averages()
+        text = [f"step {step} (the process's {'first' if step == self._first else 'steady'})"]
+        text.append(f"wall {1e3 * wall:.1f} ms, device allocations {allocs}\n")
+        text.append(table.table(sort_by="self_cpu_time_total", row_limit=self.ROWS))
+        if self.device.type == "cuda":
+            text.append(table.table(sort_by="self_device_time_total", row_limit=self.ROWS))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = f"rank{self.rank}-pid{os.getpid()}-step{step}.txt"
+        (self.directory / name).write_text("\n".join(text))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _device_allocs(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_device_alloc", 0))

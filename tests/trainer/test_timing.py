@@ -55,3 +55,26 @@ def test_the_diagnostics_reach_the_trainer_s_environment(
         monkeypatch.setenv(name, value)
     env = TrainerEnv.from_environ(_env())
     assert (env.phase_times, env.sync_debug) == (phase_times, sync_debug)
+
+
+def test_the_profiler_writes_the_first_and_a_steady_step(monkeypatch, tmp_path) -> None:
+    """``LETO_PROFILE_DIR``: the process's first step and the one ``STEADY_AFTER`` later are
+    profiled, each table naming the ops its step ran; no other step is."""
+    from torch import nn
+
+    from leto.trainer.timing import StepProfiler
+    from tests.trainer.local import local_context
+
+    steps = StepProfiler.STEADY_AFTER + 2
+    with local_context(monkeypatch, profile_dir=str(tmp_path)) as ctx:
+        net = nn.Linear(4, 4)
+        state = ctx.retain(net, torch.optim.AdamW(net.parameters()))
+        for step in state.steps(steps):
+            state.compute(lambda: net(torch.ones(2, 4)).sum().backward())
+            state.step()
+    tables = sorted(tmp_path.iterdir())
+    assert [t.name.rsplit("-", 1)[1] for t in tables] == ["step0.txt", f"step{steps - 2}.txt"]
+    first, steady = (t.read_text() for t in tables)
+    assert first.startswith("step 0 (the process's first)")
+    assert steady.startswith(f"step {steps - 2} (the process's steady)")
+    assert "aten::addmm" in first and "aten::addmm" in steady
