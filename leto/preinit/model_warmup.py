@@ -314,6 +314,13 @@ def _clip_on_meta(params: list[torch.nn.Parameter]) -> None:
         clip_grad._device_has_foreach_support = supported
 
 
+def cached_free(device: torch.device) -> bool:
+    """Whether the caching allocator holds free blocks on ``device`` (a warm-up's, kept)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.memory_reserved(device) > torch.cuda.memory_allocated(device)
+
+
 def _promote_key(site: ShadowSite) -> str:
     return contract.promote(
         site.env.generation, site.rank
@@ -332,6 +339,7 @@ def _run(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
     t0 = time.perf_counter()
     ran, reason, peak, kept = True, "ok", 0, 0
     with torch.random.fork_rng(devices=[device] if cuda else []):
@@ -348,8 +356,10 @@ def _run(
             ran, reason = False, f"failed: {type(e).__name__}: {first}"[:300]
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base
-        if not (keep_cache and ran):
-            torch.cuda.empty_cache()  # back to the level's footprint
+        # Back to the level's footprint: only where this warm-up grew the cache, so that blocks
+        # an earlier warm-up kept for the first step (the forward replay's) stay kept.
+        if not (keep_cache and ran) and torch.cuda.memory_reserved(device) > reserved:
+            torch.cuda.empty_cache()
         kept = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return ModelWarmupResult(
         ran=ran,

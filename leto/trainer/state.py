@@ -44,7 +44,12 @@ from leto import compiled, contract
 from leto.errors import ConfigError, ProtocolError, ScriptError, UnrecoverableStateError
 from leto.events import EventLog, Kind, last_event
 from leto.preinit import probe, replay
-from leto.preinit.model_warmup import warm_compiler, warm_forward, warm_sharded_clip
+from leto.preinit.model_warmup import (
+    cached_free,
+    warm_compiler,
+    warm_forward,
+    warm_sharded_clip,
+)
 from leto.preinit.warmup import warm_shadow
 from leto.retained.marker import Phase
 from leto.retained.optim_state import StateSlots
@@ -215,15 +220,18 @@ class RetainedState:
         """A shadow's warm-ups (level 3), then its wait for promotion."""
         site = self.services.shadow_site()
         warm_shadow(site, self.layout, self.optimizer)  # the Triton kernels of a recovery
+        warm_sharded_clip(site, self.params)  # FSDP2: DTensor's sharding propagation of the clip
         # The model's first step (leto.preinit.replay). Its freed blocks are kept for the
         # first step's activations unless lending was asked for: the lending pool would grow
         # afresh, so a trainer whose shadow kept them does not lend.
         keep = self.services.env.lend_activations is not True
         replayed = warm_forward(site, self.model, keep_cache=keep)
-        self._replay_kept = replayed is not None and replayed.result.kept_bytes > 0
         self._traced_hooks = None if replayed is None else replayed.traced
         warm_compiler(site, self.model, replayed)  # a compiled model: the compiler's first use
-        warm_sharded_clip(site, self.params)  # FSDP2: DTensor's sharding propagation of the clip
+        # Kept if no later warm-up had to return the cache (warm_model: only one that grew it).
+        self._replay_kept = (
+            replayed is not None and replayed.result.kept_bytes > 0 and cached_free(self.device)
+        )
 
         def freeze() -> None:  # once ready: the scan must not delay readiness
             self._frozen_schedulers = freeze_heap(self.optimizer)
