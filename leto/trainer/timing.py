@@ -124,9 +124,26 @@ class StepProfiler:
         text.append(table.table(sort_by="self_cpu_time_total", row_limit=self.ROWS))
         if self.device.type == "cuda":
             text.append(table.table(sort_by="self_device_time_total", row_limit=self.ROWS))
+        text += self._allocations(prof)
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"rank{self.rank}-pid{os.getpid()}-step{step}.txt"
         (self.directory / name).write_text("\n".join(text))
+
+    ALLOCATIONS = ("cudaMalloc", "cudaHostAlloc", "cudaMallocHost", "cuMemAlloc_v2")
+    """Driver allocations a steady step makes none of: each one's callers are listed."""
+
+    def _allocations(self, prof: torch.profiler.profile) -> list[str]:
+        out = []
+        for event in prof.events():
+            if event.name not in self.ALLOCATIONS:
+                continue
+            callers, parent = [], event.cpu_parent
+            while parent is not None and len(callers) < 24:
+                callers.append(parent.name)
+                parent = parent.cpu_parent
+            ms = event.cpu_time_total / 1e3
+            out.append(f"{event.name} {ms:.2f} ms, called from: " + " < ".join(callers))
+        return out
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
