@@ -266,6 +266,38 @@ def _plain_param(p: torch.Tensor, dtype: torch.dtype | None) -> torch.nn.Paramet
     )
 
 
+SMALL_SLACK_BYTES = 16 << 20
+"""Small-block memory (requests of at most 1 MiB, carved from 2 MiB segments) the replay
+leaves free in the cache beyond its own blocks: a first step asks for some the replay did not
+(FSDP2's pre-forward casts each block's floating inputs, a RoPE table, which the unsharded
+copy does not), and a segment asked of the driver right after the predecessor's memory was
+freed can cost milliseconds."""
+PINNED_BINS = range(6, 17)
+"""The caching host allocator's size classes (powers of two, 64 B to 64 KiB) the replay
+leaves page-locked blocks of: a first step's multi-tensor kernels stage their metadata there
+(FSDP2's ``_chunk_cat`` of each reduce-scatter), the loss and RNG copies their bytes, and a
+fresh process's first request of each class costs a ``cudaHostAlloc`` (about a millisecond)."""
+PINNED_PER_BIN = 8
+"""Blocks per class: as many as a step keeps in flight before their copies have run."""
+
+
+def _first_step_slack(device: torch.device) -> None:
+    """Allocate and free what a promoted trainer's first step asks for beyond the replay's
+    own blocks (``SMALL_SLACK_BYTES``, ``PINNED_BINS``): the caching allocators keep them."""
+    if device.type != "cuda":
+        return
+    small = [
+        torch.empty(1 << 20, dtype=torch.uint8, device=device)
+        for _ in range(SMALL_SLACK_BYTES >> 20)
+    ]
+    pinned = [
+        torch.empty(1 << b, dtype=torch.uint8, pin_memory=True)
+        for b in PINNED_BINS
+        for _ in range(PINNED_PER_BIN)
+    ]
+    del small, pinned
+
+
 def _replay(scratch: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
     scratch.to_empty(device=device)
     with torch.no_grad():
@@ -290,6 +322,7 @@ def _replay(scratch: torch.nn.Module, spec: ForwardSpec, device: torch.device) -
     params = [p for p in scratch.parameters() if p.grad is not None]
     if params:
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+    _first_step_slack(device)
     return ReplayResult(parameters=len(params), backward=bool(losses))
 
 
@@ -324,8 +357,9 @@ def scratch_bytes(model: torch.nn.Module) -> int:
 
 def transient_bytes(model: torch.nn.Module) -> Callable[[DeviceMemory], int]:
     """The replay's device memory at peak: the copy plus the active's allocator peak
-    (its activations and temporaries: the replay runs the same step)."""
-    fixed = scratch_bytes(model)
+    (its activations and temporaries: the replay runs the same step), and the small blocks
+    it leaves for the first step (``SMALL_SLACK_BYTES``)."""
+    fixed = scratch_bytes(model) + SMALL_SLACK_BYTES
     return lambda device: fixed + device.peak_bytes // max(1, device.ranks)
 
 
