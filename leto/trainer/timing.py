@@ -80,7 +80,8 @@ class StepProfiler:
     events) the first step it runs and the step ``STEADY_AFTER`` later, and writes each one's
     tables to ``dir/rank<r>-pid<pid>-step<n>.txt``: what a fresh process's first step pays
     that a steady step does not (a promoted shadow's, after a recovery). The device is
-    synchronised at both ends of a profiled step."""
+    synchronised at both ends of a profiled step, and the profiler slows the step it records:
+    compare the two tables, not a profiled step with unprofiled ones."""
 
     STEADY_AFTER = 3
     ROWS = 30
