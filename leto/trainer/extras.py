@@ -289,6 +289,13 @@ class Tracked:
             group.update(saved)
 
 
+@dataclass
+class _LearningRates:
+    """What ``ReduceLROnPlateau.step`` reads and writes of its optimizer: the groups' rates."""
+
+    param_groups: list[dict[str, Any]]
+
+
 def attached_schedulers(
     optimizer: torch.optim.Optimizer, frozen: Sequence[LRScheduler] = ()
 ) -> list[LRScheduler]:
@@ -376,6 +383,12 @@ class RetainedExtras:
                 )
         self._history: dict[str, tuple[int, int]] = {}
         """Per object: (steps observed, steps in which it changed after the commit)."""
+        self._by_loss: dict[str, int] = {}
+        """Per ``ReduceLROnPlateau``: steps whose change after the commit its ``step()`` with
+        the loss given to ``state.step(loss=...)`` reproduces (:meth:`_steps_with_loss`)."""
+        self._pre_loss: float | None = None
+        """The loss given with the last ``PRE`` capture (host float; None: none given)."""
+        self._warned: set[str] = set()
         self._last_begin: dict[str, bytes] | None = None
         self._loaded: dict[str, bytes] = {}
         """Objects restored since the last capture, as loaded (``_states``)."""
@@ -450,14 +463,22 @@ class RetainedExtras:
         self._last_begin = states
         self._write(step, Capture.BEGIN, states, digest=self.commit_digest)
 
-    def before_commit(self, step: int) -> None:
-        """Capture ``PRE(step)``, just before the step's commit begins."""
+    @property
+    def wants_loss(self) -> bool:
+        """A ``ReduceLROnPlateau`` is retained: :meth:`before_commit` wants the step's loss
+        as a host float (reading it waits for the device), to replay that scheduler."""
+        return any(isinstance(t.obj, ReduceLROnPlateau) for t in self._tracked.values())
+
+    def before_commit(self, step: int, loss: float | None = None) -> None:
+        """Capture ``PRE(step)``, just before the step's commit begins; ``loss``: the loss
+        the script gave ``state.step()``, where :attr:`wants_loss`."""
         states = self._states()
         begin = self._last_begin or {}
         pre = {name: data != begin.get(name) for name, data in states.items()}
         self.commit_digest = _digest(states)
         self._last_pre = states
-        self._write(step, Capture.PRE, states, digest=self.commit_digest, pre=pre)
+        self._pre_loss = loss
+        self._write(step, Capture.PRE, states, digest=self.commit_digest, pre=pre, loss=loss)
 
     def _account(self, pre: dict[str, bytes], now: dict[str, bytes]) -> None:
         scheduled = any(now[n] != pre[n] for n, t in self._tracked.items() if t.kind == "scheduler")
@@ -467,6 +488,33 @@ class RetainedExtras:
                 changed = changed and not scheduled
             seen, post = self._history.get(name, (0, 0))
             self._history[name] = (seen + 1, post + changed)
+            if changed and isinstance(t.obj, ReduceLROnPlateau):
+                if self._steps_with_loss(t, pre, now[name]):
+                    self._by_loss[name] = self._by_loss.get(name, 0) + 1
+                elif name not in self._warned:
+                    self._warned.add(name)
+                    logger.warning(
+                        "rank %d: %s is stepped after state.step() with a metric other than the "
+                        "loss given to state.step(loss=...): a failure inside the update would "
+                        "end in-place recovery; pass that metric as the loss, or step it before "
+                        "state.step()",
+                        self.rank,
+                        name,
+                    )
+
+    def _steps_with_loss(self, t: Tracked, pre: dict[str, bytes], after: bytes) -> bool:
+        """Whether ``t`` (a ``ReduceLROnPlateau``) stepped with the step's loss from its state
+        at the commit ends where it is now: run on a copy over the committed learning rates,
+        so the real optimizer is not touched. Every observed step so reproduced is what lets a
+        recovery replay the interrupted step's ``step(loss)``."""
+        if self._pre_loss is None:
+            return False
+        scratch = object.__new__(type(t.obj))
+        groups = pickle.loads(pre[OPTIMIZER])
+        scratch.optimizer = _LearningRates([dict(g) for g in groups])
+        scratch.load_state_dict(pickle.loads(pre[t.name]))
+        scratch.step(self._pre_loss)
+        return scratch.state_dict() == pickle.loads(after)
 
     def _write(
         self,
@@ -476,12 +524,15 @@ class RetainedExtras:
         *,
         digest: str,
         pre: dict[str, bool] | None = None,
+        loss: float | None = None,
     ) -> None:
         payload = pickle.dumps(
             {
                 "objects": states,
                 "kinds": {n: t.kind for n, t in self._tracked.items()},
                 "history": dict(self._history),
+                "by_loss": dict(self._by_loss),
+                "loss": loss,
                 "pre": pre or {},
                 "digest": digest,
             },
@@ -513,6 +564,7 @@ class RetainedExtras:
             self._tracked[name].load(data)
         self._loaded = dict(content["objects"])
         self._history = dict(content["history"])
+        self._by_loss = dict(content.get("by_loss", {}))
         self.commit_digest = content["digest"]
         return content
 
@@ -538,7 +590,7 @@ class RetainedExtras:
         if record is not None:
             content = self._load(record)
             replayed = self._replay(step - 1, content)
-            self._last_pre = content["objects"]
+            self._last_pre, self._pre_loss = content["objects"], content.get("loss")
             return "pre+replay" if replayed else "pre"
         if not self.store.records():  # the job's first step never began: the objects are as built
             return "none"
@@ -578,13 +630,11 @@ class RetainedExtras:
                 "an order leto cannot know: combine them (SequentialLR, ChainedScheduler)"
             )
         for t in replay:
-            if isinstance(t.obj, ReduceLROnPlateau):
-                raise UnrecoverableStateError(
-                    f"rank {self.rank} step {step}: {t.name} is stepped after state.step() with a metric leto "
-                    "cannot replay: step it before state.step()"
-                )
             self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the update ran: no warning
-            t.obj.step()
+            if isinstance(t.obj, ReduceLROnPlateau):
+                t.obj.step(self._plateau_metric(step, t, content))
+            else:
+                t.obj.step()
             for changed in (t.name, OPTIMIZER):  # the replay wrote them: ask them again
                 self._loaded.pop(changed, None)
             logger.info(
@@ -594,6 +644,26 @@ class RetainedExtras:
                 t.name,
             )
         return [t.name for t in replay]
+
+    def _plateau_metric(self, step: int, t: Tracked, content: dict[str, Any]) -> float:
+        """The metric ``t`` (a ``ReduceLROnPlateau``) was about to be stepped with: the step's
+        loss, where every observed step's ``step(loss)`` reproduced its change."""
+        post = content["history"].get(t.name, (0, 0))[1]
+        by_loss, loss = content.get("by_loss", {}).get(t.name, 0), content.get("loss")
+        if loss is None or not post or by_loss < post:
+            why = (
+                "no step was observed yet"
+                if not post
+                else "no loss was given to state.step(loss=...)"
+                if loss is None
+                else f"in {post - by_loss} of {post} steps its metric was not that loss"
+            )
+            raise UnrecoverableStateError(
+                f"rank {self.rank} step {step}: {t.name} is stepped after state.step() with a "
+                f"metric leto cannot replay ({why}): pass that metric as state.step(loss=...), "
+                "or step it before state.step()"
+            )
+        return loss
 
     # -- checkpoint --------------------------------------------------------------------------
     def reload(self) -> None:

@@ -611,7 +611,10 @@ class RetainedState:
         self._phases.mark("join")
         if self.protected and self.buffer_undo is not None:
             self._refuse_buffer_updates()
-        self.extras.before_commit(step)  # what a finishing recovery restores (leto.trainer.extras)
+        # What a finishing recovery restores (leto.trainer.extras); a ReduceLROnPlateau's
+        # replay needs the loss on the host (the script's own float(loss) would wait as long).
+        metric = float(loss) if loss is not None and self.extras.wants_loss else None
+        self.extras.before_commit(step, loss=metric)
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         if not self.marker.stream_ordered:
             self.memory.fence()

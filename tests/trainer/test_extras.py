@@ -459,3 +459,100 @@ def test_random_generators_named_come_back() -> None:
     again = generators()  # the promoted trainer's script makes them anew
     assert job(region.clone(), again).resume(2) == "begin"
     assert draw(again) == drawn
+
+
+# -- ReduceLROnPlateau: stepped after the commit with a metric ---------------------------------
+LOSSES = [3.0, 2.9, 2.8, 2.7, 1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.5, 0.49]
+"""Plateaus and drops: the scheduler both keeps and cuts the rate over the job."""
+
+
+class PlateauJob:
+    """A script that steps ``ReduceLROnPlateau(metric)`` after ``state.step(loss=loss)``; the
+    metric is the step's loss, or (``stale``) a validation loss read every fourth step."""
+
+    def __init__(self, region: torch.Tensor, stale: bool = False) -> None:
+        self.region, self.stale = region, stale
+        self.opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+        self.extras = RetainedExtras(RecordStore(region), self.opt, {}, 0)
+        self.sched = lr_scheduler.ReduceLROnPlateau(self.opt, factor=0.5, patience=1, threshold=0.5)
+        self.extras.discover()
+
+    def state(self) -> tuple[dict[str, Any], float]:
+        return self.sched.state_dict(), self.opt.param_groups[0]["lr"]
+
+    def step(self, t: int, die_at: str | None = None) -> bool:
+        self.extras.begin(t)
+        self.extras.before_commit(t, loss=LOSSES[t])
+        if die_at == "update":
+            return False
+        self.sched.step(LOSSES[t - t % 4] + 0.25 if self.stale else LOSSES[t])
+        return True
+
+
+def _plateau_recovery(job: PlateauJob, kill_step: int) -> PlateauJob:
+    """Run ``job`` into a kill inside step ``kill_step``'s update; the promoted trainer's
+    objects, resumed at the next step (the finished update's replay included)."""
+    for t in range(len(LOSSES)):
+        if not job.step(t, die_at="update" if t == kill_step else None):
+            break
+    return _resume_after(job, kill_step)
+
+
+def test_a_plateau_scheduler_stepped_with_the_loss_is_replayed_after_a_finished_update() -> None:
+    reference = PlateauJob(_region())
+    starts = []
+    for t in range(len(LOSSES)):
+        starts.append(reference.state())
+        reference.step(t)
+    lrs = {lr for _, lr in starts}
+    assert len(lrs) >= 3, "the rate must be cut more than once over the job"
+    job = _plateau_recovery(PlateauJob(_region()), 3)
+    assert job.state() == starts[4]
+    for t in range(4, 7):  # and a second kill after the replayed one, inside step 7's update
+        assert job.step(t)
+    job.step(7, die_at="update")
+    job = _resume_after(job, 7)
+    assert job.state() == starts[8]
+    for t in range(8, len(LOSSES)):
+        assert job.step(t)
+    assert job.state() == reference.state()
+
+
+def _resume_after(job: PlateauJob, kill_step: int) -> PlateauJob:
+    fresh = PlateauJob(job.region.clone(), job.stale)
+    fresh.extras.load_pre(kill_step)
+    assert fresh.extras.resume(kill_step + 1) == "pre+replay"
+    return fresh
+
+
+def test_a_plateau_scheduler_stepped_with_another_metric_is_named_at_once_and_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with pytest.raises(UnrecoverableStateError, match="its metric was not that loss"):
+        _plateau_recovery(PlateauJob(_region(), stale=True), 5)
+    assert "with a metric other than the loss given to state.step" in caplog.text
+    with pytest.raises(UnrecoverableStateError, match="no step was observed yet"):
+        _plateau_recovery(PlateauJob(_region()), 0)
+
+
+def test_a_trainer_hands_its_loss_to_the_plateau_capture(monkeypatch, caplog) -> None:
+    """``state.step(loss=...)`` passes the loss as a host float where a ReduceLROnPlateau is
+    retained, so each step stepped with it counts as replayable."""
+    from tests.trainer.local import local_context
+
+    with local_context(monkeypatch) as ctx:
+        net = torch.nn.Linear(4, 1)
+        state = ctx.retain(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        sched = lr_scheduler.ReduceLROnPlateau(state.optimizer, patience=0)
+
+        def compute() -> torch.Tensor:
+            loss = net(torch.ones(2, 4)).square().mean()
+            loss.backward()
+            return loss
+
+        for _ in state.steps(5):
+            loss = state.compute(compute)
+            state.step(loss=loss)
+            sched.step(loss.item())
+        assert state.extras._by_loss == {"lr_scheduler.ReduceLROnPlateau": 4}
+    assert "ReduceLROnPlateau" not in caplog.text
