@@ -24,9 +24,11 @@ steps were observed and in how many the object changed between ``PRE(t)`` and
 * an LR scheduler that changed after ``state.step()`` in every observed step is stepped once;
   one that never did is not; on the job's first step (nothing observed yet) it is stepped
   unless it was stepped before ``state.step()`` (torch's order: ``scheduler.step()`` after
-  ``optimizer.step()``);
+  ``optimizer.step()``); a ``ReduceLROnPlateau`` is stepped with the loss the script gave
+  ``state.step(loss=...)`` (``PRE`` carries it), where that reproduced every observed step;
 * anything else (a scheduler stepped after the commit on some steps only, two schedulers to
-  replay in an unknown order, a ``ReduceLROnPlateau`` that needs its metric, a user object or
+  replay in an unknown order, a ``ReduceLROnPlateau`` stepped with another metric or before
+  any step was observed (a warning names the first as soon as a step shows it), a user object or
   hyperparameters changed after ``state.step()``, a user object whose first step's behaviour
   was not seen) raises ``UnrecoverableStateError`` naming the object: the checkpoint path
   takes over rather than a resume on wrong state.
