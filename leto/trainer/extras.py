@@ -291,6 +291,14 @@ class Tracked:
             group.update(saved)
 
 
+class CannotReplay(UnrecoverableStateError):
+    """What the script did after ``state.step()`` cannot be redone; ``names``: the objects."""
+
+    def __init__(self, names: list[str], message: str) -> None:
+        super().__init__(message)
+        self.names = names
+
+
 @dataclass
 class _LearningRates:
     """What ``ReduceLROnPlateau.step`` reads and writes of its optimizer: the groups' rates."""
@@ -390,7 +398,10 @@ class RetainedExtras:
         the loss given to ``state.step(loss=...)`` reproduces (:meth:`_steps_with_loss`)."""
         self._pre_loss: float | None = None
         """The loss given with the last ``PRE`` capture (host float; None: none given)."""
+        self._pre_flags: dict[str, bool] = {}
+        """Which objects changed before the last ``PRE`` capture (its ``pre`` field)."""
         self._warned: set[str] = set()
+        """Objects already named by :meth:`_warn_if_unreplayable`."""
         self._last_begin: dict[str, bytes] | None = None
         self._loaded: dict[str, bytes] = {}
         """Objects restored since the last capture, as loaded (``_states``)."""
@@ -462,6 +473,7 @@ class RetainedExtras:
         if self._last_pre is not None:  # what changed between the previous commit and now
             self._account(self._last_pre, states)
             self._last_pre = None
+            self._warn_if_unreplayable(step - 1)
         self._last_begin = states
         self._write(step, Capture.BEGIN, states, digest=self.commit_digest)
 
@@ -478,7 +490,7 @@ class RetainedExtras:
         begin = self._last_begin or {}
         pre = {name: data != begin.get(name) for name, data in states.items()}
         self.commit_digest = _digest(states)
-        self._last_pre = states
+        self._last_pre, self._pre_flags = states, pre
         self._pre_loss = loss
         self._write(step, Capture.PRE, states, digest=self.commit_digest, pre=pre, loss=loss)
 
@@ -490,19 +502,9 @@ class RetainedExtras:
                 changed = changed and not scheduled
             seen, post = self._history.get(name, (0, 0))
             self._history[name] = (seen + 1, post + changed)
-            if changed and isinstance(t.obj, ReduceLROnPlateau):
-                if self._steps_with_loss(t, pre, now[name]):
-                    self._by_loss[name] = self._by_loss.get(name, 0) + 1
-                elif name not in self._warned:
-                    self._warned.add(name)
-                    logger.warning(
-                        "rank %d: %s is stepped after state.step() with a metric other than the "
-                        "loss given to state.step(loss=...): a failure inside the update would "
-                        "end in-place recovery; pass that metric as the loss, or step it before "
-                        "state.step()",
-                        self.rank,
-                        name,
-                    )
+            plateau = changed and isinstance(t.obj, ReduceLROnPlateau)
+            if plateau and self._steps_with_loss(t, pre, now[name]):
+                self._by_loss[name] = self._by_loss.get(name, 0) + 1
 
     def _steps_with_loss(self, t: Tracked, pre: dict[str, bytes], after: bytes) -> bool:
         """Whether ``t`` (a ``ReduceLROnPlateau``) stepped with the step's loss from its state
@@ -602,41 +604,13 @@ class RetainedExtras:
 
     def _replay(self, step: int, content: dict[str, Any]) -> list[str]:
         """What the script did after ``state.step()`` of ``step`` (module docstring)."""
-        history, pre = content["history"], content["pre"]
-        replay = []
-        for name, t in self._tracked.items():
-            seen, post = history.get(name, (0, 0))
-            where = f"rank {self.rank} step {step}: {name} ({type(t.obj).__name__})"
-            if t.kind == "scheduler":
-                if 0 < post < seen:
-                    raise UnrecoverableStateError(
-                        f"{where} was stepped after state.step() in {post} of {seen} steps, so leto cannot tell "
-                        "whether this step's would have run: step it every step, or before state.step()"
-                    )
-                if post == seen and (seen or not pre.get(name)):
-                    replay.append(t)
-            elif post:
-                what = "hyperparameters were" if t.kind == "optimizer" else "state was"
-                raise UnrecoverableStateError(
-                    f"{where}: its {what} changed after state.step(), which a recovery that finishes the update "
-                    "cannot redo: change it before state.step()"
-                )
-            elif not seen and t.kind == "stateful" and not pre.get(name):
-                raise UnrecoverableStateError(
-                    f"{where}: the first step's update was interrupted before leto saw whether it changes "
-                    "after state.step()"
-                )
-        if len(replay) > 1:
-            raise UnrecoverableStateError(
-                f"rank {self.rank} step {step}: {', '.join(t.name for t in replay)} are stepped after state.step() in "
-                "an order leto cannot know: combine them (SequentialLR, ChainedScheduler)"
-            )
-        for t in replay:
+        plan = self._replay_plan(step, content)
+        for t, metric in plan:
             self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the update ran: no warning
-            if isinstance(t.obj, ReduceLROnPlateau):
-                t.obj.step(self._plateau_metric(step, t, content))
-            else:
+            if metric is None:
                 t.obj.step()
+            else:
+                t.obj.step(metric)
             for changed in (t.name, OPTIMIZER):  # the replay wrote them: ask them again
                 self._loaded.pop(changed, None)
             logger.info(
@@ -645,7 +619,73 @@ class RetainedExtras:
                 step,
                 t.name,
             )
-        return [t.name for t in replay]
+        return [t.name for t, _ in plan]
+
+    def _replay_plan(
+        self, step: int, content: dict[str, Any]
+    ) -> list[tuple[Tracked, float | None]]:
+        """The schedulers a resume after ``step``'s finished update steps, each with its
+        metric (a ``ReduceLROnPlateau``'s) or None; :class:`CannotReplay` where the records
+        cannot tell what the script did after ``state.step()``."""
+        history, pre = content["history"], content["pre"]
+        replay = []
+        for name, t in self._tracked.items():
+            seen, post = history.get(name, (0, 0))
+            where = f"rank {self.rank} step {step}: {name} ({type(t.obj).__name__})"
+            if t.kind == "scheduler":
+                if 0 < post < seen:
+                    raise CannotReplay(
+                        [name],
+                        f"{where} was stepped after state.step() in {post} of {seen} steps, so leto cannot tell "
+                        "whether this step's would have run: step it every step, or before state.step()",
+                    )
+                if post == seen and (seen or not pre.get(name)):
+                    replay.append(t)
+            elif post:
+                what = "hyperparameters were" if t.kind == "optimizer" else "state was"
+                raise CannotReplay(
+                    [name],
+                    f"{where}: its {what} changed after state.step(), which a recovery that finishes the update "
+                    "cannot redo: change it before state.step()",
+                )
+            elif not seen and t.kind == "stateful" and not pre.get(name):
+                raise CannotReplay(
+                    [name],
+                    f"{where}: the first step's update was interrupted before leto saw whether it changes "
+                    "after state.step()",
+                )
+        if len(replay) > 1:
+            raise CannotReplay(
+                [t.name for t in replay],
+                f"rank {self.rank} step {step}: {', '.join(t.name for t in replay)} are stepped after state.step() in "
+                "an order leto cannot know: combine them (SequentialLR, ChainedScheduler)",
+            )
+        return [
+            (
+                t,
+                self._plateau_metric(step, t, content)
+                if isinstance(t.obj, ReduceLROnPlateau)
+                else None,
+            )
+            for t in replay
+        ]
+
+    def _warn_if_unreplayable(self, step: int) -> None:
+        """After the script's code that followed ``state.step()`` of ``step``: name, once per
+        object, what would make a failure inside that update end in-place recovery, so the
+        script can be fixed before a failure rather than after one."""
+        content = {
+            "history": self._history,
+            "pre": self._pre_flags,
+            "by_loss": self._by_loss,
+            "loss": self._pre_loss,
+        }
+        try:
+            self._replay_plan(step, content)
+        except CannotReplay as e:
+            if not self._warned.issuperset(e.names):
+                self._warned.update(e.names)
+                logger.warning("%s (a failure inside an update would end in-place recovery)", e)
 
     def _plateau_metric(self, step: int, t: Tracked, content: dict[str, Any]) -> float:
         """The metric ``t`` (a ``ReduceLROnPlateau``) was about to be stepped with: the step's
@@ -660,10 +700,11 @@ class RetainedExtras:
                 if loss is None
                 else f"in {post - by_loss} of {post} steps its metric was not that loss"
             )
-            raise UnrecoverableStateError(
+            raise CannotReplay(
+                [t.name],
                 f"rank {self.rank} step {step}: {t.name} is stepped after state.step() with a "
                 f"metric leto cannot replay ({why}): pass that metric as state.step(loss=...), "
-                "or step it before state.step()"
+                "or step it before state.step()",
             )
         return loss
 

@@ -530,7 +530,10 @@ def test_a_plateau_scheduler_stepped_with_another_metric_is_named_at_once_and_re
 ) -> None:
     with pytest.raises(UnrecoverableStateError, match="its metric was not that loss"):
         _plateau_recovery(PlateauJob(_region(), stale=True), 5)
-    assert "with a metric other than the loss given to state.step" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if "ReduceLROnPlateau" in r.getMessage()]
+    assert (
+        len(warned) == 1 and "step 0" in warned[0] and "its metric was not that loss" in warned[0]
+    )
     with pytest.raises(UnrecoverableStateError, match="no step was observed yet"):
         _plateau_recovery(PlateauJob(_region()), 0)
 
@@ -556,3 +559,24 @@ def test_a_trainer_hands_its_loss_to_the_plateau_capture(monkeypatch, caplog) ->
             sched.step(loss.item())
         assert state.extras._by_loss == {"lr_scheduler.ReduceLROnPlateau": 4}
     assert "ReduceLROnPlateau" not in caplog.text
+
+
+def test_what_a_recovery_could_not_redo_is_named_once_before_any_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    job = Job(region=_region(), scheduler="lambda", counter_after_commit=True)
+    for t in range(4):
+        assert job.step(t)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "step 0: counter (Counter): its state was changed" in warned[0]
+    caplog.clear()
+    job = Job(region=_region(), scheduler="lambda")
+    for t in range(4):  # stepped after the commit on odd steps only
+        job.extras.begin(t)
+        job.counter.n += 1
+        job.extras.before_commit(t)
+        if t % 2:
+            job.sched.step()
+    job.extras.begin(4)
+    warned = [r.getMessage() for r in caplog.records if "LambdaLR" in r.getMessage()]
+    assert len(warned) == 1 and "stepped after state.step() in 1 of 2 steps" in warned[0]
