@@ -77,9 +77,10 @@ class GradWrites:
         if self.any_arrived and self.region._version != self.expected:
             raise ScriptError(
                 "a gradient was written between backward and state.step() "
-                "(torch.nn.utils.clip_grad_norm_ left from a torchrun loop?): leto averages "
-                "the gradients over the ranks inside state.step(), so this saw one rank's; "
-                "clip with state.step(max_grad_norm=...), and scale the loss, not the gradients"
+                "(torch.nn.utils.clip_grad_norm_ or clip_grad_value_ left from a torchrun "
+                "loop?): leto averages the gradients over the ranks inside state.step(), so "
+                "this saw one rank's; clip with state.step(max_grad_norm=..., "
+                "max_grad_value=...), and scale the loss, not the gradients"
             )
 
 

@@ -567,10 +567,17 @@ class RetainedState:
         self._zero_grads()
 
     def step(
-        self, max_grad_norm: float | None = None, loss: torch.Tensor | float | None = None
+        self,
+        max_grad_norm: float | None = None,
+        loss: torch.Tensor | float | None = None,
+        *,
+        max_grad_value: float | None = None,
     ) -> torch.Tensor | None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently;
         ``loss`` is reported in ``step_done`` (on CUDA a step late, ``leto.trainer.loss``).
+        ``max_grad_value`` clamps every gradient element to ``[-max_grad_value,
+        max_grad_value]`` (torch's ``clip_grad_value_``) after the mean over the ranks and
+        before the norm clipping, as a torch loop that calls both does.
         Returns the gradients' total norm before clipping (a device scalar, as torch's
         ``clip_grad_norm_`` returns it: reading it waits for the device), or None without
         ``max_grad_norm``."""
@@ -600,6 +607,8 @@ class RetainedState:
             for p, grad in zip(self.params, self.grad_views(), strict=True):
                 p.grad = grad
         self._phases.mark("allreduce")
+        if max_grad_value is not None:
+            self._clamp(max_grad_value, skipped)
         norm = self._clip(max_grad_norm, skipped)
         self._rng_next_host = rng_blob(self.device)
         rng = staged(self._rng_next_host, self.device)  # page-locked on CUDA
@@ -658,6 +667,12 @@ class RetainedState:
         """``compiled_graphs``: what Dynamo compiled during this step, where it did."""
         graphs = compiled.graphs_compiled() - self._graphs_at_begin
         return {"compiled_graphs": graphs} if graphs > 0 else {}
+
+    def _clamp(self, value: float, skipped: frozenset[int]) -> None:
+        """torch's ``clip_grad_value_`` over the averaged gradients, in their retained memory,
+        before GRADS_READY (a finishing update applies the clamped gradients)."""
+        params = [self.params[i] for i in self._norm_order if i not in skipped]
+        torch.nn.utils.clip_grad_value_(params, value)
 
     def _clip(self, max_grad_norm: float | None, skipped: frozenset[int]) -> torch.Tensor | None:
         """Clip to ``max_grad_norm``: where the updater scales the gradients as it reads

@@ -79,3 +79,34 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("max_norm", [None, MAX_NORM])
+def test_clipping_by_value_then_by_norm_is_torchs(monkeypatch, max_norm: float | None) -> None:
+    """``state.step(max_grad_value=...)`` clamps as ``clip_grad_value_`` does between a torch
+    loop's backward and its norm clipping (a gradient written there by the script itself is
+    refused: leto averages over the ranks inside ``state.step()``)."""
+    value = 0.02  # below some gradients' elements: the clamp bites
+    net = _net()
+    opt = _optimizer(net)
+    clamped = 0
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(net, step).backward()
+        clamped += sum(int((p.grad.abs() > value).sum()) for p in net.parameters())
+        torch.nn.utils.clip_grad_value_(net.parameters(), value)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        opt.step()
+    expected = [p.detach().clone() for p in net.parameters()]
+
+    with local_context(monkeypatch) as ctx:
+        net = _net()
+        state = ctx.retain(net, _optimizer(net))
+        for step in state.steps(STEPS):
+            state.compute(lambda step=step: _loss(net, step).backward())
+            state.step(max_grad_norm=max_norm, max_grad_value=value)
+        got = [p.detach().clone() for p in net.parameters()]
+    assert clamped, "some gradient element must exceed the clamp"
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
