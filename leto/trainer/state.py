@@ -572,12 +572,16 @@ class RetainedState:
         loss: torch.Tensor | float | None = None,
         *,
         max_grad_value: float | None = None,
+        skip_nonfinite: bool = False,
     ) -> torch.Tensor | None:
         """Synchronise gradients, clip, and apply the optimizer update crash-consistently;
         ``loss`` is reported in ``step_done`` (on CUDA a step late, ``leto.trainer.loss``).
         ``max_grad_value`` clamps every gradient element to ``[-max_grad_value,
         max_grad_value]`` (torch's ``clip_grad_value_``) after the mean over the ranks and
-        before the norm clipping, as a torch loop that calls both does.
+        before the norm clipping, as a torch loop that calls both does. ``skip_nonfinite``:
+        where the gradients' total norm is inf or NaN, the update leaves every parameter and
+        its optimizer state as they were (a torch loop's ``if norm.isfinite():
+        opt.step()``); reading the norm makes the host wait for the device.
         Returns the gradients' total norm before clipping (a device scalar, as torch's
         ``clip_grad_norm_`` returns it: reading it waits for the device), or None without
         ``max_grad_norm``."""
@@ -610,6 +614,8 @@ class RetainedState:
         if max_grad_value is not None:
             self._clamp(max_grad_value, skipped)
         norm = self._clip(max_grad_norm, skipped)
+        if skip_nonfinite:
+            norm, skipped = self._skip_if_nonfinite(step, norm, skipped)
         self._rng_next_host = rng_blob(self.device)
         rng = staged(self._rng_next_host, self.device)  # page-locked on CUDA
         self._rng_next.copy_(rng)
@@ -667,6 +673,33 @@ class RetainedState:
         """``compiled_graphs``: what Dynamo compiled during this step, where it did."""
         graphs = compiled.graphs_compiled() - self._graphs_at_begin
         return {"compiled_graphs": graphs} if graphs > 0 else {}
+
+    def _skip_if_nonfinite(
+        self, step: int, norm: torch.Tensor | None, skipped: frozenset[int]
+    ) -> tuple[torch.Tensor, frozenset[int]]:
+        """The total norm (``norm``, or computed here without clipping) and the parameters
+        the update skips: every one where that norm is not finite. The norm is taken after
+        the mean over the ranks, so every rank decides alike."""
+        if self._presence is None:
+            raise ScriptError(
+                "state.step(skip_nonfinite=True) needs the gradients in leto's own regions: "
+                "it is not supported with fully_shard or an integration's gradient buffers"
+            )
+        if norm is None:
+            grads = [self.params[i].grad for i in self._norm_order if i not in skipped]
+            norm = torch.nn.utils.get_total_norm([g for g in grads if g is not None], foreach=True)
+        if bool(torch.isfinite(norm)):
+            return norm, skipped
+        logger.warning(
+            "[rank %d step %d] gradient norm %s: the update leaves the parameters and the "
+            "optimizer state as they were",
+            self.services.rank,
+            step,
+            norm.item(),
+        )
+        if self.updater.grad_scale is not None:
+            self.updater.grad_scale.fill_(1.0)  # a NaN coefficient must not reach a kernel
+        return norm, self._skip_all()
 
     def _clamp(self, value: float, skipped: frozenset[int]) -> None:
         """torch's ``clip_grad_value_`` over the averaged gradients, in their retained memory,

@@ -110,3 +110,46 @@ def test_clipping_by_value_then_by_norm_is_torchs(monkeypatch, max_norm: float |
     assert clamped, "some gradient element must exceed the clamp"
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("max_norm", [None, MAX_NORM])
+def test_a_step_with_a_nonfinite_norm_is_skipped_as_a_torch_loop_skips_it(
+    monkeypatch, max_norm: float | None
+) -> None:
+    """``state.step(skip_nonfinite=True)``: a step whose gradients' norm is inf or NaN
+    leaves parameters and optimizer state (AdamW's step counter included) as they were, as
+    ``if norm.isfinite(): opt.step()`` does; the other steps update bit for bit alike."""
+    bad = {2: float("inf"), 5: float("nan")}
+
+    def loss(net: nn.Module, step: int) -> torch.Tensor:
+        return _loss(net, step) * bad.get(step, 1.0)
+
+    net = _net()
+    opt = _optimizer(net)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss(net, step).backward()
+        params = list(net.parameters())
+        if max_norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if norm.isfinite():
+            opt.step()
+    expected = [p.detach().clone() for p in net.parameters()]
+    steps = [opt.state[p]["step"].item() for p in net.parameters()]
+
+    with local_context(monkeypatch) as ctx:
+        net = _net()
+        state = ctx.retain(net, _optimizer(net))
+        norms = []
+        for step in state.steps(STEPS):
+            state.compute(lambda step=step: loss(net, step).backward())
+            norms.append(state.step(max_grad_norm=max_norm, skip_nonfinite=True))
+        got = [p.detach().clone() for p in net.parameters()]
+        got_steps = [state.optimizer.state[p]["step"].item() for p in net.parameters()]
+    assert steps == [STEPS - len(bad)] * len(steps)
+    assert got_steps == steps
+    assert [i for i, n in enumerate(norms) if not n.isfinite()] == sorted(bad)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
