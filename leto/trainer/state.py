@@ -584,12 +584,18 @@ class RetainedState:
         opt.step()``); reading the norm makes the host wait for the device.
         Returns the gradients' total norm before clipping (a device scalar, as torch's
         ``clip_grad_norm_`` returns it: reading it waits for the device), or None without
-        ``max_grad_norm``."""
+        ``max_grad_norm`` and ``skip_nonfinite``."""
         step = self.marker.step
         if self._committed_this_step:
             raise ScriptError(
                 "state.step() was called twice in one iteration of state.steps(): call it "
                 "once in every iteration"
+            )
+        if skip_nonfinite and self._presence is None:
+            raise ScriptError(
+                "state.step(skip_nonfinite=True) needs the gradients in leto's regions: it is "
+                "not supported with an integration's gradient buffers (Megatron skips a step "
+                "with a non-finite norm itself)"
             )
         self._loss.stage(loss)
         self._check_groups_unchanged()
@@ -680,11 +686,6 @@ class RetainedState:
         """The total norm (``norm``, or computed here without clipping) and the parameters
         the update skips: every one where that norm is not finite. The norm is taken after
         the mean over the ranks, so every rank decides alike."""
-        if self._presence is None:
-            raise ScriptError(
-                "state.step(skip_nonfinite=True) needs the gradients in leto's own regions: "
-                "it is not supported with fully_shard or an integration's gradient buffers"
-            )
         if norm is None:
             grads = [self.params[i].grad for i in self._norm_order if i not in skipped]
             norm = torch.nn.utils.get_total_norm([g for g in grads if g is not None], foreach=True)

@@ -250,3 +250,39 @@ def test_under_fully_shard_unused_and_unfrozen_parameters_train_as_torch(
             m.c.bias.requires_grad_(False)
 
     _assert_trains_as_torch(monkeypatch, net, schedule, lambda m, step: m(X, step), titan)
+
+
+def test_under_fully_shard_a_step_with_a_nonfinite_norm_is_skipped_as_torch_skips_it(
+    monkeypatch: pytest.MonkeyPatch, world_of_one: None
+) -> None:
+    """``state.step(skip_nonfinite=True)`` over FSDP2's DTensor norm: the step whose loss
+    is scaled by inf leaves the shards and AdamW's state as ``if norm.isfinite():
+    opt.step()`` leaves them."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return _sharded(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+
+    def loss(m: nn.Module, step: int) -> torch.Tensor:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        return m(x).square().mean() * (float("inf") if step == 2 else 1.0)
+
+    m = net()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for step in range(5):
+        opt.zero_grad()
+        loss(m, step).backward()
+        if torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5).isfinite():
+            opt.step()
+    expected = [_full(p).clone() for p in m.parameters()]
+    with local_context(monkeypatch) as ctx:
+        m = net()
+        state = ctx.retain(m, torch.optim.AdamW(m.parameters(), lr=1e-2))
+        finite = []
+        for step in state.steps(5):
+            state.compute(lambda step=step: loss(m, step).backward())
+            finite.append(bool(state.step(max_grad_norm=0.5, skip_nonfinite=True).isfinite()))
+        got = [_full(p).clone() for p in m.parameters()]
+    assert finite == [True, True, False, True, True]
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
