@@ -34,6 +34,7 @@ from tests.launcher.harness import (
     REPO,
     assert_exact,
     assert_recovered,
+    fault_free_digests,
     fault_free_run,
     random_schedule,
     resume_steps,
@@ -270,3 +271,21 @@ def test_snapshot_consistency_recovers_exactly(tmp_path: Path) -> None:
     events = ref.run(tmp_path, KILLS)
     assert_recovered(ref.digests, events, KILLS, nproc=2, resumed_at=RESUMED_AT)
     _assert_capture_use(events)
+
+
+def test_a_plateau_scheduler_stepped_with_the_loss_recovers_exactly(tmp_path: Path) -> None:
+    """``ReduceLROnPlateau.step(float(loss))`` after ``state.step(loss=loss)``: two kills
+    inside updates in a row (each promoted trainer replays the scheduler with the retained
+    loss of the interrupted step, the second one after the first one's replay), every
+    digest equal to the fault-free run's."""
+    script = str(REPO / "tests" / "launcher" / "scripts" / "plateau.py")
+    (tmp_path / "ref").mkdir()
+    reference = fault_free_digests(tmp_path / "ref", steps=STEPS, script=script, model_args=[])
+    faults = [
+        FaultSpec(rank=0, step=3, phase="update"),
+        FaultSpec(rank=1, step=6, phase="update"),
+    ]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, script=script, model_args=[])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_recovered(reference, events, faults, nproc=2, resumed_at=resume_steps(faults))
+    assert "ReduceLROnPlateau" not in proc.stderr  # no warning: every step is replayable
