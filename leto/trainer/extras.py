@@ -597,7 +597,8 @@ class RetainedExtras:
         if record is not None:
             content = self._load(record)
             replayed = self._replay(step - 1, content)
-            self._last_pre, self._pre_loss = content["objects"], content.get("loss")
+            self._last_pre, self._pre_flags = content["objects"], content["pre"]
+            self._pre_loss = content.get("loss")
             return "pre+replay" if replayed else "pre"
         if not self.store.records():  # the job's first step never began: the objects are as built
             return "none"
