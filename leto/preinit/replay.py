@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from leto.preinit.levels import DeviceMemory
 
 if TYPE_CHECKING:
     from leto.preinit.site import ShadowSite
+
+logger = logging.getLogger(__name__)
 
 NAME = "forward replay"
 """The ``name`` of this warm-up's ``model_warmed`` event."""
@@ -290,12 +293,17 @@ def _first_step_slack(device: torch.device) -> None:
         torch.empty(1 << 20, dtype=torch.uint8, device=device)
         for _ in range(SMALL_SLACK_BYTES >> 20)
     ]
-    pinned = [
-        torch.empty(1 << b, dtype=torch.uint8, pin_memory=True)
-        for b in PINNED_BINS
-        for _ in range(PINNED_PER_BIN)
-    ]
-    del small, pinned
+    del small
+    try:  # best effort: a host that refuses page-locked memory keeps the replay's other gains
+        pinned = [
+            torch.empty(1 << b, dtype=torch.uint8, pin_memory=True)
+            for b in PINNED_BINS
+            for _ in range(PINNED_PER_BIN)
+        ]
+    except RuntimeError as e:
+        logger.info("no page-locked blocks left for the first step: %s", str(e).splitlines()[0])
+        return
+    del pinned
 
 
 def _replay(scratch: torch.nn.Module, spec: ForwardSpec, device: torch.device) -> ReplayResult:
