@@ -687,8 +687,8 @@ class RetainedState:
         the update skips: every one where that norm is not finite. The norm is taken after
         the mean over the ranks, so every rank decides alike."""
         if norm is None:
-            grads = [self.params[i].grad for i in self._norm_order if i not in skipped]
-            norm = torch.nn.utils.get_total_norm([g for g in grads if g is not None], foreach=True)
+            grads = [p.grad for p in self._norm_params(skipped) if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if bool(torch.isfinite(norm)):
             return norm, skipped
         logger.warning(
@@ -702,11 +702,15 @@ class RetainedState:
             self.updater.grad_scale.fill_(1.0)  # a NaN coefficient must not reach a kernel
         return norm, self._skip_all()
 
+    def _norm_params(self, skipped: frozenset[int]) -> list[torch.nn.Parameter]:
+        """The parameters clipping reads, in ``model.parameters()`` order (the norm's last
+        bits depend on it), without the ``skipped`` ones (no gradient this step)."""
+        return [self.params[i] for i in self._norm_order if i not in skipped]
+
     def _clamp(self, value: float, skipped: frozenset[int]) -> None:
         """torch's ``clip_grad_value_`` over the averaged gradients, in their retained memory,
         before GRADS_READY (a finishing update applies the clamped gradients)."""
-        params = [self.params[i] for i in self._norm_order if i not in skipped]
-        torch.nn.utils.clip_grad_value_(params, value)
+        torch.nn.utils.clip_grad_value_(self._norm_params(skipped), value)
 
     def _clip(self, max_grad_norm: float | None, skipped: frozenset[int]) -> torch.Tensor | None:
         """Clip to ``max_grad_norm``: where the updater scales the gradients as it reads
@@ -720,7 +724,7 @@ class RetainedState:
         sync = self.services.grad_sync()
         norm = coef = None
         if max_grad_norm is not None:
-            params = [self.params[i] for i in self._norm_order if i not in skipped]
+            params = self._norm_params(skipped)
             folded = None
             if scale is not None and self.shards is None:  # FSDP2's norm is a DTensor
                 folded = sync.clip_coef(params, max_grad_norm)

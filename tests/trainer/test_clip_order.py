@@ -7,6 +7,9 @@ its last bits, and so the clipped update's, depend on that order. A real trainer
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -42,6 +45,25 @@ def _loss(net: nn.Module, step: int) -> torch.Tensor:
     return net(_batch(step)).square().mean()
 
 
+def _leto_run(
+    monkeypatch: pytest.MonkeyPatch,
+    loss: Callable[[nn.Module, int], torch.Tensor],
+    **step_kwargs: Any,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[float]]:
+    """The same loop under leto (a real ``Context`` in this process): the parameters after
+    ``STEPS`` steps, each step's returned norm, and AdamW's step counters."""
+    with local_context(monkeypatch) as ctx:
+        net = _net()
+        state = ctx.retain(net, _optimizer(net))
+        norms = []
+        for step in state.steps(STEPS):
+            state.compute(lambda step=step: loss(net, step).backward())
+            norms.append(state.step(**step_kwargs))
+        got = [p.detach().clone() for p in net.parameters()]
+        counters = [state.optimizer.state[p]["step"].item() for p in net.parameters()]
+    return got, norms, counters
+
+
 def test_the_clipped_update_is_torchs_with_groups_out_of_model_order(monkeypatch) -> None:
     net = _net()
     opt = _optimizer(net)
@@ -58,14 +80,7 @@ def test_the_clipped_update_is_torchs_with_groups_out_of_model_order(monkeypatch
         opt.step()
     expected = [p.detach().clone() for p in net.parameters()]
 
-    with local_context(monkeypatch) as ctx:
-        net = _net()
-        state = ctx.retain(net, _optimizer(net))
-        norms = []
-        for step in state.steps(STEPS):
-            state.compute(lambda step=step: _loss(net, step).backward())
-            norms.append(state.step(max_grad_norm=MAX_NORM))
-        got = [p.detach().clone() for p in net.parameters()]
+    got, norms, _ = _leto_run(monkeypatch, _loss, max_grad_norm=MAX_NORM)
     assert all(n > MAX_NORM for n in torch_norms), "every step must be clipped"
     assert orders_differ, "the groups' order must change some norm's last bits"
     assert [n.item() for n in norms] == [n.item() for n in torch_norms]
@@ -100,13 +115,7 @@ def test_clipping_by_value_then_by_norm_is_torchs(monkeypatch, max_norm: float |
         opt.step()
     expected = [p.detach().clone() for p in net.parameters()]
 
-    with local_context(monkeypatch) as ctx:
-        net = _net()
-        state = ctx.retain(net, _optimizer(net))
-        for step in state.steps(STEPS):
-            state.compute(lambda step=step: _loss(net, step).backward())
-            state.step(max_grad_norm=max_norm, max_grad_value=value)
-        got = [p.detach().clone() for p in net.parameters()]
+    got, _, _ = _leto_run(monkeypatch, _loss, max_grad_norm=max_norm, max_grad_value=value)
     assert clamped, "some gradient element must exceed the clamp"
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
@@ -139,15 +148,9 @@ def test_a_step_with_a_nonfinite_norm_is_skipped_as_a_torch_loop_skips_it(
     expected = [p.detach().clone() for p in net.parameters()]
     steps = [opt.state[p]["step"].item() for p in net.parameters()]
 
-    with local_context(monkeypatch) as ctx:
-        net = _net()
-        state = ctx.retain(net, _optimizer(net))
-        norms = []
-        for step in state.steps(STEPS):
-            state.compute(lambda step=step: loss(net, step).backward())
-            norms.append(state.step(max_grad_norm=max_norm, skip_nonfinite=True))
-        got = [p.detach().clone() for p in net.parameters()]
-        got_steps = [state.optimizer.state[p]["step"].item() for p in net.parameters()]
+    got, norms, got_steps = _leto_run(
+        monkeypatch, loss, max_grad_norm=max_norm, skip_nonfinite=True
+    )
     assert steps == [STEPS - len(bad)] * len(steps)
     assert got_steps == steps
     assert [i for i, n in enumerate(norms) if not n.isfinite()] == sorted(bad)

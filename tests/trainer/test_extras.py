@@ -227,8 +227,9 @@ def test_an_object_changed_after_the_commit_refuses_a_finishing_recovery() -> No
     _recover("compute", 4, scheduler="lambda", counter_after_commit=True)  # a re-run needs no guess
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-def test_a_scheduler_stepped_after_the_commit_on_some_steps_only_is_refused() -> None:
+def _stepped_on_odd_steps_only() -> Job:
+    """Four steps whose scheduler is stepped after the commit on odd steps only, then the
+    fifth step's ``BEGIN``."""
     job = Job(region=_region(), scheduler="lambda")
     for t in range(4):
         job.extras.begin(t)
@@ -237,6 +238,12 @@ def test_a_scheduler_stepped_after_the_commit_on_some_steps_only_is_refused() ->
         if t % 2:
             job.sched.step()
     job.extras.begin(4)
+    return job
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_scheduler_stepped_after_the_commit_on_some_steps_only_is_refused() -> None:
+    job = _stepped_on_odd_steps_only()
     job.counter.n += 1
     job.extras.before_commit(4)
     fresh = Job(region=job.region.clone(), scheduler="lambda")
@@ -570,13 +577,6 @@ def test_what_a_recovery_could_not_redo_is_named_once_before_any_failure(
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "step 0: counter (Counter): its state was changed" in warned[0]
     caplog.clear()
-    job = Job(region=_region(), scheduler="lambda")
-    for t in range(4):  # stepped after the commit on odd steps only
-        job.extras.begin(t)
-        job.counter.n += 1
-        job.extras.before_commit(t)
-        if t % 2:
-            job.sched.step()
-    job.extras.begin(4)
+    _stepped_on_odd_steps_only()
     warned = [r.getMessage() for r in caplog.records if "LambdaLR" in r.getMessage()]
     assert len(warned) == 1 and "stepped after state.step() in 1 of 2 steps" in warned[0]
