@@ -695,6 +695,14 @@ def main() -> None:
         help="with --kills-per-phase: preinit.replay_forward: false (no forward replay)",
     )
     p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per step in every job (the paper's operating point, compute : "
+        "update ~250, is about 80 on the GPT)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="leto-run's script compiles each block (examples/train_gpt.py --compile)",
@@ -749,6 +757,12 @@ def main() -> None:
         SCRIPTS["torchrun"] = ["examples/torchrun_gpt_ckpt.py", "--arch", "hf-llama"]
     if args.small:
         MODEL[:] = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
+    if args.grad_accum < 1:
+        p.exit(2, f"{p.prog}: error: --grad-accum must be >= 1, got {args.grad_accum}\n")
+    if args.grad_accum > 1 and args.model != "gpt":
+        p.exit(2, f"{p.prog}: error: --grad-accum runs the GPT only (--model gpt)\n")
+    if args.grad_accum > 1:
+        MODEL.extend(("--grad-accum", str(args.grad_accum)))
     if args.compile:
         MODEL.append("--compile")
     if args.iteration_only:

@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,9 +29,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_gpt import GPT, batch, lr_at
+from train_gpt import GPT, batch, data_steps, lr_at
 
 from leto import kernels
 from leto.events import EventLog, Kind
@@ -166,6 +168,7 @@ def main() -> None:
         ("heads", 4),
         ("seq", 32),
         ("batch", 8),
+        ("grad-accum", 1),
         ("warmup", 5),
         ("seed", 1234),
     ):
@@ -198,6 +201,7 @@ def main() -> None:
         ("--steps", args.steps, 1),
         ("--ckpt-every", args.ckpt_every, 1),
         ("--log-every", args.log_every, 0),
+        ("--grad-accum", args.grad_accum, 1),
     ):
         if value < least:  # one line, as leto-run's errors (argparse's error adds the usage)
             p.exit(2, f"{p.prog}: error: {flag} must be >= {least}, got {value}\n")
@@ -230,7 +234,7 @@ def main() -> None:
     with device:
         model = build(args)
     if world > 1 and args.allreduce == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(
+        model = DDP(
             model,
             device_ids=[device] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
@@ -268,11 +272,21 @@ def main() -> None:
         phases = PhaseTimes(device, began)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = make_batch(step, rank, args, device)
         opt.zero_grad(set_to_none=args.zero_grad == "none")
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = model(x, y) if args.arch == "gpt" else model(input_ids=x, labels=x).loss
-        loss.backward()
+        losses = []
+        for micro_step in data_steps(step, args):
+            x, y = make_batch(micro_step, rank, args, device)
+            last = micro_step == (step + 1) * args.grad_accum - 1
+            # DDP all-reduces with the last micro-batch's backward only, as a careful user runs it
+            sync = model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
+            with sync:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    loss = model(x, y) if args.arch == "gpt" else model(input_ids=x, labels=x).loss
+                if args.grad_accum > 1:
+                    loss = loss / args.grad_accum
+                loss.backward()
+            losses.append(loss.detach())
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         if attempt == 0 and rank == world - 1 and step == args.kill_at_step:
             events.emit(Kind.FAULT_INJECTED, rank=rank, step=step, phase="backward")
             os.kill(os.getpid(), signal.SIGKILL)

@@ -185,11 +185,18 @@ def forward_backward(
     ballast: torch.Tensor | None,
     args: argparse.Namespace,
 ) -> torch.Tensor:
-    """The compute phase (``RetainedState.compute`` retries it if the shadows were in the way)."""
+    """One micro-batch's forward and backward; its loss, scaled by ``1/--grad-accum``."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         loss = model(x, y)
+    if args.grad_accum > 1:
+        loss = loss / args.grad_accum
     loss.backward()
     return loss
+
+
+def data_steps(step: int, args: argparse.Namespace) -> range:
+    """The data positions of step ``step``'s micro-batches (``--grad-accum``)."""
+    return range(step * args.grad_accum, (step + 1) * args.grad_accum)
 
 
 def main() -> None:
@@ -201,6 +208,14 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per step, their gradients summed before one update (the loss "
+        "of each scaled by 1/N)",
+    )
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
@@ -232,8 +247,9 @@ def main() -> None:
         help="how far the ballast exceeds the free memory (less than the shadows' footprint)",
     )
     args = p.parse_args()
-    if args.steps < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
-        p.exit(2, f"{p.prog}: error: --steps must be >= 1, got {args.steps}\n")
+    for flag, value in (("--steps", args.steps), ("--grad-accum", args.grad_accum)):
+        if value < 1:  # one line, as leto-run's errors (argparse's error adds the usage)
+            p.exit(2, f"{p.prog}: error: {flag} must be >= 1, got {value}\n")
     torch.set_num_threads(1)
 
     ctx = leto.init()  # a shadow pre-initialises here; it waits for promotion in retain()
@@ -259,10 +275,14 @@ def main() -> None:
     for step in state.steps(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = batch(step, ctx.rank, args, ctx.device)
+        micro = [
+            batch(micro_step, ctx.rank, args, ctx.device) for micro_step in data_steps(step, args)
+        ]
 
-        def compute(step: int = step, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            return forward_backward(model, x, y, ballast.hold(step), args)
+        def compute(step: int = step, micro: list = micro) -> torch.Tensor:
+            held = ballast.hold(step)
+            losses = [forward_backward(model, x, y, held, args) for x, y in micro]
+            return losses[0] if len(losses) == 1 else torch.stack(losses).detach().sum()
 
         loss = state.compute(compute)
         state.step(max_grad_norm=1.0, loss=loss)
