@@ -63,13 +63,18 @@ def fold_run(
     q_out,
     v: tuple,
     math: bool = True,
+    rows_from: int | None = None,
 ) -> None:
-    """Fold the group's chunks of ``kk`` pages out of place (``q_out = q_in ^ fold``) with launch shape ``v``."""
+    """Fold the group's chunks of ``kk`` pages out of place (``q_out = q_in ^ fold``) with
+    launch shape ``v``, on the code's rows (``rows_from``: a code whose syndrome 0 is that
+    row; ``sc`` must be its scale table)."""
     from leto.erasure.bitslice import TILE_BYTES
+    from leto.erasure.rs import first_row
 
     for j0 in range(0, d - kk + 1, kk):
         gf16_syndrome.syndrome_update(
             sc,
+            first_row(h) if rows_from is None else rows_from,
             j0,
             kk,
             new.view(torch.int32)[j0 * pb // 4 :],
@@ -91,6 +96,7 @@ def warm(variant: str, diag: bool) -> None:
     """Compile one launch shape at the benchmark's sizes (a 2-page fold), to fill Triton's
     cache from a parallel process before the timed run (``--warm 32x1x8``)."""
     from leto.erasure.engine import scale_table
+    from leto.erasure.rs import first_row
     from triton_kernels import gf16_syndrome
 
     v = tuple(int(x) for x in variant.split("x"))
@@ -98,10 +104,45 @@ def warm(variant: str, diag: bool) -> None:
     bufs = [
         torch.zeros(n // 4, dtype=torch.int32, device=dev) for n in (2 * pb, 2 * pb, h * pb, h * pb)
     ]
-    sc = scale_table(d, dev)
+    sc = scale_table(d, first_row(h), dev)
     for math in (True, False) if diag else (True,):
         fold_run(gf16_syndrome, sc, 2, 2, pb, h, bufs[0], bufs[1], bufs[2], bufs[3], v, math)
     torch.cuda.synchronize()
+
+
+def rows_ab(gf16_syndrome, ks, d, pb, h, new, old, q, dev, reps, copy_rate) -> list[dict]:
+    """The fold on the rows 0 .. H-1 (``first_row`` 0) against the code's centred rows, same
+    launches otherwise; each pair's order alternates from rep to rep."""
+    from bench.erasure_gpu import timeit
+    from leto.erasure.engine import scale_table
+    from leto.erasure.rs import first_row
+
+    out = []
+    for kk in ks:
+        times: dict[int, list[float]] = {0: [], first_row(h): []}
+        for rep in range(max(reps, 3)):
+            for b in sorted(times, reverse=bool(rep % 2)):
+                sc = scale_table(d, b, dev)
+                run = lambda sc=sc, b=b, kk=kk: fold_run(
+                    gf16_syndrome, sc, d, kk, pb, h, new, old, q[0], q[1], DEFAULT, True, b
+                )
+                times[b].append(timeit(run, dev, 1, warmup=1) / (d // kk))
+        moved = 2 * kk * pb + 2 * h * pb
+        for b, ts in times.items():
+            t = sorted(ts)[len(ts) // 2]
+            row = {
+                "k": kk,
+                "first_row": b,
+                "us_per_page": 1e6 * t / kk,
+                "vs_copy": moved / t / copy_rate,
+            }
+            out.append(row)
+            print(
+                f"rows from {b:3d}, k={kk:5d}: {row['us_per_page']:7.3f} us/page "
+                f"{row['vs_copy']:5.2f}x copy",
+                flush=True,
+            )
+    return out
 
 
 def main() -> None:
@@ -134,6 +175,12 @@ def main() -> None:
         help="fold runs of at least this many pages with the Horner kernel (default: leto.erasure.engine's)",
     )
     ap.add_argument(
+        "--rows-ab",
+        action="store_true",
+        help="also time, per --ks length, the kernel on the rows 0 .. H-1 against the code's "
+        "centred rows (direct launches, default shape, interleaved)",
+    )
+    ap.add_argument(
         "--ncu", action="store_true", help="one k=128 syndrome fold and exit (run under ncu)"
     )
     ap.add_argument(
@@ -153,6 +200,7 @@ def main() -> None:
     from leto.erasure import ErasureConfig, ProtectionGroup
     from leto.erasure.bitslice import TILE_BYTES, mac_pages, plane_masks
     from leto.erasure.engine import scale_table
+    from leto.erasure.rs import first_row
     from triton_kernels import gf16_syndrome
 
     cuda = torch.cuda.is_available() and not args.tiny
@@ -303,8 +351,10 @@ def main() -> None:
                 flush=True,
             )
     out["folds"] = rows
+    if args.rows_ab:
+        out["rows_ab"] = rows_ab(gf16_syndrome, ks, d, pb, h, new, data, q, dev, reps, copy_rate)
     if args.sweep or args.diag:
-        sc = scale_table(d, dev)
+        sc = scale_table(d, first_row(h), dev)
         sweep, want = [], {}
         variants = [
             (v, m)

@@ -1,22 +1,24 @@
 """Triton kernel: incremental update of GF(2^16) RS *syndromes* by Horner's rule.
 
 The updater keeps its device working parity as the syndromes of the tier-1 code
-(``leto.erasure.rs.GRSCode``): ``S_p = sum_j a^(p j) d_j`` for ``p < H``, ``a`` the
-primitive element. A chunk that changes bytes ``[lo, hi)`` of the ``k`` consecutive pages
-``j0 .. j0 + k - 1`` of a group changes syndrome ``p`` by
+(``leto.erasure.rs.GRSCode``): ``S_p = sum_j a^(e_p j) d_j`` for ``p < H``, on the rows
+``e_p = b + p`` centred on 0 (``b = leto.erasure.rs.first_row(H)``, -7 for H = 16), ``a``
+the primitive element. A chunk that changes bytes ``[lo, hi)`` of the ``k`` consecutive
+pages ``j0 .. j0 + k - 1`` of a group changes syndrome ``p`` by
 
-    dS_p = a^(p j0) * sum_i (a^p)^i * (old_(j0+i) ^ new_(j0+i))
-         = a^(p j0) * Horner_(a^p)(delta_(j0+k-1), ..., delta_(j0))
+    dS_p = a^(e_p j0) * sum_i (a^e_p)^i * (old_(j0+i) ^ new_(j0+i))
+         = a^(e_p j0) * Horner_(a^e_p)(delta_(j0+k-1), ..., delta_(j0))
 
 Why this and not the generic kernel (``gf16_mac``): there every page costs a 16x16 GF(2)
 matrix product per parity page (256 AND-XOR per 32 symbols; H = 16 makes that 64 lane-ops
 per changed byte and the update compute-bound beyond 2-page chunks, docs/ERASURE.md). Here
-the multiplier of the Horner step is the *compile-time* constant ``a^p``, and in the
-bit-sliced layout multiplying by ``a`` is a rotation of the 16 planes plus three XORs
-(``x^16 = x^12 + x^3 + x + 1``). So a page costs ``sum_p (3p + 16)`` = 616 XORs per 32
-symbols for H = 16 (about 10 lane-ops per changed byte instead of 64), and the generic
-product is paid once per chunk, for the scale ``a^(p j0)``: Horner over the 16 bits of that
-runtime constant (one scalar per syndrome from a ``[D, 16]`` table), a rolled loop.
+the multiplier of the Horner step is the *compile-time* constant ``a^e_p``, and in the
+bit-sliced layout multiplying by ``a`` or by ``a^-1`` is a rotation of the 16 planes plus
+three XORs (``x^16 = x^12 + x^3 + x + 1``). So a page costs ``sum_p (3 |e_p| + 16)`` =
+448 XORs per 32 symbols for H = 16 on the rows -7 .. 8 (616 on the rows 0 .. 15; about 7
+lane-ops per changed byte instead of 64), and the generic product is paid once per chunk,
+for the scale ``a^(e_p j0)``: Horner over the 16 bits of that runtime constant (one
+scalar per syndrome from a ``[D, 16]`` table), a rolled loop.
 
 The same kernel encodes (``old=None``: the syndromes of the pages themselves, then
 ``P = W^-1 S``) and gives the survivors' syndromes for the device rebuild
@@ -28,10 +30,10 @@ halves in one launch, the half being the fastest grid axis so both read a delta 
 is in L2; 4 per program (quarters) is the other choice. Two choices decide the speed
 (bench/syndrome_gpu.py --sweep; the numbers are in BENCHMARKS.md):
 
-* The parts are *balanced*. Multiplying by ``a^p`` costs ~3p XORs, so with syndromes in
+* The parts are *balanced*. Multiplying by ``a^e`` costs ~3|e| XORs, so with syndromes in
   order the cheap parts run ahead of the expensive ones and the later ones read each delta
-  from DRAM again; mirrored pairs (:func:`_part`) cost nearly the same per part and read it
-  in step.
+  from DRAM again; mirrored pairs (:func:`_part`) cost the same per part (on the rows
+  -7 .. 8, 96 XORs of multiplies per page and column for either half) and read it in step.
 * The parity's loads are in flight before the scale's loop (:func:`_scale_store`): all
   programs reach the epilogue together, and waiting on the loads there costs a fixed time
   per launch.
@@ -91,9 +93,39 @@ def _times_alpha(x):
 
 
 @triton.jit
+def _times_alpha_inv(x):
+    """``a^-1 * x``: y[i] = x[i+1], and x[0] (the bit a division by ``x`` shifts out, made
+    even by adding the polynomial first) feeds bits 15, 0, 2 and 11."""
+    t = x[0]
+    return (
+        x[1] ^ t,
+        x[2],
+        x[3] ^ t,
+        x[4],
+        x[5],
+        x[6],
+        x[7],
+        x[8],
+        x[9],
+        x[10],
+        x[11],
+        x[12] ^ t,
+        x[13],
+        x[14],
+        x[15],
+        t,
+    )
+
+
+@triton.jit
 def _times_alpha_pow(x, E: tl.constexpr):
-    for _ in tl.static_range(E):
-        x = _times_alpha(x)
+    """``a^E * x`` for a compile-time ``E`` of either sign: ``3 |E|`` XORs."""
+    if E >= 0:
+        for _ in tl.static_range(E):
+            x = _times_alpha(x)
+    else:
+        for _ in tl.static_range(-E):
+            x = _times_alpha_inv(x)
     return x
 
 
@@ -195,6 +227,7 @@ def _scale_store(
     off,
     ok,
     HAS_QIN: tl.constexpr,
+    B: tl.constexpr,
 ):
     """``q_out[p] = q_in[p] ^ c_p * acc`` for the runtime constant ``c_p = scale_ptr[p]``.
 
@@ -209,7 +242,7 @@ def _scale_store(
     if p < n_par:
         if HAS_QIN:
             q = _load_planes(q_in + base, off, ok)
-        if p == 0:  # a^0 = 1
+        if p + B == 0:  # row 0: a^0 = 1
             y = acc
         else:
             c = tl.load(scale_ptr + p)
@@ -246,13 +279,15 @@ def _part(
     HAS_OLD: tl.constexpr,
     HAS_QIN: tl.constexpr,
     BAL: tl.constexpr,
+    B: tl.constexpr,
 ):
     """Syndromes ``S0 .. S(ACC-1)`` (ACC = 4 or 8) of the program's columns: Horner over the
     k pages. Part ``PART`` takes syndromes ``PART * ACC ...`` in order, or with ``BAL`` (all
     16 syndromes launched) mirrored pairs ``G*b + PART, G*b + G-1-PART`` (``G = 32 / ACC``):
-    multiplying by ``a^p`` costs about 3p XORs, so in order the parts do 98 / 152 / 194 / 260
-    XORs per page and column (quarters) and drift apart, the later ones reading each delta
-    from DRAM again; balanced, 184 / 172 / 170 / 172, and they read it in step."""
+    multiplying by ``a^e`` (``e = S + B``, ``B`` the code's first row) costs 3|e| XORs, so
+    on the rows -7 .. 8 in order the quarters' multiplies take 66 / 18 / 30 / 78 XORs per
+    page and column and the parts drift apart, the later ones reading each delta from DRAM
+    again; balanced, 48 each, and they read it in step."""
     G: tl.constexpr = 32 // ACC
     if BAL:
         S0: tl.constexpr = PART
@@ -297,15 +332,15 @@ def _part(
             HAS_OLD,
         )
         if MATH:
-            a0 = _xor(_times_alpha_pow(a0, S0), d)
-            a1 = _xor(_times_alpha_pow(a1, S1), d)
-            a2 = _xor(_times_alpha_pow(a2, S2), d)
-            a3 = _xor(_times_alpha_pow(a3, S3), d)
+            a0 = _xor(_times_alpha_pow(a0, S0 + B), d)
+            a1 = _xor(_times_alpha_pow(a1, S1 + B), d)
+            a2 = _xor(_times_alpha_pow(a2, S2 + B), d)
+            a3 = _xor(_times_alpha_pow(a3, S3 + B), d)
             if ACC == 8:
-                a4 = _xor(_times_alpha_pow(a4, S4), d)
-                a5 = _xor(_times_alpha_pow(a5, S5), d)
-                a6 = _xor(_times_alpha_pow(a6, S6), d)
-                a7 = _xor(_times_alpha_pow(a7, S7), d)
+                a4 = _xor(_times_alpha_pow(a4, S4 + B), d)
+                a5 = _xor(_times_alpha_pow(a5, S5 + B), d)
+                a6 = _xor(_times_alpha_pow(a6, S6 + B), d)
+                a7 = _xor(_times_alpha_pow(a7, S7 + B), d)
         else:  # diagnostic (bench/syndrome_gpu.py --diag): the loads and one XOR, no multiply
             a0 = _xor(a0, d)
             a1 = _xor(a1, d)
@@ -316,15 +351,15 @@ def _part(
                 a5 = _xor(a5, d)
                 a6 = _xor(a6, d)
                 a7 = _xor(a7, d)
-    _scale_store(a0, S0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-    _scale_store(a1, S1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-    _scale_store(a2, S2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-    _scale_store(a3, S3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+    _scale_store(a0, S0, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
+    _scale_store(a1, S1, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
+    _scale_store(a2, S2, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
+    _scale_store(a3, S3, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
     if ACC == 8:
-        _scale_store(a4, S4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-        _scale_store(a5, S5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-        _scale_store(a6, S6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
-        _scale_store(a7, S7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN)
+        _scale_store(a4, S4, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
+        _scale_store(a5, S5, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
+        _scale_store(a6, S6, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
+        _scale_store(a7, S7, n_par, scale_ptr, q_in, q_out, q_base, q_stride, off, ok, HAS_QIN, B)
 
 
 @triton.jit(do_not_specialize=["k", "q_base", "scale_first"])
@@ -348,6 +383,7 @@ def _syndrome_kernel(
     HAS_OLD: tl.constexpr = True,
     HAS_QIN: tl.constexpr = True,
     BAL: tl.constexpr = False,
+    B: tl.constexpr = 0,
 ):
     part = tl.program_id(
         0
@@ -379,6 +415,7 @@ def _syndrome_kernel(
             HAS_OLD,
             HAS_QIN,
             BAL,
+            B,
         )
     elif part == 1:
         _part(
@@ -402,6 +439,7 @@ def _syndrome_kernel(
             HAS_OLD,
             HAS_QIN,
             BAL,
+            B,
         )
     elif ACC == 4:
         if part == 2:
@@ -426,6 +464,7 @@ def _syndrome_kernel(
                 HAS_OLD,
                 HAS_QIN,
                 BAL,
+                B,
             )
         else:
             _part(
@@ -449,11 +488,13 @@ def _syndrome_kernel(
                 HAS_OLD,
                 HAS_QIN,
                 BAL,
+                B,
             )
 
 
 def syndrome_update(
     scale: torch.Tensor,
+    first_row: int,
     first_page: int,
     k: int,
     new: torch.Tensor,
@@ -468,12 +509,13 @@ def syndrome_update(
     n_tiles: int,
     **launch: int,
 ) -> object:
-    """``q_out[p] = q_in[p] ^ sum_(i<k) a^(p (first_page + i)) (old_i ^ new_i)``, ``p < n_parity``.
+    """``q_out[p] = q_in[p] ^ sum_(i<k) a^(e_p (first_page + i)) (old_i ^ new_i)``,
+    ``e_p = first_row + p``, ``p < n_parity``.
 
     Page ``i`` of the chunk starts at word ``i * new_stride`` of ``new`` (``old`` alike),
     syndrome ``p`` at word ``q_base + p * q_stride`` of ``q_in`` / ``q_out`` (the same
     tensor for an in-place update); every range is ``n_tiles`` 2 KiB tiles. ``scale`` is the
-    int32 ``[D, 16]`` table ``scale[j0][p] = a^(p j0)`` of the code's D, on the kernel's
+    int32 ``[D, 16]`` table ``scale[j0][p] = a^(e_p j0)`` of the code's D, on the kernel's
     device (``leto.erasure.engine.scale_table`` builds it). int32 views on one device; one
     launch. ``launch``
     may override ``block``, ``num_warps`` and ``acc`` (anything else is refused);
@@ -523,5 +565,6 @@ def syndrome_update(
         HAS_OLD=old is not None,
         HAS_QIN=q_in is not None,
         BAL=n_parity == MAX_PARITY,
+        B=first_row,
         num_warps=warps,
     )

@@ -73,27 +73,32 @@ def syndrome_kernel_applies(
 
 
 @lru_cache(maxsize=8)
-def _scale_np(data_pages: int) -> np.ndarray:
-    """``[D, 16]`` int32: ``a^(p j0)`` for every first page ``j0`` and syndrome ``p``."""
+def _scale_np(data_pages: int, first_row: int) -> np.ndarray:
+    """``[D, 16]`` int32: ``a^((first_row + p) j0)`` for every first page ``j0`` and
+    syndrome ``p``."""
     j0 = np.arange(data_pages, dtype=np.int64)[:, None]
-    p = np.arange(SYNDROME_MAX_PARITY, dtype=np.int64)[None, :]
-    return EXP_NP[(j0 * p) % (ORDER - 1)].astype(np.int32)
+    e = first_row + np.arange(SYNDROME_MAX_PARITY, dtype=np.int64)[None, :]
+    return EXP_NP[(j0 * e) % (ORDER - 1)].astype(np.int32)
 
 
-_DEVICE_SCALES: dict[tuple[int, torch.device], torch.Tensor] = {}
+_DEVICE_SCALES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
-def scale_table(data_pages: int, device: torch.device) -> torch.Tensor:
-    """The Horner kernel's scale constants for a code of ``data_pages`` data pages, on
-    ``device`` (built once per shape): row ``j0`` holds ``a^(p j0)`` for ``p < 16``."""
-    key = (data_pages, torch.device(device))
+def scale_table(data_pages: int, first_row: int, device: torch.device) -> torch.Tensor:
+    """The Horner kernel's scale constants for a code of ``data_pages`` data pages whose
+    syndrome 0 is row ``first_row`` (``leto.erasure.rs.first_row``), on ``device`` (built
+    once per shape): row ``j0`` holds ``a^((first_row + p) j0)`` for ``p < 16``."""
+    key = (data_pages, first_row, torch.device(device))
     if key not in _DEVICE_SCALES:
-        _DEVICE_SCALES[key] = torch.from_numpy(_scale_np(data_pages)).to(device).contiguous()
+        _DEVICE_SCALES[key] = (
+            torch.from_numpy(_scale_np(data_pages, first_row)).to(device).contiguous()
+        )
     return _DEVICE_SCALES[key]
 
 
 def syndrome_fold(
     data_pages: int,
+    first_row: int,
     first_page: int,
     k: int,
     new: torch.Tensor,
@@ -107,13 +112,15 @@ def syndrome_fold(
     n_parity: int,
     n_tiles: int,
 ) -> None:
-    """``q_out[p] = q_in[p] ^ sum_(i<k) a^(p (first_page + i)) (old_i ^ new_i)`` by the
-    Horner kernel (``triton_kernels.gf16_syndrome.syndrome_update``, which documents the
-    arguments), with the scale table of a code of ``data_pages`` data pages."""
+    """``q_out[p] = q_in[p] ^ sum_(i<k) a^(e_p (first_page + i)) (old_i ^ new_i)``,
+    ``e_p = first_row + p``, by the Horner kernel
+    (``triton_kernels.gf16_syndrome.syndrome_update``, which documents the arguments), with
+    the scale table of a code of ``data_pages`` data pages."""
     from triton_kernels.gf16_syndrome import syndrome_update
 
     syndrome_update(
-        scale_table(data_pages, q_out.device),
+        scale_table(data_pages, first_row, q_out.device),
+        first_row,
         first_page,
         k,
         new,

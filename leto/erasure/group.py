@@ -161,6 +161,7 @@ class ProtectionGroup:
         s = torch.empty(h1 * pb, dtype=torch.uint8, device=dev)
         syndrome_fold(
             self.config.data_pages,
+            self.grs.first_row,
             0,
             self.num_pages,
             self.data.view(torch.int32),
@@ -389,6 +390,7 @@ class ProtectionGroup:
             q = parity.view(torch.int32)
             syndrome_fold(
                 self.config.data_pages,
+                self.grs.first_row,
                 first_page,
                 k,
                 n2.view(torch.int32),
@@ -559,6 +561,7 @@ class ProtectionGroup:
         base = self.data.view(torch.int32)
         syndrome_fold(
             self.config.data_pages,
+            self.grs.first_row,
             0,
             self.num_pages,
             base,

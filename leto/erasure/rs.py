@@ -6,17 +6,19 @@ linearity gives the incremental update ``parity_p ^= c[p][j] * (old_j ^ new_j)``
 
 * :class:`CauchyCode`: ``c[p][j] = 1 / (x_p + y_j)``, ``x_p = p``, ``y_j = H + j`` (tier 2).
 * :class:`GRSCode` (tier 1): the generalised RS code whose parity-check matrix is the
-  Vandermonde ``[V | W]`` with ``V[p][j] = a^(p j)`` (data page ``j`` at the point
-  ``a^j``) and ``W[p][q] = a^(p (D + q))`` (parity page ``q``), ``p < H``, ``a`` the
-  primitive element. Any H columns of it form a Vandermonde matrix on distinct points, so
-  the code is MDS; its parity is ``P = W^-1 S`` of the *syndromes* ``S = V d``.
+  Vandermonde ``[V | W]`` with ``V[p][j] = a^(e_p j)`` (data page ``j`` at the point
+  ``a^j``) and ``W[p][q] = a^(e_p (D + q))`` (parity page ``q``), on the consecutive rows
+  ``e_p = b + p``, ``p < H``, ``b = first_row(H)`` (-7 for H = 16), ``a`` the primitive
+  element. Any H columns of it form a Vandermonde matrix on distinct points times a
+  diagonal, so the code is MDS; its parity is ``P = W^-1 S`` of the *syndromes* ``S = V d``.
 
 Why tier 1 is GRS (docs/ERASURE.md): syndrome ``p`` of ``k`` consecutive pages
-``j0..j0+k-1`` is ``a^(p j0) * sum_i (a^p)^i d_(j0+i)``, a Horner polynomial in the
-*fixed* constant ``a^p``. In the bit-sliced layout multiplying by ``a`` is a plane
-rotation plus three XORs, so the per-page work of an update falls from a generic 16x16
-GF(2) product per parity (256 AND-XOR per 32 symbols) to ``3p + 16`` XORs; the generic
-product is paid once per chunk for ``a^(p j0)``. The updater keeps its device working
+``j0..j0+k-1`` is ``a^(e_p j0) * sum_i (a^e_p)^i d_(j0+i)``, a Horner polynomial in the
+*fixed* constant ``a^e_p``. In the bit-sliced layout multiplying by ``a`` (or by
+``a^-1``) is a plane rotation plus three XORs, so the per-page work of an update falls
+from a generic 16x16 GF(2) product per parity (256 AND-XOR per 32 symbols) to
+``3|e_p| + 16`` XORs, and rows centred on 0 keep ``|e_p|`` at most H/2; the generic
+product is paid once per chunk for ``a^(e_p j0)``. The updater keeps its device working
 parity in syndrome form (:meth:`GRSCode.syndromes`) and converts at the ends of a step
 (``S = W P`` at load, ``P = W^-1 S`` at the flush, 16 pages each per group).
 
@@ -144,18 +146,28 @@ class CauchyCode(SystematicCode):
         self._matrix = EXP_NP[(ORDER - 1 - LOG_NP[s]) % (ORDER - 1)]
 
 
+def first_row(parity_pages: int) -> int:
+    """The exponent ``b`` of syndrome 0 of a code with ``parity_pages`` syndromes: the rows
+    ``b .. b + H - 1`` are centred on 0 (-7 .. 8 for H = 16), so the Horner steps multiply
+    by ``a^e`` with ``|e|`` at most H/2 (3|e| XORs each; 64 in all for H = 16, against 120
+    for the rows 0 .. 15)."""
+    return -((parity_pages - 1) // 2)
+
+
 class GRSCode(SystematicCode):
     """The ``[D + H, D]`` generalised RS code of the module docstring (tier 1).
 
     ``matrix`` is the generator ``W^-1 V``; :attr:`check_data` (``V``), :attr:`to_syndromes`
     (``W``: ``S = W P``) and :attr:`from_syndromes` (``W^-1``) serve the syndrome form.
+    Syndrome ``p`` is row ``first_row + p`` of the check matrix (:func:`first_row`).
     """
 
     def __init__(self, data_pages: int, parity_pages: int) -> None:
         # the points a^0 .. a^(D+H-1) must be distinct: D + H <= 2^16 - 1
         _check_shape(data_pages, parity_pages, ORDER - 1)
         self.data_pages, self.parity_pages = data_pages, parity_pages
-        p = np.arange(parity_pages, dtype=np.int64)[:, None]
+        self.first_row = first_row(parity_pages)
+        p = self.first_row + np.arange(parity_pages, dtype=np.int64)[:, None]
         a = np.full((1, 1), ALPHA, dtype=np.int64)
         self.check_data = _powers(a, p * np.arange(data_pages, dtype=np.int64)[None, :])
         self.to_syndromes = _powers(
@@ -192,21 +204,22 @@ class GRSCode(SystematicCode):
             rows=e,
             parity_sources=surv,
             parity_coef=self.to_syndromes[:e][:, list(surv)],
-            inverse=_vandermonde_inverse(pos, e),
+            inverse=_vandermonde_inverse(pos, e, self.first_row),
         )
 
 
 class SyndromeCode(SystematicCode):
-    """Syndromes ``S_p = sum_j a^(p j) d_j`` of a :class:`GRSCode` as "parity pages".
+    """Syndromes ``S_p = sum_j a^(e_p j) d_j`` of a :class:`GRSCode` as "parity pages".
 
     Not an MDS code on its own (a square submatrix of ``V`` on non-consecutive rows may be
     singular), but lost *data* pages are always recoverable while every syndrome page is
     intact: ``e`` lost pages use syndromes ``0..e-1``, a Vandermonde matrix on distinct
-    points. Lost syndrome pages (the updater's working parity) are refused.
+    points times a diagonal. Lost syndrome pages (the updater's working parity) are refused.
     """
 
     def __init__(self, code: GRSCode) -> None:
         self.data_pages, self.parity_pages = code.data_pages, code.parity_pages
+        self.first_row = code.first_row
         self._matrix = code.check_data
 
     def decode_plan(
@@ -233,7 +246,7 @@ class SyndromeCode(SystematicCode):
             rows=e,
             parity_sources=tuple(range(e)),
             parity_coef=np.eye(e, dtype=np.int64),
-            inverse=_vandermonde_inverse(np.array(ld, dtype=np.int64), e),
+            inverse=_vandermonde_inverse(np.array(ld, dtype=np.int64), e, self.first_row),
         )
 
 
@@ -262,11 +275,13 @@ def _checked_erasures(
     return d, ld, lp
 
 
-def _vandermonde_inverse(positions: np.ndarray, rows: int) -> np.ndarray:
-    """``M^-1`` for ``M[p][x] = a^(p positions[x])``, ``p < rows = len(positions)``."""
+def _vandermonde_inverse(positions: np.ndarray, rows: int, first: int) -> np.ndarray:
+    """``M^-1`` for ``M[p][x] = a^((first + p) positions[x])``, ``p < rows = len(positions)``
+    (a Vandermonde matrix on distinct points times the diagonal ``a^(first positions[x])``)."""
     if rows == 0:
         return np.zeros((0, 0), dtype=np.int64)
-    m = EXP_NP[(np.arange(rows, dtype=np.int64)[:, None] * positions[None, :]) % (ORDER - 1)]
+    exps = (first + np.arange(rows, dtype=np.int64))[:, None] * positions[None, :]
+    m = EXP_NP[exps % (ORDER - 1)]
     return np.array(mat_inv(m.tolist()), dtype=np.int64)
 
 

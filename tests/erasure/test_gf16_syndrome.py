@@ -62,7 +62,8 @@ def test_syndrome_kernel_equals_reference(
     q_dev = q_in.to(DEV)
     q_out = q_dev if in_place else q_dev.clone()
     syndrome_update(
-        scale_table(d, DEV),
+        scale_table(d, code.first_row, DEV),
+        code.first_row,
         j0,
         k,
         new.to(DEV).view(torch.int32),
@@ -88,7 +89,9 @@ def test_syndrome_kernel_refuses_unknown_launch_options() -> None:
 
     w = torch.zeros(TILE_BYTES // 4, dtype=torch.int32, device=DEV)
     with pytest.raises(TypeError, match="split"):
-        syndrome_update(scale_table(4, DEV), 0, 1, w, 0, w, 0, w, w.clone(), 0, 0, 1, 1, split=2)
+        syndrome_update(
+            scale_table(4, 0, DEV), 0, 0, 1, w, 0, w, 0, w, w.clone(), 0, 0, 1, 1, split=2
+        )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
