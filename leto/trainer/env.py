@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from leto import contract
 from leto.contract import ROLE_SHADOW
 from leto.errors import LetoError, ProtocolError
-from leto.trainer.timing import phase_times_enabled, profile_dir, sync_debug_enabled
+from leto.trainer.timing import (
+    phase_times_enabled,
+    profile_after,
+    profile_dir,
+    sync_debug_enabled,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,6 +34,8 @@ class TrainerEnv(contract.GenerationEnv):
     profile_dir: str | None = None
     """``LETO_PROFILE_DIR=dir``: the process's first step and a steady one profiled, their
     tables written there (``leto.trainer.timing.StepProfiler``)."""
+    profile_after: int = 3
+    """``LETO_PROFILE_AFTER=n``: the steady step profiled is the ``n``-th after the first."""
     sync_debug: bool = False
     """``LETO_SYNC_DEBUG=1``: warn at every wait for the device, from the second step to the
     one before the last (``leto.trainer.timing.ENV_SYNC_DEBUG``)."""
@@ -61,5 +68,6 @@ class TrainerEnv(contract.GenerationEnv):
             **torch_env,  # type: ignore[arg-type]
             phase_times=phase_times_enabled(),
             profile_dir=profile_dir(),
+            profile_after=profile_after(),
             sync_debug=sync_debug_enabled(),
         )

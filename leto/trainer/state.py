@@ -454,7 +454,10 @@ class RetainedState:
         first = step
         profiler = None
         if self.services.env.profile_dir is not None:
-            profiler = StepProfiler(self.services.env.profile_dir, self.services.rank, self.device)
+            env = self.services.env
+            profiler = StepProfiler(
+                env.profile_dir, self.services.rank, self.device, env.profile_after
+            )
         while step < total:
             if self.services.env.sync_debug and step == first + 1:
                 warn_on_device_waits(self.device)

@@ -16,10 +16,15 @@ from pathlib import Path
 
 import torch
 
+from leto.errors import ConfigError
+
 ENV_PHASE_TIMES = "LETO_PHASE_TIMES"
 ENV_PROFILE_DIR = "LETO_PROFILE_DIR"
 """A directory: each trainer process profiles its first step and a later one
 (:class:`StepProfiler`) and writes their tables there."""
+ENV_PROFILE_AFTER = "LETO_PROFILE_AFTER"
+"""With ``LETO_PROFILE_DIR``: how many steps after its first the process profiles a steady
+one (default 3; more where the shadows' warm-ups share the device for longer)."""
 ENV_SYNC_DEBUG = "LETO_SYNC_DEBUG"
 """``1``: from its second step to the one before its last, an active trainer on CUDA warns
 at every call that makes the host wait for the device
@@ -35,6 +40,17 @@ def phase_times_enabled() -> bool:
 
 def profile_dir() -> str | None:
     return os.environ.get(ENV_PROFILE_DIR) or None
+
+
+def profile_after() -> int:
+    value = os.environ.get(ENV_PROFILE_AFTER, "3")
+    try:
+        after = int(value)
+    except ValueError:
+        after = -1
+    if after < 1:
+        raise ConfigError(f"{ENV_PROFILE_AFTER}={value}: must be a whole number of steps >= 1")
+    return after
 
 
 def sync_debug_enabled() -> bool:
@@ -77,17 +93,19 @@ class PhaseTimes:
 
 class StepProfiler:
     """``LETO_PROFILE_DIR=dir``: a trainer process profiles (``torch.profiler``, host and device
-    events) the first step it runs and the step ``STEADY_AFTER`` later, and writes each one's
+    events) the first step it runs and the step ``steady_after`` later, and writes each one's
     tables to ``dir/rank<r>-pid<pid>-step<n>.txt``: what a fresh process's first step pays
     that a steady step does not (a promoted shadow's, after a recovery). The device is
     synchronised at both ends of a profiled step, and the profiler slows the step it records:
     compare the two tables, not a profiled step with unprofiled ones."""
 
-    STEADY_AFTER = 3
     ROWS = 30
 
-    def __init__(self, directory: str | Path, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, directory: str | Path, rank: int, device: torch.device, steady_after: int = 3
+    ) -> None:
         self.directory = Path(directory)
+        self.steady_after = steady_after
         self.rank = rank
         self.device = device
         self._first: int | None = None
@@ -98,7 +116,7 @@ class StepProfiler:
     def begin(self, step: int) -> None:
         if self._first is None:
             self._first = step
-        if step - self._first not in (0, self.STEADY_AFTER):
+        if step - self._first not in (0, self.steady_after):
             return
         from torch.profiler import ProfilerActivity, profile
 

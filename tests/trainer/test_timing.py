@@ -58,15 +58,15 @@ def test_the_diagnostics_reach_the_trainer_s_environment(
 
 
 def test_the_profiler_writes_the_first_and_a_steady_step(monkeypatch, tmp_path) -> None:
-    """``LETO_PROFILE_DIR``: the process's first step and the one ``STEADY_AFTER`` later are
-    profiled, each table naming the ops its step ran; no other step is."""
+    """``LETO_PROFILE_DIR``: the process's first step and the one ``LETO_PROFILE_AFTER``
+    later are profiled, each table naming the ops its step ran; no other step is."""
     from torch import nn
 
-    from leto.trainer.timing import StepProfiler
     from tests.trainer.local import local_context
 
-    steps = StepProfiler.STEADY_AFTER + 2
-    with local_context(monkeypatch, profile_dir=str(tmp_path)) as ctx:
+    after = 2
+    steps = after + 2
+    with local_context(monkeypatch, profile_dir=str(tmp_path), profile_after=after) as ctx:
         net = nn.Linear(4, 4)
         state = ctx.retain(net, torch.optim.AdamW(net.parameters()))
         for step in state.steps(steps):
@@ -75,6 +75,17 @@ def test_the_profiler_writes_the_first_and_a_steady_step(monkeypatch, tmp_path) 
     tables = sorted(tmp_path.iterdir())
     assert [t.name.rsplit("-", 1)[1] for t in tables] == ["step0.txt", f"step{steps - 2}.txt"]
     first, steady = (t.read_text() for t in tables)
-    assert first.startswith("step 0 (the process's first)")
+    assert first.startswith("step 0 (the process's first)")  # and the step ``after`` later:
     assert steady.startswith(f"step {steps - 2} (the process's steady)")
     assert "aten::addmm" in first and "aten::addmm" in steady
+
+
+def test_the_profiled_steady_step_is_chosen_by_environment(monkeypatch) -> None:
+    from leto.errors import ConfigError
+    from leto.trainer.timing import ENV_PROFILE_AFTER
+
+    monkeypatch.setenv(ENV_PROFILE_AFTER, "12")
+    assert TrainerEnv.from_environ(_env()).profile_after == 12
+    monkeypatch.setenv(ENV_PROFILE_AFTER, "0")
+    with pytest.raises(ConfigError, match="LETO_PROFILE_AFTER=0"):
+        TrainerEnv.from_environ(_env())
