@@ -65,7 +65,8 @@ class SyndromeDecode:
     With the erased pages zeroed, the first ``rows`` syndromes of what survives are
     ``R = V[:rows] d + parity_coef . parity[parity_sources]`` (``V d`` by the Horner kernel
     over the data pages, the rest a small product); they equal ``M c`` over the erased pages
-    ``c`` (``M[p][x] = a^(p pos_x)``, a Vandermonde matrix on distinct points), so
+    ``c`` (``M[p][x] = a^(e_p pos_x)``, a Vandermonde matrix on distinct points times a
+    diagonal), so
     ``c = inverse . R``. No ``H x D`` composition: the planning is one ``e x e`` inverse.
     """
 
