@@ -305,6 +305,7 @@ SUBPROCESS_CASES = (
 EXAMPLES: dict[str, tuple[str, list[str], str]] = {
     "train_gpt-negative": ("train_gpt.py", ["--steps", "-5"], "--steps"),
     "train_gpt-zero": ("train_gpt.py", ["--steps", "0"], "--steps"),
+    "train_gpt-grad-accum": ("train_gpt.py", ["--grad-accum", "0"], "--grad-accum"),
     "train_scheduled": ("train_scheduled.py", ["--steps", "0"], "--steps"),
     "finetune_lora": ("finetune_lora.py", ["--steps", "0"], "--steps"),
     "plain_ddp": ("plain_ddp.py", ["--steps", "0"], "--steps"),
@@ -312,6 +313,11 @@ EXAMPLES: dict[str, tuple[str, list[str], str]] = {
         "torchrun_gpt_ckpt.py",
         ["--ckpt-dir", "ck", "--ckpt-every", "0"],
         "--ckpt-every",
+    ),
+    "torchrun_gpt_ckpt-grad-accum": (
+        "torchrun_gpt_ckpt.py",
+        ["--ckpt-dir", "ck", "--grad-accum", "0"],
+        "--grad-accum",
     ),
     "megatron_gpt": ("megatron_gpt.py", ["--train-iters", "0"], "--train-iters"),
 }
