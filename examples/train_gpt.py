@@ -191,7 +191,7 @@ def forward_backward(
     if args.grad_accum > 1:
         loss = loss / args.grad_accum
     loss.backward()
-    return loss
+    return loss.detach()  # the graph goes now, not with the step's last micro-batch
 
 
 def data_steps(step: int, args: argparse.Namespace) -> range:
@@ -282,7 +282,7 @@ def main() -> None:
         def compute(step: int = step, micro: list = micro) -> torch.Tensor:
             held = ballast.hold(step)
             losses = [forward_backward(model, x, y, held, args) for x, y in micro]
-            return losses[0] if len(losses) == 1 else torch.stack(losses).detach().sum()
+            return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
         loss = state.compute(compute)
         state.step(max_grad_norm=1.0, loss=loss)
