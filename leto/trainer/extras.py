@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.swa_utils import AveragedModel
 
 from leto.errors import ConfigError, UnrecoverableStateError
 
@@ -215,7 +216,7 @@ class RecordStore:
         self.slots.write(Record(self.seq, step, kind, payload))
 
 
-Kind = Literal["optimizer", "scheduler", "stateful"]
+Kind = Literal["optimizer", "scheduler", "averaged", "stateful"]
 
 
 class GeneratorState:
@@ -264,8 +265,8 @@ class Tracked:
             ]
         else:
             value = self.obj.state_dict()
-        try:  # pickle: a twentieth of torch.save's cost, twice a step (tensors pickle too)
-            return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        try:  # pickle: a twentieth of torch.save's cost, twice a step
+            return _dumps(value)
         except Exception as e:  # noqa: BLE001 - any serialization failure is the same user error
             raise ConfigError(
                 f"cannot serialize the state of {self.name} ({type(self.obj).__name__}) for "
@@ -289,6 +290,54 @@ class Tracked:
             )
         for group, saved in zip(groups, value, strict=True):
             group.update(saved)
+
+
+def _materialize(module: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Give ``module``'s meta tensors storage on the retained model's device: a shadow builds
+    its model on the meta device, so an ``AveragedModel`` copied from it has no data until
+    its retained state is loaded into it. Tensors with data stay where they are."""
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if device is None:
+        return
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p.is_meta:
+                real = torch.empty_like(p, device=device)
+                setattr(m, name, torch.nn.Parameter(real, requires_grad=p.requires_grad))
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                keep = name not in m._non_persistent_buffers_set
+                m.register_buffer(name, torch.empty_like(b, device=device), persistent=keep)
+
+
+def _tensor_from(data: bytes, dtype: str, shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """A tensor pickled by :func:`_dumps`."""
+    raw = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    return raw.view(getattr(torch, dtype)).reshape(shape).to(device)
+
+
+class _Pickler(pickle.Pickler):
+    """Plain tensors as their bytes, dtype, shape and device: the same state pickles to the
+    same bytes in every process (torch's own reduction goes through ``torch.save``, whose
+    archive differs from process to process), so a capture compares and digests by value."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
+            return NotImplemented
+        t = obj.detach().contiguous()
+        data = t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
+        dtype = str(t.dtype).removeprefix("torch.")
+        return _tensor_from, (data, dtype, tuple(t.shape), str(t.device))
+
+
+def _dumps(value: Any) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return out.getvalue()
 
 
 class CannotReplay(UnrecoverableStateError):
@@ -365,11 +414,20 @@ class RetainedExtras:
         named: Mapping[str, Any] | None,
         rank: int,
         frozen: Sequence[LRScheduler] | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        """``frozen``: the schedulers :func:`freeze_heap` found (None: the heap is not frozen)."""
+        """``frozen``: the schedulers :func:`freeze_heap` found (None: the heap is not frozen);
+        ``model``: the retained model, which a named ``AveragedModel`` is replayed over."""
         self.store = store
         self.optimizer = optimizer
         self.rank = rank
+        self.model = model
+        self._by_model: dict[str, int] = {}
+        """Per ``AveragedModel``: steps whose change after the commit was one
+        ``update_parameters`` call over the retained model (what a recovery can redo)."""
+        self._averaged_calls: dict[str, list[bool]] = {}
+        """Per ``AveragedModel``: its ``update_parameters`` calls since the last ``PRE``
+        capture, each True where it averaged the retained model."""
         self._tracked: dict[str, Tracked] = {OPTIMIZER: Tracked(OPTIMIZER, "optimizer", optimizer)}
         for name, obj in (named or {}).items():
             if isinstance(obj, GeneratorState.KINDS):
@@ -384,8 +442,18 @@ class RetainedExtras:
                     f"stateful object {name!r} ({type(obj).__name__}) has no state_dict() / "
                     "load_state_dict(): leto retains objects that follow torch's Stateful protocol"
                 )
-            kind: Kind = "scheduler" if isinstance(obj, LRScheduler) else "stateful"
+            kind: Kind = (
+                "scheduler"
+                if isinstance(obj, LRScheduler)
+                else "averaged"
+                if isinstance(obj, AveragedModel)
+                else "stateful"
+            )
             self._tracked[name] = tracked = Tracked(name, kind, obj)
+            if isinstance(obj, torch.nn.Module) and model is not None:
+                _materialize(obj, model)  # a shadow's copy of its meta model
+            if kind == "averaged":
+                self._watch_averaging(name, obj)
             if (size := len(tracked.state())) > STATE_LIMIT_BYTES:
                 raise ConfigError(
                     f"stateful object {name!r} serializes to {size >> 20} MiB, more than the "
@@ -411,6 +479,19 @@ class RetainedExtras:
         self._frozen = frozen
         self.commit_digest = ""
         """Digest of the objects at the last commit (its ``PRE`` record), for ``emit_digest``."""
+
+    def _watch_averaging(self, name: str, obj: AveragedModel) -> None:
+        """Count ``obj.update_parameters`` calls and whether each averaged the retained model:
+        torch's loop calls it after ``optimizer.step()``, so a recovery that finishes the
+        update redoes it only where every observed step did exactly that."""
+        average = obj.update_parameters
+        calls = self._averaged_calls.setdefault(name, [])
+
+        def update_parameters(model: torch.nn.Module) -> None:
+            calls.append(model is self.model)
+            average(model)
+
+        obj.update_parameters = update_parameters  # type: ignore[method-assign]
 
     # -- discovery ---------------------------------------------------------------------------
     def discover(self) -> None:
@@ -492,6 +573,8 @@ class RetainedExtras:
         self.commit_digest = _digest(states)
         self._last_pre, self._pre_flags = states, pre
         self._pre_loss = loss
+        for calls in self._averaged_calls.values():
+            calls.clear()  # what follows the commit is what a recovery would redo
         self._write(step, Capture.PRE, states, digest=self.commit_digest, pre=pre, loss=loss)
 
     def _account(self, pre: dict[str, bytes], now: dict[str, bytes]) -> None:
@@ -505,6 +588,8 @@ class RetainedExtras:
             plateau = changed and isinstance(t.obj, ReduceLROnPlateau)
             if plateau and self._steps_with_loss(t, pre, now[name]):
                 self._by_loss[name] = self._by_loss.get(name, 0) + 1
+            if changed and t.kind == "averaged" and self._averaged_calls[name] == [True]:
+                self._by_model[name] = self._by_model.get(name, 0) + 1
 
     def _steps_with_loss(self, t: Tracked, pre: dict[str, bytes], after: bytes) -> bool:
         """Whether ``t`` (a ``ReduceLROnPlateau``) stepped with the step's loss from its state
@@ -539,6 +624,7 @@ class RetainedExtras:
                 "kinds": {n: t.kind for n, t in self._tracked.items()},
                 "history": dict(self._history),
                 "by_loss": dict(self._by_loss),
+                "by_model": dict(self._by_model),
                 "loss": loss,
                 "pre": pre or {},
                 "digest": digest,
@@ -572,6 +658,7 @@ class RetainedExtras:
         self._loaded = dict(content["objects"])
         self._history = dict(content["history"])
         self._by_loss = dict(content.get("by_loss", {}))
+        self._by_model = dict(content.get("by_model", {}))
         self.commit_digest = content["digest"]
         return content
 
@@ -609,7 +696,19 @@ class RetainedExtras:
     def _replay(self, step: int, content: dict[str, Any]) -> list[str]:
         """What the script did after ``state.step()`` of ``step`` (module docstring)."""
         plan = self._replay_plan(step, content)
+        for calls in self._averaged_calls.values():
+            calls.clear()  # the replay's own calls are the step's, as the script's were
         for t, metric in plan:
+            if t.kind == "averaged":
+                t.obj.update_parameters(self.model)  # over the finished update's parameters
+                self._loaded.pop(t.name, None)
+                logger.info(
+                    "[rank %d step %d] replayed %s.update_parameters(model) after the finished update",
+                    self.rank,
+                    step,
+                    t.name,
+                )
+                continue
             self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the update ran: no warning
             if metric is None:
                 t.obj.step()
@@ -632,11 +731,22 @@ class RetainedExtras:
         metric (a ``ReduceLROnPlateau``'s) or None; :class:`CannotReplay` where the records
         cannot tell what the script did after ``state.step()``."""
         history, pre = content["history"], content["pre"]
-        replay = []
+        replay, averaged = [], []
         for name, t in self._tracked.items():
             seen, post = history.get(name, (0, 0))
             where = f"rank {self.rank} step {step}: {name} ({type(t.obj).__name__})"
-            if t.kind == "scheduler":
+            if t.kind == "averaged" and post:
+                by_model = content.get("by_model", {}).get(name, 0)
+                if post < seen or by_model < post:
+                    raise CannotReplay(
+                        [name],
+                        f"{where} changed after state.step() in {post} of {seen} steps, "
+                        f"{by_model} of them by one update_parameters() over the retained model: "
+                        "call ema.update_parameters(model) once after every state.step(), or "
+                        "before it",
+                    )
+                averaged.append(t)
+            elif t.kind == "scheduler":
                 if 0 < post < seen:
                     raise CannotReplay(
                         [name],
@@ -652,7 +762,7 @@ class RetainedExtras:
                     f"{where}: its {what} changed after state.step(), which a recovery that finishes the update "
                     "cannot redo: change it before state.step()",
                 )
-            elif not seen and t.kind == "stateful" and not pre.get(name):
+            elif not seen and t.kind in ("stateful", "averaged") and not pre.get(name):
                 raise CannotReplay(
                     [name],
                     f"{where}: the first step's update was interrupted before leto saw whether it changes "
@@ -672,7 +782,7 @@ class RetainedExtras:
                 else None,
             )
             for t in replay
-        ]
+        ] + [(t, None) for t in averaged]
 
     def _warn_if_unreplayable(self, step: int) -> None:
         """After the script's code that followed ``state.step()`` of ``step``: name, once per
@@ -682,6 +792,7 @@ class RetainedExtras:
             "history": self._history,
             "pre": self._pre_flags,
             "by_loss": self._by_loss,
+            "by_model": self._by_model,
             "loss": self._pre_loss,
         }
         try:

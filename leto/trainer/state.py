@@ -347,7 +347,12 @@ class RetainedState:
             )
         records = map_records(self.memory, stateful_bytes or DEFAULT_SLOT_BYTES)
         self.extras = RetainedExtras(
-            records, self.optimizer, stateful, self.services.rank, self._frozen_schedulers
+            records,
+            self.optimizer,
+            stateful,
+            self.services.rank,
+            self._frozen_schedulers,
+            model=self.model,
         )
 
     def _refuse_buffer_updates(self) -> None:

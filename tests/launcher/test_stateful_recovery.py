@@ -289,3 +289,21 @@ def test_a_plateau_scheduler_stepped_with_the_loss_recovers_exactly(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_recovered(reference, events, faults, nproc=2, resumed_at=resume_steps(faults))
     assert "ReduceLROnPlateau" not in proc.stderr  # no warning: every step is replayable
+
+
+def test_an_ema_of_the_weights_recovers_exactly(tmp_path: Path) -> None:
+    """``AveragedModel.update_parameters(model)`` after every ``state.step()``: kills inside
+    two updates (each promoted trainer averages the finished update's weights again) and in
+    backward, every digest (the average's state included) equal to the fault-free run's."""
+    script = str(REPO / "tests" / "launcher" / "scripts" / "ema.py")
+    (tmp_path / "ref").mkdir()
+    reference = fault_free_digests(tmp_path / "ref", steps=STEPS, script=script, model_args=[])
+    faults = [
+        FaultSpec(rank=0, step=3, phase="update"),
+        FaultSpec(rank=1, step=6, phase="update"),
+        FaultSpec(rank=0, step=9, phase="backward"),
+    ]
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, script=script, model_args=[])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_recovered(reference, events, faults, nproc=2, resumed_at=resume_steps(faults))
+    assert "AveragedModel" not in proc.stderr  # no warning: every step is replayable

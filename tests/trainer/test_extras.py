@@ -580,3 +580,76 @@ def test_what_a_recovery_could_not_redo_is_named_once_before_any_failure(
     _stepped_on_odd_steps_only()
     warned = [r.getMessage() for r in caplog.records if "LambdaLR" in r.getMessage()]
     assert len(warned) == 1 and "stepped after state.step() in 1 of 2 steps" in warned[0]
+
+
+# -- an averaged model (EMA) updated after the commit ------------------------------------------
+class EmaJob:
+    """A script that averages its model after every ``state.step()``, as torch's loop calls
+    ``ema.update_parameters(model)`` after ``optimizer.step()``; ``other``: it averages a
+    module that is not the retained model."""
+
+    def __init__(self, region: torch.Tensor, other: bool = False) -> None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        torch.manual_seed(3)
+        self.region = region
+        self.model = torch.nn.Linear(3, 2)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+        self.averaged = torch.nn.Linear(3, 2) if other else self.model
+        self.extras = RetainedExtras(
+            RecordStore(region), self.opt, {"ema": self.ema}, 0, model=self.model
+        )
+        self.extras.discover()
+
+    def update(self, t: int) -> None:
+        for i, p in enumerate(self.model.parameters()):
+            p.grad = torch.full_like(p, 0.1 * (t + 1) * (i + 1))
+        self.opt.step()
+
+    def step(self, t: int, die_at: str | None = None) -> bool:
+        self.extras.begin(t)
+        self.extras.before_commit(t)
+        if die_at == "update":
+            return False
+        self.update(t)
+        self.ema.update_parameters(self.averaged)
+        return True
+
+    def state(self) -> list[torch.Tensor]:
+        return [
+            t.clone() for t in [*self.model.state_dict().values(), *self.ema.state_dict().values()]
+        ]
+
+
+def _ema_recovered(kill_step: int, other: bool = False) -> EmaJob:
+    """A job killed inside ``kill_step``'s update; the promoted trainer's, resumed after it."""
+    job = EmaJob(_region(), other)
+    for t in range(kill_step + 1):
+        job.step(t, die_at="update" if t == kill_step else None)
+    fresh = EmaJob(job.region.clone(), other)
+    fresh.model.load_state_dict(job.model.state_dict())  # the retained, committed parameters
+    fresh.extras.load_pre(kill_step)
+    fresh.update(kill_step)  # the finishing update
+    assert fresh.extras.resume(kill_step + 1) == "pre+replay"
+    return fresh
+
+
+def test_an_averaged_model_is_replayed_over_the_finished_update() -> None:
+    reference = EmaJob(_region())
+    for t in range(8):
+        reference.step(t)
+    for kill_step in (3, 6):
+        job = _ema_recovered(kill_step)
+        for t in range(kill_step + 1, 8):
+            assert job.step(t)
+        assert all(torch.equal(a, b) for a, b in zip(job.state(), reference.state(), strict=True))
+
+
+def test_an_averaged_model_of_another_module_is_named_at_once_and_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with pytest.raises(UnrecoverableStateError, match="update_parameters"):
+        _ema_recovered(4, other=True)
+    warned = [r.getMessage() for r in caplog.records if "AveragedModel" in r.getMessage()]
+    assert len(warned) == 1 and "step 0" in warned[0], warned
