@@ -26,6 +26,9 @@ steps were observed and in how many the object changed between ``PRE(t)`` and
   unless it was stepped before ``state.step()`` (torch's order: ``scheduler.step()`` after
   ``optimizer.step()``); a ``ReduceLROnPlateau`` is stepped with the loss the script gave
   ``state.step(loss=...)`` (``PRE`` carries it), where that reproduced every observed step;
+* a named ``AveragedModel`` (an EMA of the weights) whose every observed step changed it by
+  one ``update_parameters`` call over the retained model after the commit is updated so
+  once more, over the finished update's parameters;
 * anything else (a scheduler stepped after the commit on some steps only, two schedulers to
   replay in an unknown order, a ``ReduceLROnPlateau`` stepped with another metric or before
   any step was observed (a warning names the first as soon as a step shows it), a user object or
