@@ -329,8 +329,13 @@ class _Pickler(pickle.Pickler):
     archive differs from process to process), so a capture compares and digests by value."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
-            return NotImplemented
+        if (
+            type(obj) is not torch.Tensor
+            or obj.layout != torch.strided
+            or obj.is_quantized
+            or obj.is_meta
+        ):
+            return NotImplemented  # torch's own reduction
         t = obj.detach().contiguous()
         data = t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
         dtype = str(t.dtype).removeprefix("torch.")
