@@ -46,6 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "examples")]
 
 from train_gpt import GPT
 
+from bench.landing_gpu import region_bytes, views
 from leto.trainer.grad_landing import GradLanding, GradWrites
 
 CHUNK_BYTES = 2 << 20
@@ -76,20 +77,6 @@ def chunked_region(nbytes: int, device: torch.device) -> torch.Tensor:
     return region
 
 
-def slots(params: list[torch.nn.Parameter], region: torch.Tensor) -> list[torch.Tensor]:
-    """Each parameter's view of ``region``, 256-byte aligned, in order."""
-    out, at = [], 0
-    for p in params:
-        n = p.numel() * p.element_size()
-        out.append(region[at : at + n].view(p.dtype).view(p.shape))
-        at += -(-n // 256) * 256
-    return out
-
-
-def region_bytes(params: list[torch.nn.Parameter]) -> int:
-    return sum(-(-p.numel() * p.element_size() // 256) * 256 for p in params)
-
-
 class Variant:
     """One way of running a step's passes: a model of its own (hooks are for good)."""
 
@@ -106,14 +93,14 @@ class Variant:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if params_in_vmm:
             state = chunked_region(region_bytes(self.params), device)
-            for p, view in zip(self.params, slots(self.params, state), strict=True):
+            for p, view in zip(self.params, views(self.params, state), strict=True):
                 view.copy_(p.data)
                 p.data = view
             self._state = state  # the parameters' storage lives as long as the variant
         self.landing = None
         if landing:
             grads = chunked_region(region_bytes(self.params), device)
-            self.landing = GradLanding(self.params, slots(self.params, grads), GradWrites(grads))
+            self.landing = GradLanding(self.params, views(self.params, grads), GradWrites(grads))
         self.lender = None
         if lending and device.type == "cuda":
             from leto.pool.lend import ActivationLender

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_gpt import GPT, batch, data_steps, lr_at
+from train_gpt import GPT, batch, data_steps, lr_at, step_loss
 
 from leto import kernels
 from leto.events import EventLog, Kind
@@ -273,10 +273,10 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         opt.zero_grad(set_to_none=args.zero_grad == "none")
-        losses = []
-        for micro_step in data_steps(step, args):
+        losses, micro_steps = [], data_steps(step, args)
+        for micro_step in micro_steps:
             x, y = make_batch(micro_step, rank, args, device)
-            last = micro_step == (step + 1) * args.grad_accum - 1
+            last = micro_step == micro_steps[-1]
             # DDP all-reduces with the last micro-batch's backward only, as a careful user runs it
             sync = model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
             with sync:
@@ -286,7 +286,7 @@ def main() -> None:
                     loss = loss / args.grad_accum
                 loss.backward()
             losses.append(loss.detach())
-        loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        loss = step_loss(losses)
         if attempt == 0 and rank == world - 1 and step == args.kill_at_step:
             events.emit(Kind.FAULT_INJECTED, rank=rank, step=step, phase="backward")
             os.kill(os.getpid(), signal.SIGKILL)

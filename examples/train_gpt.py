@@ -199,6 +199,11 @@ def data_steps(step: int, args: argparse.Namespace) -> range:
     return range(step * args.grad_accum, (step + 1) * args.grad_accum)
 
 
+def step_loss(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The step's loss from its micro-batches' (scaled) losses: the one itself, or their sum."""
+    return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=40)
@@ -281,8 +286,7 @@ def main() -> None:
 
         def compute(step: int = step, micro: list = micro) -> torch.Tensor:
             held = ballast.hold(step)
-            losses = [forward_backward(model, x, y, held, args) for x, y in micro]
-            return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+            return step_loss([forward_backward(model, x, y, held, args) for x, y in micro])
 
         loss = state.compute(compute)
         state.step(max_grad_norm=1.0, loss=loss)

@@ -616,6 +616,15 @@ class RetainedExtras:
         except Exception:  # noqa: BLE001 - any failure of the copy means "cannot replay"
             return False
 
+    def _accounts(self) -> dict[str, dict[str, Any]]:
+        """What the steps so far showed of each object (copies), as a record carries it and
+        as :meth:`_replay_plan` reads it."""
+        return {
+            "history": dict(self._history),
+            "by_loss": dict(self._by_loss),
+            "by_model": dict(self._by_model),
+        }
+
     def _write(
         self,
         step: int,
@@ -630,9 +639,7 @@ class RetainedExtras:
             {
                 "objects": states,
                 "kinds": {n: t.kind for n, t in self._tracked.items()},
-                "history": dict(self._history),
-                "by_loss": dict(self._by_loss),
-                "by_model": dict(self._by_model),
+                **self._accounts(),
                 "loss": loss,
                 "pre": pre or {},
                 "digest": digest,
@@ -709,26 +716,22 @@ class RetainedExtras:
         for t, metric in plan:
             if t.kind == "averaged":
                 t.obj.update_parameters(self.model)  # over the finished update's parameters
-                self._loaded.pop(t.name, None)
-                logger.info(
-                    "[rank %d step %d] replayed %s.update_parameters(model) after the finished update",
-                    self.rank,
-                    step,
-                    t.name,
-                )
-                continue
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the update ran: no warning
-            if metric is None:
-                t.obj.step()
+                call, wrote = "update_parameters(model)", (t.name,)
             else:
-                t.obj.step(metric)
-            for changed in (t.name, OPTIMIZER):  # the replay wrote them: ask them again
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the update ran: no warning
+                if metric is None:
+                    t.obj.step()
+                else:
+                    t.obj.step(metric)
+                call, wrote = "step()", (t.name, OPTIMIZER)
+            for changed in wrote:  # the replay wrote them: ask them again
                 self._loaded.pop(changed, None)
             logger.info(
-                "[rank %d step %d] replayed %s.step() after the finished update",
+                "[rank %d step %d] replayed %s.%s after the finished update",
                 self.rank,
                 step,
                 t.name,
+                call,
             )
         return [t.name for t, _ in plan]
 
@@ -796,13 +799,7 @@ class RetainedExtras:
         """After the script's code that followed ``state.step()`` of ``step``: name, once per
         object, what would make a failure inside that update end in-place recovery, so the
         script can be fixed before a failure rather than after one."""
-        content = {
-            "history": self._history,
-            "pre": self._pre_flags,
-            "by_loss": self._by_loss,
-            "by_model": self._by_model,
-            "loss": self._pre_loss,
-        }
+        content = {**self._accounts(), "pre": self._pre_flags, "loss": self._pre_loss}
         try:
             self._replay_plan(step, content)
         except CannotReplay as e:

@@ -273,37 +273,39 @@ def test_snapshot_consistency_recovers_exactly(tmp_path: Path) -> None:
     _assert_capture_use(events)
 
 
+def _script_recovers_exactly(tmp_path: Path, script: str, faults: list[FaultSpec]) -> str:
+    """``tests/launcher/scripts/<script>`` with ``faults``: every rank resumed once per fault
+    and every digest equal to the script's fault-free run's; its stderr."""
+    path = str(REPO / "tests" / "launcher" / "scripts" / script)
+    (tmp_path / "ref").mkdir()
+    reference = fault_free_digests(tmp_path / "ref", steps=STEPS, script=path, model_args=[])
+    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, script=path, model_args=[])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_recovered(reference, events, faults, nproc=2, resumed_at=resume_steps(faults))
+    return proc.stderr
+
+
 def test_a_plateau_scheduler_stepped_with_the_loss_recovers_exactly(tmp_path: Path) -> None:
     """``ReduceLROnPlateau.step(float(loss))`` after ``state.step(loss=loss)``: two kills
     inside updates in a row (each promoted trainer replays the scheduler with the retained
     loss of the interrupted step, the second one after the first one's replay), every
     digest equal to the fault-free run's."""
-    script = str(REPO / "tests" / "launcher" / "scripts" / "plateau.py")
-    (tmp_path / "ref").mkdir()
-    reference = fault_free_digests(tmp_path / "ref", steps=STEPS, script=script, model_args=[])
     faults = [
         FaultSpec(rank=0, step=3, phase="update"),
         FaultSpec(rank=1, step=6, phase="update"),
     ]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, script=script, model_args=[])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_recovered(reference, events, faults, nproc=2, resumed_at=resume_steps(faults))
-    assert "ReduceLROnPlateau" not in proc.stderr  # no warning: every step is replayable
+    stderr = _script_recovers_exactly(tmp_path, "plateau.py", faults)
+    assert "ReduceLROnPlateau" not in stderr  # no warning: every step is replayable
 
 
 def test_an_ema_of_the_weights_recovers_exactly(tmp_path: Path) -> None:
     """``AveragedModel.update_parameters(model)`` after every ``state.step()``: kills inside
     two updates (each promoted trainer averages the finished update's weights again) and in
     backward, every digest (the average's state included) equal to the fault-free run's."""
-    script = str(REPO / "tests" / "launcher" / "scripts" / "ema.py")
-    (tmp_path / "ref").mkdir()
-    reference = fault_free_digests(tmp_path / "ref", steps=STEPS, script=script, model_args=[])
     faults = [
         FaultSpec(rank=0, step=3, phase="update"),
         FaultSpec(rank=1, step=6, phase="update"),
         FaultSpec(rank=0, step=9, phase="backward"),
     ]
-    proc, events = run_leto(tmp_path, steps=STEPS, faults=faults, script=script, model_args=[])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_recovered(reference, events, faults, nproc=2, resumed_at=resume_steps(faults))
-    assert "AveragedModel" not in proc.stderr  # no warning: every step is replayable
+    stderr = _script_recovers_exactly(tmp_path, "ema.py", faults)
+    assert "AveragedModel" not in stderr  # no warning: every step is replayable
