@@ -19,8 +19,8 @@ interleaved step by step so the host's drift hits all alike:
 * ``plain, second context``: ``plain`` again while another process holds a CUDA context
   and 1 GiB on the same GPU and sleeps (an idle shadow), after the others.
 
-Prints each variant's median step (host wall to the end of the last backward, the device
-synchronised between steps) and its excess over ``plain`` per micro-batch.
+Prints each variant's median step (wall time of its passes, the device synchronised at
+both ends) and its excess over ``plain`` per micro-batch.
 
     python3 bench/accum_gpu.py [--grad-accum 16] [--steps 6]
     python3 bench/accum_gpu.py --cpu-check     # the logic on a tiny CPU model, no CUDA
@@ -187,6 +187,8 @@ def main() -> None:
                 with torch.autocast(device.type, dtype=torch.bfloat16):
                     loss = v.model(x, y) / args.grad_accum
                 loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         v.end()
         if cuda:

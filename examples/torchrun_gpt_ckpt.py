@@ -36,7 +36,7 @@ from train_gpt import GPT, batch, data_steps, lr_at, step_loss
 
 from leto import kernels
 from leto.events import EventLog, Kind
-from leto.trainer.timing import PhaseTimes
+from leto.trainer.timing import PhaseTimes, StepProfiler, profile_after, profile_dir
 
 
 def complete_checkpoints(root: Path, world: int) -> list[Path]:
@@ -267,7 +267,13 @@ def main() -> None:
             load_s=time.perf_counter() - t0,
         )
     saver = AsyncSaver(rank, world, device, args) if args.ckpt_async else None
+    # LETO_PROFILE_DIR: the same profiled steps as a leto-run trainer's, to compare tables
+    profiler = (
+        StepProfiler(where, rank, device, profile_after()) if (where := profile_dir()) else None
+    )
     for step in range(start, args.steps):
+        if profiler is not None:
+            profiler.begin(step)
         began = time.perf_counter()
         phases = PhaseTimes(device, began)
         for group in opt.param_groups:
@@ -309,6 +315,8 @@ def main() -> None:
         phases.mark("clip")
         opt.step()  # no wait for the device: the host queues the next step meanwhile
         phases.mark("update")
+        if profiler is not None:
+            profiler.end(step)
         events.emit(
             Kind.STEP_DONE,
             rank=rank,
