@@ -76,3 +76,59 @@ def test_step_periods_span_only_consecutive_steps_of_one_run() -> None:
     assert summary.step_periods(events) == pytest.approx([0.5, 0.5, 0.5, 0.4, 0.25])
     assert summary.step_periods(events, first_step=4) == [0.5, 0.25]
     assert summary.step_periods(events, after_t=5.0) == [0.25]
+
+
+def test_steady_idle_report_names_the_host_frame_of_each_gap(tmp_path: Path) -> None:
+    from bench.steady_gpu import idle_report
+
+    trace = tmp_path / "t.json"
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 500, "dur": 1000},  # overlaps a
+        {"ph": "X", "cat": "kernel", "name": "c", "ts": 4500, "dur": 500},  # 3 ms after b
+        {"ph": "X", "cat": "kernel", "name": "d", "ts": 5500, "dur": 500},  # 0.5 ms after c
+        {"ph": "X", "cat": "python_function", "name": "step", "ts": 0, "dur": 9000},
+        {"ph": "X", "cat": "python_function", "name": "gc_pause", "ts": 1400, "dur": 2000},
+    ]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    lines = idle_report("leto", trace).splitlines()
+    assert lines[0] == (
+        "leto: device span 6.0 ms, busy 2.5 ms, idle 3.5 ms in 2 gaps; the longest:"
+    )
+    # the innermost frame, then the frames around it, innermost first
+    assert lines[1].split() == [
+        "3.00",
+        "ms",
+        "at",
+        "+1.5",
+        "ms:",
+        "gc_pause",
+        "<",
+        "gc_pause",
+        "<",
+        "step",
+    ]
+    assert lines[2].split()[:6] == ["0.50", "ms", "at", "+5.0", "ms:", "step"]
+
+
+def test_steady_bench_compares_the_same_training_on_the_cpu(tmp_path: Path) -> None:
+    """Both loops train the same model on the same data: at --dropout 0 on the CPU (torch's
+    fused AdamW in both) the parameters after the run are bit-identical."""
+    out = tmp_path / "steady.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "steady_gpu.py"), "--cpu-check"]
+        + ["--grad-accum", "2", "--rounds", "2", "--block", "1", "--dropout", "0"]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["max_param_difference"] == 0.0
+    assert len(result["rounds"]) == 2 and all(
+        r["torch"] > 0 and r["leto"] > 0 for r in result["rounds"]
+    )
+    assert result["rounds"][0]["order"] == ["torch", "leto"]
+    assert result["rounds"][1]["order"] == ["leto", "torch"]
