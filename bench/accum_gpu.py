@@ -10,12 +10,15 @@ interleaved step by step so the host's drift hits all alike:
 * ``plain``: a torchrun loop's passes;
 * ``landing``: Leto's ``GradLanding`` into a gradient region of 2 MiB ``cuMemCreate``
   chunks mapped back to back, as Leto's device regions are (``leto.pool.pagemap``);
+* ``landing, side stream``: the same, each large gradient copied on a side stream
+  (``GradLanding(copy_stream=...)``), overlapping the rest of backward;
 * ``landing + lending``: the same, every allocation of the passes going to the lending
   pool over a 768 MiB chunked region (the GPT's undo buffer; ``leto.pool.lend``), its
   ``check_returned`` after them, as ``leto.trainer.compute`` runs a compute phase;
 * ``params in vmm``: the parameters' storage moved into a chunked region (Leto's retained
   state), plain gradients;
 * ``leto-like``: parameters in a chunked region, landing and lending together;
+* ``leto-like, side stream``: the same, landing on a side stream;
 * ``plain, second context``: ``plain`` again while another process holds a CUDA context
   and 1 GiB on the same GPU and sleeps (an idle shadow), after the others.
 
@@ -88,6 +91,7 @@ class Variant:
         landing: bool = False,
         lending: bool = False,
         params_in_vmm: bool = False,
+        side_stream: bool = False,
     ) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -100,7 +104,10 @@ class Variant:
         self.landing = None
         if landing:
             grads = chunked_region(region_bytes(self.params), device)
-            self.landing = GradLanding(self.params, views(self.params, grads), GradWrites(grads))
+            stream = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
+            self.landing = GradLanding(
+                self.params, views(self.params, grads), GradWrites(grads), copy_stream=stream
+            )
         self.lender = None
         if lending and device.type == "cuda":
             from leto.pool.lend import ActivationLender
@@ -173,9 +180,14 @@ def main() -> None:
     variants: dict[str, Variant] = {"plain": Variant(base, device)}
     for name, kw in (
         ("landing", {"landing": True}),
+        ("landing, side stream", {"landing": True, "side_stream": True}),
         ("landing + lending", {"landing": True, "lending": True}),
         ("params in vmm", {"params_in_vmm": True}),
         ("leto-like", {"landing": True, "lending": True, "params_in_vmm": True}),
+        (
+            "leto-like, side stream",
+            {"landing": True, "lending": True, "params_in_vmm": True, "side_stream": True},
+        ),
     ):
         variants[name] = Variant(copy.deepcopy(base), device, **kw)
 

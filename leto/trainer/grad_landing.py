@@ -16,6 +16,14 @@ waiting gradient stays the parameter's ``.grad``, so a hook of the script's afte
 reads its value. Later backward passes of the same step (gradient accumulation) find the
 view bound and accumulate into it in place, as before.
 
+Given a ``copy_stream`` (CUDA; not with the bucketed mean, whose launches read the views
+at once; the trainer passes none yet), a large gradient's copy runs on it beside the rest
+of backward: the copy is memory-bound and backward's matrix products mostly are not, so it
+may overlap them. The compute stream waits for a copy when the next large gradient
+arrives (its source is released then: the peak holds one fresh gradient more) and for the
+last one when backward ends, before anything reads a view on it; where a hook of the
+script's follows Leto's, the gradient lands on the compute stream, for the hook.
+
 After the compute phase, ``settle`` binds the zeroed view of every parameter that received
 no gradient (what it adds to the all-reduce) and returns them: the update skips one that no
 rank had a gradient for, as torch's optimizers skip a None ``.grad``
@@ -41,6 +49,13 @@ SMALL_GRAD_BYTES = 1 << 20
 """A gradient smaller than this waits to land with the others (at the end of backward);
 ``WAITING_BYTES`` bounds what waits, so the peak grows by that at most."""
 WAITING_BYTES = 8 << 20
+
+
+def _only_hook(p: torch.Tensor) -> bool:
+    """Whether Leto's landing hook is ``p``'s only post-accumulate hook (none of the
+    script's runs after it, to read or write the gradient)."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    return hooks is not None and len(hooks) == 1
 
 
 class GradWrites:
@@ -93,10 +108,15 @@ class GradLanding:
         views: Sequence[torch.Tensor],
         writes: GradWrites,
         reduce: BucketedMean | None = None,
+        copy_stream: torch.cuda.Stream | None = None,
     ) -> None:
         """``reduce``: plain data parallelism's mean, told of each gradient as it lands
-        (``leto.trainer.grad_buckets``); None: nothing overlaps backward."""
+        (``leto.trainer.grad_buckets``); None: nothing overlaps backward. ``copy_stream``
+        (CUDA): large gradients land on it (``_land_async``)."""
         self.params, self.views = list(params), list(views)
+        self.copy_stream = copy_stream
+        self._in_flight: tuple[torch.cuda.Event, torch.Tensor] | None = None
+        """The last copy queued on ``copy_stream``: its end, and the fresh gradient it reads."""
         self.writes = writes
         self.reduce = reduce
         self.arrived = [False] * len(self.params)
@@ -146,7 +166,11 @@ class GradLanding:
                     "leto's retained gradients are dense: produce dense gradients for it"
                 )
             if not small:
-                view.copy_(p.grad)
+                if self.copy_stream is not None and _only_hook(p):
+                    self._land_async(view, p.grad)
+                else:  # a hook of the script's runs next and may read or write it: land it now
+                    self.join_copies()
+                    view.copy_(p.grad)
                 p.grad = view
                 arrived[i] = True
                 if reduce is not None:
@@ -164,9 +188,35 @@ class GradLanding:
         in place): the rest lands, and the region's version is what ``GradWrites`` expects."""
         self._end_queued = False
         self.flush()
+        self.join_copies()
         if self.reduce is not None:
             self.reduce.end_of_backward()
         self.writes.arrived()
+
+    def _land_async(self, view: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Copy ``fresh`` into ``view`` on the copy stream, where it runs beside the rest of
+        backward (a copy is memory-bound, backward's matrix products mostly are not). The
+        compute stream waits for it only when the next large gradient arrives, and
+        ``fresh`` is released then: after that wait, so the caching allocator reuses its
+        block only behind the copy, and with no ``record_stream`` (a block awaiting a
+        stream would count as live in lent memory). The peak holds one fresh gradient more
+        than a landing on the compute stream: the one in flight."""
+        assert self.copy_stream is not None
+        current = torch.cuda.current_stream(fresh.device)
+        self.copy_stream.wait_stream(current)  # ``fresh`` is computed
+        with torch.cuda.stream(self.copy_stream):
+            view.copy_(fresh)
+        done = self.copy_stream.record_event()
+        self.join_copies()
+        self._in_flight = (done, fresh)
+
+    def join_copies(self) -> None:
+        """The compute stream waits for the copy in flight (``_land_async``), whose source
+        is released: before anything on the compute stream reads a view it wrote."""
+        if self._in_flight is not None:
+            assert self.copy_stream is not None
+            torch.cuda.current_stream(self.copy_stream.device).wait_event(self._in_flight[0])
+            self._in_flight = None
 
     def flush(self) -> None:
         """Copy every waiting gradient into its view (one multi-tensor copy) and bind it.
@@ -196,6 +246,7 @@ class GradLanding:
 
     def begin(self) -> None:
         """At the step's start (and an OOM retry's): no gradient has landed yet."""
+        self.join_copies()  # an OOM retry: the failed attempt's copy in flight
         self._drop_waiting()  # an OOM retry: what waited belongs to the failed attempt
         self._end_queued = False
         if self.reduce is not None:
@@ -213,6 +264,7 @@ class GradLanding:
         or written in place (``GradWrites``)."""
         if self._waiting:  # backward's end copies them all: only if its callback did not run
             self._end_of_backward()
+        self.join_copies()
         self.writes.check()
         absent = []
         for i, (p, view) in enumerate(zip(self.params, self.views, strict=True)):

@@ -1,0 +1,82 @@
+"""Gradients landing on a side stream (``GradLanding(copy_stream=...)``): every view holds
+its gradient when backward ends, even where the copy stream runs far behind the compute
+stream, and a later pass of the step accumulates onto the landed values."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from leto.trainer.grad_landing import SMALL_GRAD_BYTES, GradLanding, GradWrites
+
+DEVICE = torch.device("cuda", 0)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    # 512 x 1024 fp32 weights: 2 MiB each, above SMALL_GRAD_BYTES (they land one by one)
+    return nn.Sequential(*[nn.Linear(1024, 1024 if i < 3 else 512) for i in range(4)]).to(DEVICE)
+
+
+def _landing(net: nn.Module, stream: torch.cuda.Stream | None) -> tuple[GradLanding, list]:
+    params = list(net.parameters())
+    region = torch.zeros(sum(p.numel() for p in params), device=DEVICE)
+    views, at = [], 0
+    for p in params:
+        views.append(region[at : at + p.numel()].view_as(p))
+        at += p.numel()
+    return GradLanding(params, views, GradWrites(region), copy_stream=stream), views
+
+
+def _passes(net: nn.Module, landing: GradLanding, passes: int, stall: torch.cuda.Stream | None):
+    landing.begin()
+    for k in range(passes):
+        x = torch.randn(64, 1024, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(k))
+        if stall is not None:  # the copy stream starts ~50 ms behind: a copy not waited for shows
+            with torch.cuda.stream(stall):
+                torch.cuda._sleep(100_000_000)
+        net(x).square().mean().backward()
+        # read every gradient on the compute stream at once, before the host waits for anything
+        seen = [p.grad.clone() for p in net.parameters()]
+    landing.settle()
+    torch.cuda.synchronize()
+    return seen
+
+
+def test_side_stream_landing_matches_the_compute_stream_landing() -> None:
+    assert any(p.numel() * 4 >= SMALL_GRAD_BYTES for p in _net().parameters())
+    for passes in (1, 3):
+        net = _net()
+        plain, plain_views = _landing(net, None)
+        want = _passes(net, plain, passes, None)
+        want_views = [v.clone() for v in plain_views]
+
+        net = _net()
+        stream = torch.cuda.Stream(DEVICE)
+        side, side_views = _landing(net, stream)
+        got = _passes(net, side, passes, stream)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b)
+        for a, b, p in zip(want_views, side_views, net.parameters(), strict=True):
+            assert torch.equal(a, b)
+            assert p.grad is b  # each parameter's .grad is its retained view
+
+
+def test_a_scripts_hook_after_landing_reads_the_landed_gradient() -> None:
+    """A post-accumulate hook of the script's, registered after Leto's, runs right after the
+    landing: that gradient lands on the compute stream, so the hook reads its value."""
+    read: dict[str, list[torch.Tensor]] = {"plain": [], "side": []}
+    views = {}
+    for name, stream in (("plain", None), ("side", torch.cuda.Stream(DEVICE))):
+        net = _net()
+        landing, views[name] = _landing(net, stream)
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda q, got=read[name]: got.append(q.grad.clone())
+            )
+        _passes(net, landing, 1, stream)
+    assert len(read["side"]) == len(list(_net().parameters()))
+    for a, b in zip(read["plain"], read["side"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(views["plain"], views["side"], strict=True):
+        assert torch.equal(a, b)
