@@ -16,7 +16,9 @@ with NCCL (or ``--nproc 2``: DP=2, one GPU per rank, each shadow with its own NC
 
 Every job runs the same kernels: PyTorch's defaults, or ``--kernels deterministic``
 (leto-run ``--deterministic`` and the baseline's ``--deterministic``); the baseline updates
-with torch's fused AdamW. ``--iteration-only`` compares the steady iteration alone.
+with torch's fused AdamW. ``--iteration-only`` compares the steady iteration alone, job
+against job (``bench/steady_gpu.py`` compares the steps in one process, taking turns: a
+lent GPU drifts between jobs by more than a percent).
 ``--model hf-llama`` runs transformers' 0.8 B ``LlamaForCausalLM`` (``examples/train_hf_llama.py``;
 the baseline runs the same model with ``--arch hf-llama``) instead of the GPT.
 
