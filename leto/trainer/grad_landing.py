@@ -51,11 +51,11 @@ SMALL_GRAD_BYTES = 1 << 20
 WAITING_BYTES = 8 << 20
 
 
-def _only_hook(p: torch.Tensor) -> bool:
-    """Whether Leto's landing hook is ``p``'s only post-accumulate hook (none of the
-    script's runs after it, to read or write the gradient)."""
+def _runs_last(p: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> bool:
+    """Whether ``hook`` is ``p``'s last post-accumulate hook: none of the script's runs after
+    it, to read or write the gradient (ones registered before it ran already)."""
     hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-    return hooks is not None and len(hooks) == 1
+    return bool(hooks) and next(reversed(hooks.values())) is hook
 
 
 class GradWrites:
@@ -166,7 +166,7 @@ class GradLanding:
                     "leto's retained gradients are dense: produce dense gradients for it"
                 )
             if not small:
-                if self.copy_stream is not None and _only_hook(p):
+                if self.copy_stream is not None and _runs_last(p, landed):
                     self._land_async(view, p.grad)
                 else:  # a hook of the script's runs next and may read or write it: land it now
                     self.join_copies()

@@ -4,6 +4,7 @@ stream, and a later pass of the step accumulates onto the landed values."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -62,18 +63,27 @@ def test_side_stream_landing_matches_the_compute_stream_landing() -> None:
             assert p.grad is b  # each parameter's .grad is its retained view
 
 
-def test_a_scripts_hook_after_landing_reads_the_landed_gradient() -> None:
-    """A post-accumulate hook of the script's, registered after Leto's, runs right after the
-    landing: that gradient lands on the compute stream, so the hook reads its value."""
+@pytest.mark.parametrize("registered", ["after", "before"])
+def test_a_scripts_hook_reads_the_gradient_it_would_without_the_stream(registered: str) -> None:
+    """A post-accumulate hook of the script's registered after Leto's runs right after the
+    landing: that gradient lands on the compute stream, so the hook reads its value. One
+    registered before Leto's (before ``retain()``) reads the fresh gradient, and the copy
+    may go to the side stream."""
     read: dict[str, list[torch.Tensor]] = {"plain": [], "side": []}
     views = {}
     for name, stream in (("plain", None), ("side", torch.cuda.Stream(DEVICE))):
         net = _net()
+
+        def hook(q: torch.Tensor, got: list = read[name]) -> None:
+            got.append(q.grad.clone())
+
+        if registered == "before":
+            for p in net.parameters():
+                p.register_post_accumulate_grad_hook(hook)
         landing, views[name] = _landing(net, stream)
-        for p in net.parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda q, got=read[name]: got.append(q.grad.clone())
-            )
+        if registered == "after":
+            for p in net.parameters():
+                p.register_post_accumulate_grad_hook(hook)
         _passes(net, landing, 1, stream)
     assert len(read["side"]) == len(list(_net().parameters()))
     for a, b in zip(read["plain"], read["side"], strict=True):
