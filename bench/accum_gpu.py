@@ -1,11 +1,11 @@
 """What each of Leto's placements costs a step of N micro-batches, on one GPU, in one process.
 
-``bench/recovery_gpu.py --iteration-only --grad-accum 90`` measured leto-run +10.7 % over
-torchrun with fused AdamW (BENCHMARKS.md, 2026-12-06 night): about 7 ms per micro-batch of
-62, where the once-a-step costs are 5 ms a step. This bench takes the trainer apart. The
-1.1 B GPT of ``bench/recovery_gpu.py`` (bf16 autocast, fp32 weights), no optimizer: each
-step unsets every ``.grad`` and runs ``--grad-accum`` forward/backward passes. Variants,
-interleaved step by step so the host's drift hits all alike:
+A cost per micro-batch would grow with gradient accumulation, where the once-a-step costs
+(the landing copy, the undo) shrink relative to the step: this bench takes the trainer's
+placements apart to find one. The 1.1 B GPT of ``bench/recovery_gpu.py`` (bf16 autocast,
+fp32 weights), no optimizer: each step unsets every ``.grad`` and runs ``--grad-accum``
+forward/backward passes. Variants, interleaved step by step so the host's drift hits all
+alike:
 
 * ``plain``: a torchrun loop's passes;
 * ``landing``: Leto's ``GradLanding`` into a gradient region of 2 MiB ``cuMemCreate``
