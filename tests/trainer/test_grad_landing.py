@@ -245,3 +245,27 @@ def test_a_gradient_first_arriving_in_a_later_backward_pass_lands(
 ) -> None:
     plain = _plain_grads(3, 3, Alternating)
     _assert_same(_leto_grads(monkeypatch, 3, 3, model_cls=Alternating), plain)
+
+
+def test_the_side_stream_is_taken_only_where_letos_hook_runs_last() -> None:
+    """``GradLanding(copy_stream=...)`` copies off the compute stream only where no hook of
+    the script's runs after Leto's (one would read or write the gradient in flight); a hook
+    registered before Leto's has run already. The GPU behaviour is
+    tests/gpu/test_grad_landing_stream_gpu.py; this is the choice."""
+    from leto.trainer.grad_landing import _runs_last
+
+    def leto(t: torch.Tensor) -> None: ...
+
+    def script(t: torch.Tensor) -> None: ...
+
+    alone, before, after = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    alone.register_post_accumulate_grad_hook(leto)
+    before.register_post_accumulate_grad_hook(script)
+    before.register_post_accumulate_grad_hook(leto)
+    after.register_post_accumulate_grad_hook(leto)
+    handle = after.register_post_accumulate_grad_hook(script)
+    assert _runs_last(alone, leto) and _runs_last(before, leto)
+    assert not _runs_last(after, leto)
+    handle.remove()  # the script's hook removed: Leto's runs last again
+    assert _runs_last(after, leto)
+    assert not _runs_last(torch.nn.Parameter(torch.zeros(2)), leto)  # no hook at all
