@@ -41,7 +41,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
@@ -49,10 +48,9 @@ sys.path[:0] = [str(REPO), str(REPO / "examples")]
 from train_gpt import GPT, batch, data_steps, step_loss
 
 from bench.gpu_timeline import busy_us, gpu_activity
-from leto import contract, events, faults, health
-from leto.pool.process import StateManagerProcess
+from leto.health import ENV_HEARTBEAT
 from leto.trainer.context import Context
-from leto.trainer.env import TrainerEnv
+from tests.trainer.local import INHERITED_ENV, world_of_one
 
 GPU_MODEL = {"vocab": 32000, "dim": 2048, "layers": 20, "heads": 16, "seq": 512, "batch": 4}
 CPU_MODEL = {"vocab": 256, "dim": 32, "layers": 2, "heads": 4, "seq": 16, "batch": 4}
@@ -61,38 +59,13 @@ LR, MAX_NORM, SEED = 3e-4, 1.0, 1234
 
 @contextmanager
 def leto_context() -> Iterator[Context]:
-    """A rank-0 active trainer's ``Context`` in this process: a real state manager, an
-    in-memory store, no agent (what ``tests/trainer/local.py`` gives the tests)."""
-    for name in (
-        events.ENV_EVENTS_FILE,
-        faults.ENV_FAULTS,
-        faults.ENV_FAULTS_FIRED,
-        contract.ENV_CHECKPOINT,
-        health.ENV_HEARTBEAT,
-    ):
+    """A rank-0 active trainer's ``Context`` in this process (``tests/trainer/local.py``):
+    a real state manager, an in-memory store, no agent, no heartbeat, nothing a launched
+    job's environment left."""
+    for name in (*INHERITED_ENV, ENV_HEARTBEAT):
         os.environ.pop(name, None)
-    sm = StateManagerProcess.start()
-    try:
-        store = dist.HashStore()
-        env = TrainerEnv(
-            role="active",
-            generation=0,
-            pool_socket=sm.socket_path,
-            job_token="steady-bench",
-            rank=0,
-            local_rank=0,
-            world_size=1,
-            restart_count=0,
-            master_addr="127.0.0.1",
-            master_port=0,
-        )
-        ctx = Context(env, store, store)
-        try:
-            yield ctx
-        finally:
-            ctx.pool.close()
-    finally:
-        sm.stop()
+    with world_of_one() as ctx:
+        yield ctx
 
 
 class HostStalls:

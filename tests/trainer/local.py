@@ -1,14 +1,15 @@
 """A real trainer ``Context`` in this process, on a world of one: a real state manager, an
 in-memory store, no agent. For tests that drive ``RetainedState`` through its public API
-without spawning trainers."""
+without spawning trainers, and for benches that time it beside a plain loop
+(``bench/steady_gpu.py``: no pytest needed)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import pytest
 import torch.distributed as dist
 
 from leto.contract import ENV_CHECKPOINT
@@ -19,6 +20,12 @@ from leto.pool.process import StateManagerProcess
 from leto.trainer.context import Context
 from leto.trainer.env import TrainerEnv
 
+if TYPE_CHECKING:
+    import pytest
+
+INHERITED_ENV = (ENV_EVENTS_FILE, ENV_FAULTS, ENV_FAULTS_FIRED, ENV_CHECKPOINT)
+"""What a launched job's environment may hold that a world of one must not read."""
+
 
 @contextlib.contextmanager
 def local_context(
@@ -26,12 +33,20 @@ def local_context(
 ) -> Iterator[Context]:
     """A rank-0 active's ``Context`` (``env`` overrides ``TrainerEnv`` fields); with
     ``heartbeat_file`` its heartbeat and OOM guard are on that board."""
-    for name in (ENV_EVENTS_FILE, ENV_FAULTS, ENV_FAULTS_FIRED, ENV_CHECKPOINT):
+    for name in INHERITED_ENV:
         monkeypatch.delenv(name, raising=False)
     if heartbeat_file:
         monkeypatch.setenv(ENV_HEARTBEAT, heartbeat_file)
     else:
         monkeypatch.delenv(ENV_HEARTBEAT, raising=False)
+    with world_of_one(**env) as ctx:
+        yield ctx
+
+
+@contextlib.contextmanager
+def world_of_one(**env: object) -> Iterator[Context]:
+    """A rank-0 active's ``Context`` with its own state manager, in the environment as it
+    is (``local_context`` clears what a launched job leaves there)."""
     sm = StateManagerProcess.start()
     try:
         store = dist.HashStore()
