@@ -13,7 +13,10 @@ median over ``--rounds`` is the result.
 * ``leto``: ``examples/train_gpt.py``'s loop through a real trainer ``Context`` in this
   process (a real state manager, the retained state in device regions, gradients landing
   there, the undo buffer lent to the activations, the fused update with its undo and
-  parity; ``tests/trainer/local.py``'s world of one), no shadow and no agent.
+  parity; ``tests/trainer/local.py``'s world of one), no shadow and no agent;
+* ``leto_compute_stream`` / ``leto_side_stream`` (``--other-landing``): the same trainer,
+  its large gradients landing the other way than it chose, on the compute stream or on a
+  side stream beside backward (``leto.trainer.grad_landing``'s ``copy_stream``).
 
 What it leaves out: a shadow's idle CUDA context on the GPU (``bench/accum_gpu.py``
 measures it) and the agent's host work. A turn's last step pays its host parity copy
@@ -22,7 +25,7 @@ inside the turn where training overlaps it with the next step: against Leto.
 The operating point is printed: torch's update (clip + fused AdamW, synchronised) against
 its compute; the paper's is compute : update ≈ 250 (``--grad-accum 54`` on an H100).
 
-    python3 bench/steady_gpu.py [--grad-accum 54] [--rounds 5] [--block 2]
+    python3 bench/steady_gpu.py [--grad-accum 54] [--rounds 5] [--block 2] [--other-landing]
     python3 bench/steady_gpu.py --cpu-check       # a tiny model on the CPU, the logic only
 """
 
@@ -174,6 +177,13 @@ def main() -> None:
         help="the jobs' 0.1; at 0 both loops compute the same steps (the loops share the "
         "process's RNG, so their dropout masks differ)",
     )
+    ap.add_argument(
+        "--other-landing",
+        action="store_true",
+        help="a third loop in the turns: the same trainer, its large gradients landing the "
+        "other way than it chose (on the compute stream or on a side stream: "
+        "leto.trainer.grad_landing's copy_stream)",
+    )
     ap.add_argument("--json", help="write the result here")
     ap.add_argument(
         "--idle",
@@ -252,6 +262,24 @@ def main() -> None:
             state.step(max_grad_norm=MAX_NORM, loss=loss)
 
         loops: dict[str, Callable[[int], None]] = {"torch": torch_step, "leto": leto_step}
+        if args.other_landing:
+            if not cuda:
+                ap.exit(2, f"{ap.prog}: error: --other-landing needs a CUDA device\n")
+            landing = state._landing  # the bench flips the trainer's landing between turns
+            assert landing is not None
+            chosen = landing.copy_stream
+            other = torch.cuda.Stream(device) if chosen is None else None
+
+            def leto_other_step(step: int) -> None:
+                landing.copy_stream = other  # no copy is in flight between steps
+                try:
+                    leto_step(step)
+                finally:
+                    landing.copy_stream = chosen
+
+            other_name = "leto_compute_stream" if other is None else "leto_side_stream"
+            loops[other_name] = leto_other_step
+        letos = [name for name in loops if name != "torch"]
         compute_s = []
         for step in range(args.warmup):
             for name, run in loops.items():
@@ -278,17 +306,19 @@ def main() -> None:
                     sync()
                     turn[name] = (time.perf_counter() - t0) / args.block
             step += args.block
-            rounds.append({"order": order, **turn, "ratio": turn["leto"] / turn["torch"]})
+            ratios = {f"ratio_{name}": turn[name] / turn["torch"] for name in letos}
+            rounds.append({"order": order, **turn, "ratio": ratios["ratio_leto"], **ratios})
             odd = {
                 f"{name} {key}": value
                 for name in loops
                 for key, value in turn[f"{name}_stalls"].items()
                 if value and (key != "gc_s" or value > 1e-3)
             }
+            times = ", ".join(f"{name} {turn[name] * 1e3:.1f} ms" for name in loops)
+            shown = ", ".join(f"{name} {ratios[f'ratio_{name}']:.4f}" for name in letos)
             print(
-                f"round {r + 1}/{args.rounds} ({order[0]} first): torch {turn['torch'] * 1e3:.1f} ms, "
-                f"leto {turn['leto'] * 1e3:.1f} ms per step, ratio {rounds[-1]['ratio']:.4f}"
-                + (f"  {odd}" if odd else ""),
+                f"round {r + 1}/{args.rounds} ({order[0]} first): {times} per step; "
+                f"ratio to torch: {shown}" + (f"  {odd}" if odd else ""),
                 flush=True,
             )
         try:  # the generator's end: the job's last step drained
@@ -300,7 +330,8 @@ def main() -> None:
             for a, b in zip(plain.parameters(), model.parameters(), strict=True)
         )
     ratio = statistics.median(r["ratio"] for r in rounds)
-    means = {name: statistics.fmean(r[name] for r in rounds) for name in ("torch", "leto")}
+    medians = {name: statistics.median(r[f"ratio_{name}"] for r in rounds) for name in letos}
+    means = {name: statistics.fmean(r[name] for r in rounds) for name in loops}
     point = min(compute_s) / min(update_s)
     print(
         f"operating point: torch compute {min(compute_s) * 1e3:.1f} ms, update (clip + fused AdamW) "
@@ -311,6 +342,14 @@ def main() -> None:
         f"median of {args.rounds} rounds: {ratio:.4f} ({100 * (ratio - 1):+.2f} %); "
         f"ratio of the mean steps {means['leto'] / means['torch']:.4f}"
     )
+    if args.other_landing:
+        other_ratio = medians[other_name]
+        print(
+            f"{other_name} / torch: {other_ratio:.4f} ({100 * (other_ratio - 1):+.2f} %); "
+            f"{other_name} / leto as it chose (landing on "
+            f"{'a side' if chosen is not None else 'the compute'} stream), median of the "
+            f"rounds: {statistics.median(r[other_name] / r['leto'] for r in rounds):.4f}"
+        )
     print(
         f"the two models after {total} steps: max |leto - torch| {apart:.3g} "
         "(0 on the CPU at --dropout 0; on a GPU Leto's fused AdamW rounds otherwise)"
@@ -328,6 +367,7 @@ def main() -> None:
             "rounds": rounds,
             "ratio": ratio,
             "ratio_of_means": means["leto"] / means["torch"],
+            "median_ratios": medians,
             "dropout": args.dropout,
             "max_param_difference": apart,
         }
