@@ -1,6 +1,7 @@
 """Gradients landing on a side stream (``GradLanding(copy_stream=...)``): every view holds
 its gradient when backward ends, even where the copy stream runs far behind the compute
-stream, and a later pass of the step accumulates onto the landed values."""
+stream, a later pass of the step accumulates onto the landed values, and the copies in
+flight hold one fresh gradient more at most."""
 
 from __future__ import annotations
 
@@ -90,3 +91,23 @@ def test_a_scripts_hook_reads_the_gradient_it_would_without_the_stream(registere
         assert torch.equal(a, b)
     for a, b in zip(views["plain"], views["side"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_side_stream_holds_one_fresh_gradient_more_at_most() -> None:
+    """A copy's source is released once the next large gradient arrives, even while the
+    copy stream runs far behind: the peak grows by the largest gradient, not by all of them."""
+
+    def peak(stream: torch.cuda.Stream | None) -> tuple[int, int]:
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(DEVICE)
+        landing, _ = _landing(net, stream)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        before = torch.cuda.memory_allocated(DEVICE)
+        _passes(net, landing, 1, stream)
+        largest = max(p.numel() * p.element_size() for p in net.parameters())
+        return torch.cuda.max_memory_allocated(DEVICE) - before, largest
+
+    plain, largest = peak(None)
+    side, _ = peak(torch.cuda.Stream(DEVICE))
+    assert side <= plain + largest, (side, plain, largest)
