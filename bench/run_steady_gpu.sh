@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, one call (~10 min with the start): issue 21 item 3. The side-stream
+# On the GPU machine, one call (~8 min with the start): issue 21 item 3. The side-stream
 # landing's tests (its waits, and kills in every phase bit-identical to the fault-free run
 # with it on), then the steady step against torch's fused-AdamW loop in one process
 # (bench/steady_gpu.py), the compute-stream landing taking turns beside both, at one
@@ -14,5 +14,5 @@ timeout 200 python3 -m pytest -q --durations=5 tests/gpu/test_grad_landing_strea
   2>&1 | tail -12
 timeout 90 python3 -u bench/steady_gpu.py --grad-accum 1 --rounds 9 --block 10 --other-landing \
   --json "$OUT/steady_gpu_accum1.json"
-timeout 200 python3 -u bench/steady_gpu.py --grad-accum 100 --rounds 7 --block 1 --other-landing \
+timeout 170 python3 -u bench/steady_gpu.py --grad-accum 100 --rounds 5 --block 1 --other-landing \
   --json "$OUT/steady_gpu_accum100.json"
