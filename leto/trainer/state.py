@@ -263,11 +263,6 @@ class RetainedState:
                 self._seen_grads(),
                 GradWrites(self.grad_regions["grads"]),
                 self._buckets,
-                copy_stream=(
-                    torch.cuda.Stream(self.device)
-                    if self.device.type == "cuda" and self._buckets is None
-                    else None
-                ),
             )
             if self.shards is None and not self.layout.main_grad
             else None
