@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, one call (~5 min with the start): issue 21 item 3. The side-stream
-# landing's tests (its waits, its peak), then the steady step against torch's fused-AdamW loop in one process
-# (bench/steady_gpu.py): at one micro-batch with the side-stream landing taking turns
-# beside both (--other-landing), and at the paper's compute : update ~ 250 (100
-# micro-batches on an H100).
+# landing's tests (its waits, its peak), then the steady step against torch's fused-AdamW
+# loop in one process (bench/steady_gpu.py): at one micro-batch with the side-stream
+# landing taking turns beside both (--other-landing), and at the paper's compute : update
+# ~ 250 (100 micro-batches on an H100).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
