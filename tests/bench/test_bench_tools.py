@@ -132,3 +132,4 @@ def test_steady_bench_compares_the_same_training_on_the_cpu(tmp_path: Path) -> N
     )
     assert result["rounds"][0]["order"] == ["torch", "leto"]
     assert result["rounds"][1]["order"] == ["leto", "torch"]
+    assert result["median_ratios"] == {"leto": result["ratio"]}  # no --other-landing
