@@ -23,9 +23,9 @@ measures it) and the agent's host work. A turn's last step pays its host parity 
 inside the turn where training overlaps it with the next step: against Leto.
 
 The operating point is printed: torch's update (clip + fused AdamW, synchronised) against
-its compute; the paper's is compute : update ≈ 250 (``--grad-accum 54`` on an H100).
+its compute; the paper's is compute : update ≈ 250 (``--grad-accum 100`` on an H100).
 
-    python3 bench/steady_gpu.py [--grad-accum 54] [--rounds 5] [--block 2] [--other-landing]
+    python3 bench/steady_gpu.py [--grad-accum 100] [--rounds 5] [--block 2] [--other-landing]
     python3 bench/steady_gpu.py --cpu-check       # a tiny model on the CPU, the logic only
 """
 
@@ -202,6 +202,8 @@ def main() -> None:
     cuda = not args.cpu_check
     if cuda and not torch.cuda.is_available():
         ap.exit(2, f"{ap.prog}: error: no CUDA device (--cpu-check runs on the CPU)\n")
+    if args.other_landing and not cuda:
+        ap.exit(2, f"{ap.prog}: error: --other-landing needs a CUDA device\n")
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -263,8 +265,6 @@ def main() -> None:
 
         loops: dict[str, Callable[[int], None]] = {"torch": torch_step, "leto": leto_step}
         if args.other_landing:
-            if not cuda:
-                ap.exit(2, f"{ap.prog}: error: --other-landing needs a CUDA device\n")
             landing = state._landing  # the bench flips the trainer's landing between turns
             assert landing is not None
             chosen = landing.copy_stream
@@ -306,8 +306,8 @@ def main() -> None:
                     sync()
                     turn[name] = (time.perf_counter() - t0) / args.block
             step += args.block
-            ratios = {f"ratio_{name}": turn[name] / turn["torch"] for name in letos}
-            rounds.append({"order": order, **turn, "ratio": ratios["ratio_leto"], **ratios})
+            ratios = {name: turn[name] / turn["torch"] for name in letos}
+            rounds.append({"order": order, **turn, "ratios": ratios})
             odd = {
                 f"{name} {key}": value
                 for name in loops
@@ -315,7 +315,7 @@ def main() -> None:
                 if value and (key != "gc_s" or value > 1e-3)
             }
             times = ", ".join(f"{name} {turn[name] * 1e3:.1f} ms" for name in loops)
-            shown = ", ".join(f"{name} {ratios[f'ratio_{name}']:.4f}" for name in letos)
+            shown = ", ".join(f"{name} {ratios[name]:.4f}" for name in letos)
             print(
                 f"round {r + 1}/{args.rounds} ({order[0]} first): {times} per step; "
                 f"ratio to torch: {shown}" + (f"  {odd}" if odd else ""),
@@ -329,8 +329,8 @@ def main() -> None:
             (a.detach() - b.detach()).abs().max().item()
             for a, b in zip(plain.parameters(), model.parameters(), strict=True)
         )
-    ratio = statistics.median(r["ratio"] for r in rounds)
-    medians = {name: statistics.median(r[f"ratio_{name}"] for r in rounds) for name in letos}
+    medians = {name: statistics.median(r["ratios"][name] for r in rounds) for name in letos}
+    ratio = medians["leto"]
     means = {name: statistics.fmean(r[name] for r in rounds) for name in loops}
     point = min(compute_s) / min(update_s)
     print(

@@ -18,8 +18,8 @@ view bound and accumulate into it in place, as before.
 
 Given a ``copy_stream`` (CUDA; not with the bucketed mean, whose launches read the views
 at once; the trainer passes none until its cost is measured), a large gradient's copy runs
-on it beside the rest of backward: the copy is memory-bound and backward's matrix products mostly are not, so it
-may overlap them. The compute stream waits for a copy when the next large gradient
+on it beside the rest of backward: the copy is memory-bound and backward's matrix products
+mostly are not, so it may overlap them. The compute stream waits for a copy when the next large gradient
 arrives (its source is released then: the peak holds one fresh gradient more) and for the
 last one when backward ends, before anything reads a view on it; where a hook of the
 script's follows Leto's, the gradient lands on the compute stream, for the hook.
