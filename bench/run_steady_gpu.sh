@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, one call (~6 min with the start): issue 21 item 3. The side-stream
+# On the GPU machine, one call (~9 min with the start): issue 21 item 3. The side-stream
 # landing's tests (its waits, its peak), then the steady step against torch's fused-AdamW
 # loop in one process (bench/steady_gpu.py): at one micro-batch with the side-stream
 # landing taking turns beside both (--other-landing), and at the paper's compute : update
@@ -13,3 +13,10 @@ timeout 90 python3 -u bench/steady_gpu.py --grad-accum 1 --rounds 9 --block 10 -
   --json "$OUT/steady_gpu_accum1.json"
 timeout 200 python3 -u bench/steady_gpu.py --grad-accum 100 --rounds 7 --block 1 \
   --json "$OUT/steady_gpu_accum100.json"
+# The trainer with the side stream wired in (this copy of the tree only): kills in every
+# phase, bit-identical to the fault-free run, and the lending pool's checks.
+sed -i 's/^                self\._buckets,$/&\n                torch.cuda.Stream(self.device) if self.device.type == "cuda" and self._buckets is None else None,/' \
+  leto/trainer/state.py
+grep -c 'torch.cuda.Stream(self.device)' leto/trainer/state.py
+timeout 80 python3 -m pytest -q tests/gpu/test_lend_gpu.py tests/gpu/test_unused_params_gpu.py 2>&1 | tail -4
+timeout 150 python3 -m pytest -q -x tests/gpu/test_gpu_recovery_exact.py -k "every_phase and 1" 2>&1 | tail -6
