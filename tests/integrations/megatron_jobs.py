@@ -8,6 +8,13 @@ from leto.events import Kind
 from tests.launcher.harness import REPO, run_leto
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--micro-batch-size", "2", "--vocab-size", "128",
+    "--lr", "1e-3", "--seed", "7",
+]  # fmt: skip
+"""The model every Megatron integration test trains (examples/megatron_gpt.py's flags); a
+test adds its parallelism and features after it."""
 
 
 @dataclass(frozen=True)

@@ -25,28 +25,12 @@ import torch
 from leto.errors import ConfigError
 from leto.events import Kind
 from leto.retained.layout import GradPlacement, Layout
+from tests.integrations.megatron_jobs import TINY_GPT
 from tests.launcher.harness import REPO, digests, run_leto
 from tests.trainer.local import local_context
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
-MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
-]
+MODEL = TINY_GPT
 BUCKET = 2000  # elements: the test model (~35 k parameters) spreads over many buckets
 
 

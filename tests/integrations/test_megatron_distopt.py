@@ -42,7 +42,7 @@ import torch
 from leto.config import FaultSpec
 from leto.errors import ProtocolError
 from leto.events import Kind
-from tests.integrations.megatron_jobs import SCRIPT, MegatronJobs
+from tests.integrations.megatron_jobs import SCRIPT, TINY_GPT, MegatronJobs
 from tests.integrations.test_megatron_ddp import _gpt
 from tests.launcher.harness import _env, assert_recovered, digests, run_leto
 
@@ -50,24 +50,7 @@ pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
 )
 
-MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
-]
+MODEL = TINY_GPT
 ERASURE = {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 16384}
 JOBS = MegatronJobs(leto=LETO, model=MODEL)

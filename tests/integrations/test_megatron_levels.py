@@ -18,6 +18,7 @@ import pytest
 
 from leto.config import FaultSpec
 from leto.events import Kind
+from tests.integrations.megatron_jobs import TINY_GPT
 from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
 
 pytest.importorskip(
@@ -26,24 +27,7 @@ pytest.importorskip(
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 16
-MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
-]
+MODEL = TINY_GPT
 LETO = {"consistency": "rmu", "rmu_chunk_bytes": 65536}
 KILLS = [
     FaultSpec(rank=1, step=4, phase="forward", shadow_ready_steps_before=1),

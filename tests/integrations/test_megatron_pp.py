@@ -33,7 +33,7 @@ import re
 import pytest
 
 from leto.config import FaultSpec
-from tests.integrations.megatron_jobs import MegatronJobs
+from tests.integrations.megatron_jobs import TINY_GPT, MegatronJobs
 from tests.launcher.harness import assert_recovered, digests
 
 pytest.importorskip(
@@ -41,22 +41,7 @@ pytest.importorskip(
 )
 
 MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
+    *TINY_GPT,
     "--share-embeddings-and-output-weights",
     "--clip-grad",
     "0.05",

@@ -20,6 +20,7 @@ import pytest
 
 from leto.config import FaultSpec
 from leto.events import Kind
+from tests.integrations.megatron_jobs import TINY_GPT
 from tests.launcher.harness import REPO, assert_recovered, digests, run_leto
 
 pytest.importorskip(
@@ -28,24 +29,7 @@ pytest.importorskip(
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 24
-MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
-]
+MODEL = TINY_GPT
 ERASURE = {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 65536}
 # Megatron's DDP (the example's default) with its bucket all-reduces launched from backward

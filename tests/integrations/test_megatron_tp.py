@@ -24,31 +24,14 @@ from __future__ import annotations
 import pytest
 
 from leto.config import FaultSpec
-from tests.integrations.megatron_jobs import MegatronJobs
+from tests.integrations.megatron_jobs import TINY_GPT, MegatronJobs
 from tests.launcher.harness import assert_recovered, fault_free_digests
 
 pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
 )
 
-MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
-]
+MODEL = TINY_GPT
 ERASURE = {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 8, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 32768}
 

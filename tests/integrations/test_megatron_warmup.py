@@ -18,6 +18,7 @@ import pytest
 
 from leto.config import FaultSpec
 from leto.events import Kind
+from tests.integrations.megatron_jobs import TINY_GPT
 from tests.launcher.harness import REPO, assert_exact, fault_free_run, run_leto
 
 pytest.importorskip(
@@ -27,22 +28,7 @@ pytest.importorskip(
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 20
 MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "7",
+    *TINY_GPT,
     "--fusions",
     "--ddp-impl",
     "leto",
