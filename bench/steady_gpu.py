@@ -160,6 +160,12 @@ def idle_report(name: str, trace: Path, top: int = 10) -> str:
             f"  {width / 1e3:7.2f} ms at +{(at - acts[0][1]) / 1e3:.1f} ms: "
             f"{inner['name'] if inner else '?'}  <  {' < '.join(reversed(outer))}"
         )
+    kinds: dict[str, list[float]] = {}
+    for kind, _, dur in acts:
+        kinds.setdefault(kind[:70], []).append(dur)
+    lines.append("  the device's work by kernel or copy, the most first (ms, count):")
+    for kind, durs in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(durs) / 1e3:9.2f} {len(durs):5d}  {kind}")
     return "\n".join(lines)
 
 

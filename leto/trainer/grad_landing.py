@@ -16,11 +16,11 @@ waiting gradient stays the parameter's ``.grad``, so a hook of the script's afte
 reads its value. Later backward passes of the same step (gradient accumulation) find the
 view bound and accumulate into it in place, as before.
 
-Given a ``copy_stream`` (CUDA; not with the bucketed mean, whose launches read the views
-at once; the trainer passes none until its cost is measured), a large gradient's copy runs
-on it beside the rest of backward: the copy is memory-bound and backward's matrix products
-mostly are not, so it may overlap them. The compute stream waits for a copy when the next large gradient
-arrives (its source is released then: the peak holds one fresh gradient more) and for the
+Given a ``copy_stream`` (the trainer passes one on CUDA, but not with the bucketed mean,
+whose launches read the views at once), a large gradient's copy runs on it beside the rest
+of backward: the copy is memory-bound and backward's matrix products mostly are not, so it
+overlaps them in part (the two share the memory's bandwidth). The compute stream waits for a
+copy when the next large gradient arrives (its source is released then: the peak holds one fresh gradient more) and for the
 last one when backward ends, before anything reads a view on it; where a hook of the
 script's follows Leto's, the gradient lands on the compute stream, for the hook.
 

@@ -263,6 +263,7 @@ class RetainedState:
                 self._seen_grads(),
                 GradWrites(self.grad_regions["grads"]),
                 self._buckets,
+                self._landing_stream(),
             )
             if self.shards is None and not self.layout.main_grad
             else None
@@ -928,6 +929,13 @@ class RetainedState:
                 "a gradient no longer lives in retained memory (was optimizer.zero_grad() "
                 "called inside the step?); leto zeroes gradients at the start of each step"
             )
+
+    def _landing_stream(self) -> torch.cuda.Stream | None:
+        """A stream of its own for the large gradients' landing copies, beside the rest of
+        backward (on CUDA, where no bucketed mean reads the views as they land)."""
+        if self.device.type != "cuda" or self._buckets is not None:
+            return None
+        return torch.cuda.Stream(self.device)
 
     def _bucketed_mean(self) -> BucketedMean | None:
         """The overlapped mean over Leto's flat gradient region: plain data parallelism over

@@ -1,7 +1,7 @@
 """Gradients landing on a side stream (``GradLanding(copy_stream=...)``): every view holds
 its gradient when backward ends, even where the copy stream runs far behind the compute
-stream, a later pass of the step accumulates onto the landed values, and the copies in
-flight hold one fresh gradient more at most."""
+stream, a later pass of the step accumulates onto the landed values, the copies in flight
+hold one fresh gradient more at most, and the trainer on CUDA lands this way."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from leto.health import ENV_HEARTBEAT
 from leto.trainer.grad_landing import SMALL_GRAD_BYTES, GradLanding, GradWrites
+from tests.trainer.local import INHERITED_ENV, world_of_one
 
 DEVICE = torch.device("cuda", 0)
 
@@ -111,3 +113,35 @@ def test_the_side_stream_holds_one_fresh_gradient_more_at_most() -> None:
     plain, largest = peak(None)
     side, _ = peak(torch.cuda.Stream(DEVICE))
     assert side <= plain + largest, (side, plain, largest)
+
+
+def _trained(side_stream: bool, monkeypatch) -> list[torch.Tensor]:
+    """Four steps of a trainer on the GPU (world of one, Leto's fused AdamW, clipping), its
+    large gradients landing on the stream the trainer chose or, if not ``side_stream``,
+    on the compute stream."""
+    for name in (*INHERITED_ENV, ENV_HEARTBEAT):
+        monkeypatch.delenv(name, raising=False)
+    with world_of_one() as ctx:
+        with ctx.init_device(ctx.device):
+            torch.manual_seed(0)
+            net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+        state = ctx.retain(net, torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True))
+        assert state._landing is not None and state._landing.copy_stream is not None
+        if not side_stream:
+            state._landing.copy_stream = None
+        for step in state.steps(4):
+            x = torch.randn(
+                64, 1024, device=ctx.device, generator=torch.Generator(ctx.device).manual_seed(step)
+            )
+            state.compute(lambda x=x: net(x).square().mean().backward())
+            state.step(max_grad_norm=0.5)
+        return [p.detach().clone() for p in net.parameters()]
+
+
+def test_the_trainer_lands_on_a_side_stream_and_trains_the_same(monkeypatch) -> None:
+    """On CUDA the trainer passes a stream of its own; the weights it trains are the ones the
+    compute-stream landing trains, bit for bit."""
+    side = _trained(True, monkeypatch)
+    plain = _trained(False, monkeypatch)
+    for a, b in zip(side, plain, strict=True):
+        assert torch.equal(a, b)
