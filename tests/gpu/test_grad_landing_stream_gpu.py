@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from leto.health import ENV_HEARTBEAT
 from leto.trainer.grad_landing import SMALL_GRAD_BYTES, GradLanding, GradWrites
-from tests.trainer.local import INHERITED_ENV, world_of_one
+from tests.trainer.local import local_context
 
 DEVICE = torch.device("cuda", 0)
 
@@ -119,9 +118,7 @@ def _trained(side_stream: bool, monkeypatch) -> list[torch.Tensor]:
     """Four steps of a trainer on the GPU (world of one, Leto's fused AdamW, clipping), its
     large gradients landing on the stream the trainer chose or, if not ``side_stream``,
     on the compute stream."""
-    for name in (*INHERITED_ENV, ENV_HEARTBEAT):
-        monkeypatch.delenv(name, raising=False)
-    with world_of_one() as ctx:
+    with local_context(monkeypatch) as ctx:
         with ctx.init_device(ctx.device):
             torch.manual_seed(0)
             net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
