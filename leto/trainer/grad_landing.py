@@ -20,9 +20,10 @@ Given a ``copy_stream`` (the trainer passes one on CUDA, but not with the bucket
 whose launches read the views at once), a large gradient's copy runs on it beside the rest
 of backward: the copy is memory-bound and backward's matrix products mostly are not, so it
 overlaps them in part (the two share the memory's bandwidth). The compute stream waits for a
-copy when the next large gradient arrives (its source is released then: the peak holds one fresh gradient more) and for the
-last one when backward ends, before anything reads a view on it; where a hook of the
-script's follows Leto's, the gradient lands on the compute stream, for the hook.
+copy when the next large gradient arrives (its source is released then: the peak holds one
+fresh gradient more) and for the last one when backward ends, before anything reads a view
+on it; where a hook of the script's follows Leto's, the gradient lands on the compute
+stream, for the hook.
 
 After the compute phase, ``settle`` binds the zeroed view of every parameter that received
 no gradient (what it adds to the all-reduce) and returns them: the update skips one that no
