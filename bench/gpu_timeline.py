@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,6 +129,14 @@ def gpu_activity(trace: Path) -> list[tuple[str, float, float]]:
     ]
 
 
+def durations_by_name(acts: Iterable[tuple[str, float, float]]) -> dict[str, list[float]]:
+    """The activities' durations (µs), grouped by name."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for name, _, dur in acts:
+        by_name[name].append(dur)
+    return by_name
+
+
 def busy_us(acts: list[tuple[str, float, float]]) -> float:
     """The union of the activities' intervals (µs): what the GPU was busy for."""
     total, end = 0.0, -1.0
@@ -183,9 +192,7 @@ def run_job(system: str, args: argparse.Namespace, tmp: Path, site: Path) -> dic
         raise SystemExit(f"gpu_timeline: {system}: {len(acts)} activities, {len(inside)} steps")
     span = (window["t1"] - window["t0"]) * 1e6
     steps = len(inside)
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for name, _, dur in acts:
-        by_name[name].append(dur)
+    by_name = durations_by_name(acts)
     return {
         "steps": steps,
         "iter_ms": statistics.median(e["iter_s"] for e in inside) * 1e3,

@@ -50,7 +50,7 @@ sys.path[:0] = [str(REPO), str(REPO / "examples")]
 
 from train_gpt import GPT, batch, data_steps, step_loss
 
-from bench.gpu_timeline import busy_us, gpu_activity
+from bench.gpu_timeline import busy_us, durations_by_name, gpu_activity
 from leto.health import ENV_HEARTBEAT
 from leto.trainer.context import Context
 from tests.trainer.local import INHERITED_ENV, world_of_one
@@ -160,9 +160,7 @@ def idle_report(name: str, trace: Path, top: int = 10) -> str:
             f"  {width / 1e3:7.2f} ms at +{(at - acts[0][1]) / 1e3:.1f} ms: "
             f"{inner['name'] if inner else '?'}  <  {' < '.join(reversed(outer))}"
         )
-    kinds: dict[str, list[float]] = {}
-    for kind, _, dur in acts:
-        kinds.setdefault(kind[:70], []).append(dur)
+    kinds = durations_by_name((name[:70], start, dur) for name, start, dur in acts)
     lines.append("  the device's work by kernel or copy, the most first (ms, count):")
     for kind, durs in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(durs) / 1e3:9.2f} {len(durs):5d}  {kind}")
