@@ -4,10 +4,14 @@ One piece per parameter of the GPT of ``bench/recovery_gpu.py`` (1.1 B parameter
 state): the kernel as the updater launches it (one launch over a chunk's piece table; here
 one chunk of every piece, and one chunk per piece as a chunk size of one parameter would
 give), torch's ``AdamW(fused=True).step()`` over tensors of the same shapes, and a device
-copy of the same bytes as the kernel moves (the rate ceiling). Device times are CUDA-event
-medians; ``host ms`` is the median host time to enqueue one call (what a step pays on the
-CPU); ``GB/s`` counts the words each moves (kernel: read p, g, m, v, write undo p, m, v and
-new p, m, v = 10 words per element; torch: 7).
+copy of the same bytes as the kernel moves (the rate ceiling). The kernel runs two ways:
+keeping its undo image (what the erasure parity folds from) and dropping a done block's
+undo words from the L2 (``discard``, the default without erasure), which must compute the
+same bits. Device times are CUDA-event medians; ``host ms`` is the median host time to
+enqueue one call (what a step pays on the CPU); ``GB/s`` counts the words each asks for
+(kernel: read p, g, m, v, write undo p, m, v and new p, m, v = 10 words per element, of
+which the discard keeps the 3 undo words from the memory where they are still in the L2;
+torch: 7).
 
     python bench/adamw_kernel_gpu.py [--small] [--reps 10]
 """
@@ -67,9 +71,9 @@ def main() -> None:
     state[2 * total :].abs_()
     grads = torch.randn(total, device=device)
     undo = torch.empty(3 * total, device=device)
-    flags = torch.zeros(
-        sum(adamw_rmu.num_blocks(n) for n in numels), dtype=torch.int64, device=device
-    )
+    blocks = sum(adamw_rmu.num_blocks(n) for n in numels)
+    flags = torch.zeros(blocks, dtype=torch.int64, device=device)
+    done = torch.zeros(blocks, dtype=torch.int64, device=device)
     row = adamw_rmu.scalar_row(
         lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, step=3.0
     )
@@ -92,31 +96,41 @@ def main() -> None:
     ]
 
     scale = torch.ones(1, dtype=torch.float32, device=device)  # no clipping
-    adamw_rmu.check_operands(state, grads, scale, undo, flags)
+    adamw_rmu.check_operands(state, grads, scale, undo, flags, done)
+    tokens = iter(range(1, 1 << 30))  # a launch skips the blocks done with its token
 
-    def chunk(table: adamw_rmu.PieceTable) -> None:
-        adamw_rmu.adamw_chunk(state, grads, scale, undo, flags, table, scalars, 7)
+    def chunk(table: adamw_rmu.PieceTable, discard: bool = False) -> None:
+        adamw_rmu.adamw_chunk(
+            state, grads, scale, undo, flags, done, table, scalars, next(tokens), discard
+        )
 
     def per_piece() -> None:
+        token = next(tokens)
         for t in each:
-            chunk(t)
+            adamw_rmu.adamw_chunk(state, grads, scale, undo, flags, done, t, scalars, token)
 
-    # one launch over every piece computes the same bits as a launch per piece
+    # one launch over every piece computes the same bits as a launch per piece, and as one
+    # that drops its undo words (the state; the undo image it leaves is undefined)
     outs = []
-    for run in (lambda: chunk(one), per_piece):
+    for run in (lambda: chunk(one), per_piece, lambda: chunk(one, discard=True)):
         state_at, undo_at = state.clone(), undo.clone()
         run()
-        outs.append((state.clone(), undo.clone()))
+        outs.append(state.clone())
         state.copy_(state_at)
         undo.copy_(undo_at)
         del state_at, undo_at
-    same = all(torch.equal(x, y) for x, y in zip(*outs, strict=True))
-    print(f"one launch == one launch per piece, bit for bit: {same}")
+    print(f"one launch == one launch per piece, bit for bit: {torch.equal(outs[0], outs[1])}")
+    print(f"discarding == keeping the undo image, bit for bit: {torch.equal(outs[0], outs[2])}")
     del outs
     rows = [
         (
             f"leto kernel, 1 launch over {len(numels)} pieces",
             *timed(lambda: chunk(one), args.reps),
+            10,
+        ),
+        (
+            "leto kernel, 1 launch, undo dropped (discard)",
+            *timed(lambda: chunk(one, discard=True), args.reps),
             10,
         ),
         (f"leto kernel, {len(numels)} launches", *timed(per_piece, args.reps), 10),

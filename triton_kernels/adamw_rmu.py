@@ -17,9 +17,19 @@ per step (:func:`scalar_rows`: each parameter's lr-, step- and group-dependent s
 Crash consistency. The marker says CHUNK_SAVED before the kernel starts, but the kernel
 writes the undo copy as it goes, so after a kill some blocks' undo slots still hold an
 older chunk. Each program therefore stores its block's undo words, then (barrier, one
-``acq_rel`` atomic, barrier) sets ``flags[pid] = token``, and only then stores the new
-values. A restore copies back exactly the blocks whose flag equals the chunk's token
-(``leto.updater.fused.fused_token``): a block without the flag was never modified.
+``acq_rel`` atomic, barrier) sets ``flags[pid] = token``, then stores the new values, and
+after them (barrier, atomic, barrier) sets ``done[pid] = token``. A block without the first
+flag was never modified; one with both holds its new values; one with the first flag alone
+is torn, and its undo words restore it (``leto.updater.fused.FusedChunks.restore``). A
+launch skips the blocks whose ``done`` flag already holds its token, so launching a chunk
+again after a restore finishes it without applying any block twice.
+
+``DISCARD``: once a block's ``done`` flag is set its undo words are dead, so the kernel
+invalidates their L2 lines (PTX ``discard.global.L2``, no write-back). They were written a
+few microseconds before, and most are still in the L2: the undo copy then costs the
+device's memory no traffic, and the kernel moves what torch's fused AdamW moves (7 words
+per element, not 10). Only where nothing reads the undo image after the chunk (no erasure
+parity to fold from it; ``leto.updater.rmu``).
 
 The parity delta is not materialised: the GF(2^16) update kernel (``gf16_mac``) reads the
 undo copy and the new state and XORs them itself.
@@ -66,6 +76,35 @@ _PF: tl.constexpr = tl.constexpr(PIECE_FIELDS)
 _SF: tl.constexpr = tl.constexpr(SCALAR_FIELDS)
 
 
+@triton.jit
+def _publish(flag, token):
+    """``*flag = token`` once every thread's stores before it are visible, and before any
+    thread's memory operation after it (barrier, one ``acq_rel`` atomic, barrier)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag, token, sem="acq_rel")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _discard_l2(ptrs, whole):
+    """Invalidate, without write-back, the 128-byte L2 line at each of ``ptrs`` that starts a
+    line and where ``whole`` (the line lies inside the block's own undo words)."""
+    start = ptrs.to(tl.int64, bitcast=True) % 128 == 0
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred p;
+        setp.ne.u32 p, $2, 0;
+        @p discard.global.L2 [$1], 128;
+        mov.u32 $0, 0;
+        }""",
+        constraints="=r,l,r",
+        args=[ptrs.to(tl.int64, bitcast=True), (whole & start).to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @triton.jit(do_not_specialize=["token"])
 def _adamw_chunk_kernel(
     state_ptr,
@@ -73,12 +112,14 @@ def _adamw_chunk_kernel(
     scale_ptr,
     undo_ptr,
     flag_ptr,
+    done_ptr,
     piece_ptr,
     block_ptr,
     scalar_ptr,
     token,
     ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    DISCARD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = piece_ptr + tl.load(block_ptr + pid).to(tl.int64) * _PF
@@ -89,7 +130,8 @@ def _adamw_chunk_kernel(
     up_off = tl.load(row + 4)
     um_off = tl.load(row + 5)
     uv_off = tl.load(row + 6)
-    n = tl.load(row + 7)
+    # a block an earlier launch of this chunk finished has nothing left to do
+    n = tl.load(row + 7) * (tl.load(done_ptr + pid) != token).to(tl.int64)
     first = tl.load(row + 8)
     sc = scalar_ptr + tl.load(row + 9) * _SF
     if ALIGN > 1:  # every offset and n are multiples of ALIGN (the planner checked): 16-byte
@@ -111,11 +153,7 @@ def _adamw_chunk_kernel(
     tl.store(undo_ptr + up_off + idx, p, mask=ok)
     tl.store(undo_ptr + um_off + idx, m, mask=ok)
     tl.store(undo_ptr + uv_off + idx, v, mask=ok)
-    # the undo words of every thread of the block are visible before the flag, and the flag
-    # before any new value
-    tl.debug_barrier()
-    tl.atomic_xchg(flag_ptr + pid, token, sem="acq_rel")
-    tl.debug_barrier()
+    _publish(flag_ptr + pid, token)  # the undo words, before any new value
     mode = tl.load(sc + 8)
     if mode == 1.0:  # AdamW: decoupled decay
         p = p * tl.load(sc)
@@ -126,11 +164,18 @@ def _adamw_chunk_kernel(
     v = v + tl.load(sc + 4) * (g * g)
     denom = tl.div_rn(tl.sqrt_rn(v), tl.load(sc + 6)) + tl.load(sc + 7)
     p = p + tl.load(sc + 5) * tl.div_rn(m, denom)
+    new = ok
     if mode == 3.0:  # SKIP: nothing new is stored
-        ok = idx < 0
-    tl.store(state_ptr + m_off + idx, m, mask=ok)
-    tl.store(state_ptr + v_off + idx, v, mask=ok)
-    tl.store(state_ptr + p_off + idx, p, mask=ok)
+        new = idx < 0
+    tl.store(state_ptr + m_off + idx, m, mask=new)
+    tl.store(state_ptr + v_off + idx, v, mask=new)
+    tl.store(state_ptr + p_off + idx, p, mask=new)
+    _publish(done_ptr + pid, token)  # the new values, before the undo words are dropped
+    if DISCARD:
+        whole = ok & (idx + 31 < tl.minimum(n, (pid - first + 1) * BLOCK_SIZE))
+        _discard_l2(undo_ptr + up_off + idx, whole)
+        _discard_l2(undo_ptr + um_off + idx, whole)
+        _discard_l2(undo_ptr + uv_off + idx, whole)
 
 
 def num_blocks(n: int) -> int:
@@ -208,6 +253,7 @@ def check_operands(
     scale: torch.Tensor,
     undo: torch.Tensor,
     flags: torch.Tensor,
+    done: torch.Tensor,
 ) -> None:
     """``TypeError`` unless the operands are what :func:`adamw_chunk` launches on."""
     for name, t, dt in (
@@ -216,6 +262,7 @@ def check_operands(
         ("scale", scale, torch.float32),
         ("undo", undo, torch.float32),
         ("flags", flags, torch.int64),
+        ("done", done, torch.int64),
     ):
         if t.dtype != dt or t.dim() != 1:
             raise TypeError(f"{name} must be a flat {dt} view, got {t.dtype} {tuple(t.shape)}")
@@ -227,14 +274,18 @@ def adamw_chunk(
     scale: torch.Tensor,
     undo: torch.Tensor,
     flags: torch.Tensor,
+    done: torch.Tensor,
     table: PieceTable,
     scalars: torch.Tensor,
     token: int,
+    discard: bool = False,
 ) -> object:
     """AdamW on every piece of ``table``, saving their old values first, in one launch.
 
-    ``state``/``grads``/``undo`` are flat float32 views, ``flags`` flat int64 (one per
-    program of the chunk), ``scalars`` float32 ``[parameters, SCALAR_FIELDS]`` on the device.
+    ``state``/``grads``/``undo`` are flat float32 views, ``flags`` and ``done`` flat int64
+    (one per program of the chunk: undo saved, new values stored; blocks whose ``done``
+    holds ``token`` are left alone), ``discard`` drops the undo words from the L2 once a
+    block is done (``DISCARD`` above: nothing may read them after), ``scalars`` float32 ``[parameters, SCALAR_FIELDS]`` on the device.
     Every gradient is multiplied by the float32 scalar ``scale`` (flat, one element) as it
     is read (the clipping coefficient: torch's ``clip_grad_norm_`` multiplies the gradients
     by it in place, a pass over them that this saves; the product is the same float32
@@ -251,12 +302,14 @@ def adamw_chunk(
         scale,
         undo,
         flags,
+        done,
         table.pieces,
         table.blocks,
         scalars,
         token,
         ALIGN=table.align,
         BLOCK_SIZE=BLOCK,
+        DISCARD=discard,
         num_warps=NUM_WARPS,
     )
 
@@ -269,8 +322,8 @@ class ChunkLauncher:
     kernel up on every call: tens of microseconds of host time, a step's chunks' worth of it
     on a host-bound step. Here the operands are fixed, so the specialisation of a table's
     launch changes only with the token's integer width (``mangle_type``: i32, then i64
-    from step 256); the compiled kernel that the JIT's launch returned is kept per table and
-    width and launched itself (``CompiledKernel[grid]``). Under Triton's interpreter there is
+    from step 256) and ``discard``; the compiled kernel that the JIT's launch returned is
+    kept per table, width and ``discard`` and launched itself (``CompiledKernel[grid]``). Under Triton's interpreter there is
     none, and every launch goes through the JIT. Make a new launcher for new operands."""
 
     def __init__(
@@ -280,31 +333,32 @@ class ChunkLauncher:
         scale: torch.Tensor,
         undo: torch.Tensor,
         flags: torch.Tensor,
+        done: torch.Tensor,
         scalars: torch.Tensor,
     ) -> None:
-        check_operands(state, grads, scale, undo, flags)
-        self._operands = (state, grads, scale, undo, flags)
+        check_operands(state, grads, scale, undo, flags, done)
+        self._operands = (state, grads, scale, undo, flags, done)
         self._scalars = scalars
-        self._compiled: dict[tuple[int, str], tuple[PieceTable, Callable[..., object]]] = {}
+        self._compiled: dict[tuple[int, str, bool], tuple[PieceTable, Callable[..., object]]] = {}
 
-    def launch(self, table: PieceTable, token: int) -> None:
+    def launch(self, table: PieceTable, token: int, discard: bool = False) -> None:
         """The kernel over ``table``'s pieces with flag ``token`` (one launch)."""
-        key = (id(table), mangle_type(token))
+        key = (id(table), mangle_type(token), discard)
         cached = self._compiled.get(key)
         if cached is not None and cached[0] is table:  # the table held: its id is not reused
-            args = (table.pieces, table.blocks, self._scalars, token, table.align, BLOCK)
+            args = (table.pieces, table.blocks, self._scalars, token, table.align, BLOCK, discard)
             cached[1](*self._operands, *args)
             return
-        compiled = adamw_chunk(*self._operands, table, self._scalars, token)
+        compiled = adamw_chunk(*self._operands, table, self._scalars, token, discard)
         if isinstance(compiled, CompiledKernel):
             self._compiled[key] = (table, compiled[(table.programs, 1, 1)])
 
 
-def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
+def warm_up(device: torch.device, launches: Iterable[tuple[int, int, bool]]) -> int:
     """Compile and load the specialisations that :func:`adamw_chunk` would launch.
 
-    Each of ``launches`` is ``(align, token)``: Triton keys a launch by its constexprs
-    (``ALIGN``, from the chunk's divisibility) and by the width of its integer argument
+    Each of ``launches`` is ``(align, token, discard)``: Triton keys a launch by its
+    constexprs (``ALIGN``, from the chunk's divisibility; ``DISCARD``) and by the width of its integer argument
     (the flag token ``(step << 23) + chunk + 1`` passes 2**31 at step 256: i32 below, i64
     above). One launch per distinct key, on scratch memory of ``device``, over a one-piece
     table with nothing to do but set a scratch flag. Returns the number of launches.
@@ -314,8 +368,8 @@ def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
     scalars = torch.zeros(SCALAR_FIELDS, dtype=torch.float32, device=device)
     scalars[6:8] = 1.0  # the denominators: masked lanes compute 0 / 1, not 0 / 0
     seen: set[tuple[object, ...]] = set()
-    for align, token in launches:
-        key = (align, mangle_type(token))
+    for align, token, discard in launches:
+        key = (align, mangle_type(token), discard)
         if key in seen:
             continue
         seen.add(key)
@@ -324,6 +378,8 @@ def warm_up(device: torch.device, launches: Iterable[tuple[int, int]]) -> int:
             torch.zeros(1, dtype=torch.int32, device=device),
             align,
         )
-        check_operands(scratch, scratch, scratch[:1], scratch, flags)
-        adamw_chunk(scratch, scratch, scratch[:1], scratch, flags, empty, scalars, token)
+        check_operands(scratch, scratch, scratch[:1], scratch, flags, flags)
+        adamw_chunk(
+            scratch, scratch, scratch[:1], scratch, flags, flags, empty, scalars, token, discard
+        )
     return len(seen)

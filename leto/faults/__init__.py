@@ -100,6 +100,17 @@ class FaultInjector:
             self._mine.append((len(self._mine) + 1000, spec))
         return self
 
+    def scheduled(self, phase: str, *, chunk: int | None = None) -> bool:
+        """Whether a fault of this rank may fire at this step's ``phase`` (at any of its
+        sub-points; in ``chunk``, where given): work that an ``on_fire`` emulation reads back
+        is kept for it."""
+        return any(
+            f.step == self.step
+            and f.phase == phase
+            and (chunk is None or f.chunk is None or f.chunk == chunk)
+            for _, f in self._mine
+        )
+
     def point(
         self,
         phase: str,

@@ -90,8 +90,8 @@ class WarmupTarget:
     """Distinct data-page counts of the protection groups of the protected regions."""
     run_pages: int = 1
     """Most consecutive pages of one group that one RMU chunk's parity fold spans."""
-    fused_calls: tuple[tuple[int, int], ...] = field(default=())
-    """``(align, token)`` of every chunk's launch (``adamw_rmu.warm_up``), once per width
+    fused_calls: tuple[tuple[int, int, bool], ...] = field(default=())
+    """``(align, token, discard)`` of every chunk's launch (``adamw_rmu.warm_up``), once per width
     of the flag token; empty when the update is not fused."""
     rehearsal: UpdateRehearsal | None = None
     """A miniature of the trainer's RMU update (its torch kernels); None: no rmu."""
@@ -109,6 +109,7 @@ class WarmupTarget:
         fused: bool,
     ) -> WarmupTarget:
         """The target of a trainer with this layout (the same planning functions it uses)."""
+        from leto.updater.fused import drops_undo
         from leto.updater.plan import plan_chunks
 
         state_nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
@@ -130,7 +131,11 @@ class WarmupTarget:
             run_pages = min(
                 erasure.data_pages, max((-(-n // erasure.page_bytes) + 1 for n in spans), default=1)
             )
-        calls = _fused_calls(layout, chunks, state_nbytes) if rmu and fused else ()
+        calls = (
+            _fused_calls(layout, chunks, state_nbytes, drops_undo(device, erasure is not None))
+            if rmu and fused
+            else ()
+        )
         return cls(
             device=device,
             erasure=erasure,
@@ -141,10 +146,12 @@ class WarmupTarget:
         )
 
 
-def _fused_calls(layout: Layout, chunks: list, state_nbytes: int) -> tuple[tuple[int, int], ...]:
-    """The fused kernel's ``(align, token)`` for every chunk of the updater's own plan
-    (``FusedChunks`` over meta tensors: planning reads no memory), with tokens below and
-    above 2**31 (step 256 on)."""
+def _fused_calls(
+    layout: Layout, chunks: list, state_nbytes: int, discard: bool
+) -> tuple[tuple[int, int, bool], ...]:
+    """The fused kernel's ``(align, token, discard)`` for every chunk of the updater's own
+    plan (``FusedChunks`` over meta tensors: planning reads no memory), with tokens below
+    and above 2**31 (step 256 on)."""
     from leto.updater.fused import FusedChunks, flag_bytes, fused_token
 
     meta = torch.device("meta")
@@ -155,11 +162,14 @@ def _fused_calls(layout: Layout, chunks: list, state_nbytes: int) -> tuple[tuple
         torch.empty(state_nbytes, dtype=torch.uint8, device=meta),
         torch.empty(layout.grad_bytes, dtype=torch.uint8, device=meta),
         torch.empty(undo_nbytes, dtype=torch.uint8, device=meta),
+        parity_reads_undo=not discard,
     )
     last = len(chunks) - 1
     tokens = (fused_token(0, last), fused_token(1 << 9, last))
     return tuple(
-        dict.fromkeys((t.align, token) for t in fused.tables if t.programs for token in tokens)
+        dict.fromkeys(
+            (t.align, token, discard) for t in fused.tables if t.programs for token in tokens
+        )
     )
 
 

@@ -9,12 +9,23 @@ fused path splits it in two:
   chunks in tiles shared at a chunk's edges, alignment padding) are copied before
   CHUNK_SAVED, as the unfused path copies everything.
 
-Restore after a kill at CHUNK_SAVED: the gaps from undo, and exactly the element blocks
-whose flag equals the chunk's token (the others were never written). The undo image is
-complete after the kernel, so the incremental parity reads undo and state as before.
+Each block has two progress flags: *saved* (its undo words are in) and *done* (its new
+values are in); a launch skips the blocks already done with its token. Restore after a
+kill at CHUNK_SAVED, the gaps from undo and then:
 
-The progress flags (one int64 per block of the largest chunk) live at the end of the
-``rmu.undo`` region, so they survive the trainer like the undo copy.
+* where the erasure parity folds the chunk from its undo image (``parity_reads_undo``):
+  every block with the saved flag, so the chunk is back to its old bytes (which the working
+  parity matches, for rebuilding lost pages), and the done flags cleared, so the chunk's
+  launch redoes it whole and leaves its undo image complete for the fold;
+* else only the torn blocks (saved, not done). The done blocks keep their new values and
+  the launch after the restore finishes the rest: the chunk rolls forward. That lets the
+  kernel drop a done block's undo words from the L2 (``DISCARD`` in
+  ``triton_kernels.adamw_rmu``) on CUDA, so saving them costs the device's memory almost
+  nothing.
+
+The flags (two int64 per block of the largest chunk) live at the end of the ``rmu.undo``
+region, so they survive the trainer like the undo copy; they are cleared at the start of
+each update, since the region may be lent to activations in between.
 """
 
 from __future__ import annotations
@@ -63,6 +74,13 @@ def resolve_fused(setting: bool | None, device: torch.device, layout: Layout) ->
     return setting
 
 
+def drops_undo(device: torch.device, parity_reads_undo: bool) -> bool:
+    """Whether the kernel drops a done block's undo words from the L2 (``DISCARD``): on
+    CUDA, where nothing reads the undo image after the chunk (the interpreter has no L2;
+    there the image stays, which changes nothing the restore reads)."""
+    return device.type == "cuda" and not parity_reads_undo
+
+
 def fused_token(step: int, chunk: int) -> int:
     """The flag value of chunk ``chunk`` of step ``step``: unique over a job's history."""
     return (step << 23) + chunk + 1
@@ -73,9 +91,10 @@ def _blocks(n: int) -> int:
 
 
 def flag_bytes(chunks: list[Chunk]) -> int:
-    """Bytes of progress flags the largest chunk needs (64-byte aligned)."""
+    """Bytes of the two progress flags (saved, done) the largest chunk needs, each array
+    64-byte aligned."""
     most = max(sum(_blocks(p.hi - p.lo) for p in c.pieces) for c in chunks)
-    return -(-most * FLAG_BYTES // 64) * 64
+    return 2 * (-(-most * FLAG_BYTES // 64) * 64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +124,11 @@ class FusedChunks:
         state: torch.Tensor,
         grads: torch.Tensor,
         undo: torch.Tensor,
+        *,
+        parity_reads_undo: bool,
     ) -> None:
+        """``parity_reads_undo``: the erasure parity folds each chunk from its undo image
+        (restore then takes a chunk back whole; see the module's docstring)."""
         if any(s.dtype != torch.float32 for s in layout.params):
             raise ConfigError(
                 "leto.rmu_fused needs float32 parameters (master weights); set rmu_fused: false"
@@ -117,6 +140,8 @@ class FusedChunks:
                 "triton_kernels.adamw_rmu.BLOCK and leto.updater.fused.BLOCK differ"
             )
         self._launcher_for = adamw_rmu.ChunkLauncher
+        self.parity_reads_undo = parity_reads_undo
+        self.discard = drops_undo(state.device, parity_reads_undo)
         self.flag_nbytes = flag_bytes(chunks)
         self._undo_nbytes = max(c.undo_bytes for c in chunks)
         self.state = state
@@ -153,9 +178,17 @@ class FusedChunks:
             raise ProtocolError("the undo region is too small for the fused path's progress flags")
         self.undo_bytes = undo
         self.undo_f = _f32(undo[:data_nbytes])
-        self.flags = undo[data_nbytes : data_nbytes + self.flag_nbytes].view(torch.int64)
+        both = undo[data_nbytes : data_nbytes + self.flag_nbytes].view(torch.int64)
+        self.flags, self.done = both.chunk(2)
+        """Per block of a chunk: its undo words saved, its new values stored (the token)."""
         self._launcher = self._launcher_for(
-            self.state_f, self.grads_f, self._scale, self.undo_f, self.flags, self._scalars.table
+            self.state_f,
+            self.grads_f,
+            self._scale,
+            self.undo_f,
+            self.flags,
+            self.done,
+            self._scalars.table,
         )
 
     @staticmethod
@@ -192,6 +225,12 @@ class FusedChunks:
             if cursor < off + n:
                 gaps.append((cursor, p + cursor - off, off + n - cursor))
         return _ChunkPlan(tuple(pieces), tuple(gaps), flag)
+
+    def clear_flags(self) -> None:
+        """Before an update's first chunk: no flag holds a token of it (the region may have
+        held activations since the last update)."""
+        self.flags.zero_()
+        self.done.zero_()
 
     def save_gaps(self, j: int) -> None:
         self._gaps[j].save(self.state, self.undo_bytes)
@@ -234,28 +273,38 @@ class FusedChunks:
             self._index = (index, torch.tensor(index, dtype=torch.int64))
         self._scalars.write(table[self._index[1]])
 
-    def apply(self, j: int, step: int) -> None:
+    def apply(self, j: int, step: int, *, keep_undo: bool = False) -> None:
         """The kernel over chunk ``j`` (one launch), with the scalars of the last :meth:`begin`
-        (the launcher :meth:`bind` made checked the operands once)."""
-        self._launcher.launch(self.tables[j], fused_token(step, j))
+        (the launcher :meth:`bind` made checked the operands once); ``keep_undo`` leaves the
+        chunk's whole undo image in place (for :meth:`abort`)."""
+        discard = self.discard and not keep_undo
+        self._launcher.launch(self.tables[j], fused_token(step, j), discard)
 
     def restore(self, j: int, step: int) -> None:
-        """Undo chunk ``j`` of step ``step``: gaps, and the element blocks that were written."""
+        """Undo chunk ``j`` of step ``step`` after a kill inside it: the gaps, and the element
+        blocks the launch after this must redo (see the module's docstring)."""
         plan = self.plans[j]
         self._gaps[j].restore(self.state, self.undo_bytes)
         token = fused_token(step, j)
         for pc in plan.pieces:
-            done = self.flags[pc.flag_base : pc.flag_base + _blocks(pc.n)] == token
-            mask = done.repeat_interleave(BLOCK)[: pc.n]
+            blocks = slice(pc.flag_base, pc.flag_base + _blocks(pc.n))
+            back = self.flags[blocks] == token
+            if self.parity_reads_undo:
+                self.done[blocks] = 0
+            else:
+                back &= self.done[blocks] != token
+            mask = back.repeat_interleave(BLOCK)[: pc.n]
             for k in range(3):
                 dst = self.state_f[pc.offsets[k] : pc.offsets[k] + pc.n]
                 src = self.undo_f[pc.offsets[4 + k] : pc.offsets[4 + k] + pc.n]
                 dst.copy_(torch.where(mask, src, dst))
 
     def abort(self, j: int, seed: int) -> None:
-        """Leave chunk ``j`` as a kernel killed halfway would (for fault injection): blocks
-        past the middle never ran (old data, stale undo, no flag), the block before it ran
-        but its new values are torn."""
+        """Leave chunk ``j`` as a kernel killed halfway would (for fault injection), from a
+        launch that kept its undo image: blocks past the middle never ran (old data, stale
+        undo, no flags), the block before it saved its undo but its new values are torn (no
+        done flag), and the blocks before that are done (where the kernel drops a done
+        block's undo words, its undo image is stale too)."""
         gen = torch.Generator().manual_seed(seed)
         plan = self.plans[j]
         cut = plan.blocks // 2
@@ -268,11 +317,14 @@ class FusedChunks:
                     undo = self.undo_f[pc.offsets[4 + k] + lo : pc.offsets[4 + k] + hi]
                     if f >= cut:
                         data.copy_(undo)
-                        undo.copy_(torch.randn(hi - lo, generator=gen))
                     elif f == cut - 1:
                         data.copy_(torch.randn(hi - lo, generator=gen))
+                    if f >= cut or (f < cut - 1 and not self.parity_reads_undo):
+                        undo.copy_(torch.randn(hi - lo, generator=gen))
                 if f >= cut:
                     self.flags[f] = 0
+                if f >= cut - 1:
+                    self.done[f] = 0
 
 
 class _StepScalars:

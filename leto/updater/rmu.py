@@ -193,7 +193,16 @@ class ResumableUpdater:
         """The page-locked RNG bytes of the update in progress (``run``'s ``rng``)."""
         self._group_of = [gi for gi, g in enumerate(optimizer.param_groups) for _ in g["params"]]
         self.fused = (
-            FusedChunks(layout, self.chunks, state, _only_region(regions), undo) if fused else None
+            FusedChunks(
+                layout,
+                self.chunks,
+                state,
+                _only_region(regions),
+                undo,
+                parity_reads_undo=protected is not None,
+            )
+            if fused
+            else None
         )
         self._working: list[list[ProtectionGroup]] = []
         self._stale: dict[int, list[tuple[int, int]]] = {}
@@ -308,6 +317,8 @@ class ResumableUpdater:
         try:
             self.join()
             self._load_parity()
+            if self.fused is not None:
+                self.fused.clear_flags()
             self.marker.advance(Phase.PARITY_LOADED, sel=0)
             self._chunks_from(step, 0)
         finally:
@@ -461,7 +472,8 @@ class ResumableUpdater:
             else:
                 self._save(chunk)
             self.marker.advance(Phase.CHUNK_SAVED, chunk=j)
-        self._apply(chunk, hypers)
+        # a fault that may fire in this chunk emulates a kernel killed halfway from its undo image
+        self._apply(chunk, hypers, keep_undo=self.injector.scheduled("update", chunk=j))
         if self.fused is not None:
             scribble = lambda: self.fused.abort(j, seed=j)  # type: ignore[union-attr]
         else:
@@ -486,7 +498,9 @@ class ResumableUpdater:
             self.state[off : off + n].copy_(self.undo[pos : pos + n])
             pos += n
 
-    def _apply(self, chunk: Chunk, hypers: list[AdamWHyper] | list[float]) -> None:
+    def _apply(
+        self, chunk: Chunk, hypers: list[AdamWHyper] | list[float], *, keep_undo: bool = False
+    ) -> None:
         """AdamW on the chunk's pieces, one foreach call per parameter group (``torch`` rule:
         the optimizer's own step over its parameters; ``hypers`` are then the recorded lrs)."""
         skipped = self._skipped
@@ -503,7 +517,7 @@ class ResumableUpdater:
             for i in owners:
                 host[i] = bumped[host[i]]
         if self.fused is not None:
-            self.fused.apply(chunk.index, self.marker.step)
+            self.fused.apply(chunk.index, self.marker.step, keep_undo=keep_undo)
             if chunk.installs_rng:
                 self._install_rng()
             return

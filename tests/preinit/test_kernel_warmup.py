@@ -180,8 +180,8 @@ def test_fused_warm_up_launches_once_per_alignment_and_token_width(
     recorders: dict[str, Recorder],
 ) -> None:
     """Element offsets live in the chunk's piece table (int64 loads), so only the chunk's
-    alignment and the token's width key a launch."""
-    launches = [(4, 1 << 33), (4, 1 << 34), (4, 5), (1, 5)]
+    alignment, the token's width and whether it drops the undo words key a launch."""
+    launches = [(4, 1 << 33, False), (4, 1 << 34, False), (4, 5, False), (1, 5, False)]
     assert adamw_rmu.warm_up(torch.device("cpu"), launches) == 3
     keys = recorders["adamw_rmu"].keys
     assert {k for k in keys if ("token", ("i64", None)) in k} and {

@@ -120,6 +120,64 @@ def test_restore_of_a_half_run_kernel_is_exact(chunk: int) -> None:
     assert torch.equal(rig.state, before.state)
 
 
+def test_without_erasure_a_kill_inside_a_chunk_rolls_it_forward() -> None:
+    """No parity folds the chunk from its undo image, so the kernel may drop a done block's
+    undo words (the abort leaves them stale): prepare() puts back only the torn block, the
+    done blocks keep their new values, and the chunk's launch after it redoes exactly the
+    blocks not done, never one twice (the result is the fault-free run's)."""
+    chunk = 1
+
+    def rig() -> Rig:
+        return Rig.build(model(dim=DIM), erasure=None, chunk_bytes=WIDE, fused=True, device=DEVICE)
+
+    ref, killed = rig(), rig()
+    for r in (ref, killed):
+        _step(r, 0, no_faults())
+    before = killed.state.clone()
+    _step(ref, 1, no_faults())
+    with pytest.raises(Killed):
+        _step(killed, 1, kill_at(1, "optimizer", chunk))
+    up = killed.updater(no_faults())
+    plan = up.fused.plans[chunk]
+    token = fused_token(1, chunk)
+    done = up.fused.done[: plan.blocks] == token
+    torn = (up.fused.flags[: plan.blocks] == token) & ~done
+    assert 0 < int(done.sum()) < plan.blocks and int(torn.sum()) == 1
+    up.prepare()
+    for pc in plan.pieces:
+        blocks = done[pc.flag_base : pc.flag_base + -(-pc.n // BLOCK)]
+        mask = blocks.repeat_interleave(BLOCK)[: pc.n]
+        for k in range(3):
+            at = slice(pc.offsets[k], pc.offsets[k] + pc.n)
+            now = up.fused.state_f[at]
+            assert torch.equal(now[mask], ref.state.view(torch.float32)[at][mask])
+            assert torch.equal(now[~mask], before.view(torch.float32)[at][~mask])
+    assert up.resume(1) == "restore+finish"
+    assert torch.equal(killed.state, ref.state)
+
+
+@pytest.mark.parametrize("erasure", [ERASURE, None], ids=["parity", "no-erasure"])
+def test_an_update_ignores_flags_left_in_its_undo_region(erasure: ErasureConfig | None) -> None:
+    """Between updates the undo region may be lent to activations, which can hold any
+    words, the tokens of the coming update's chunks among them: a block whose done flag
+    already held its token would be skipped. The update clears the flags first."""
+    ref, lent = (
+        Rig.build(model(dim=DIM), erasure=erasure, chunk_bytes=WIDE, fused=True, device=DEVICE)
+        for _ in range(2)
+    )
+    for r in (ref, lent):
+        _step(r, 0, no_faults())
+    fused = lent.updater(no_faults()).fused
+    n = fused.flags.numel()
+    for j in range(len(fused.plans)):  # every word a token of step 1, chunk after chunk
+        fused.flags[j :: len(fused.plans)] = fused_token(1, j)
+        fused.done[j :: len(fused.plans)] = fused_token(1, j)
+    assert fused.done.numel() == n
+    for r in (ref, lent):
+        _step(r, 1, no_faults())
+    assert torch.equal(lent.state, ref.state)
+
+
 @pytest.mark.parametrize("erasure", [ERASURE, None], ids=["parity", "no-erasure"])
 def test_every_kill_point_of_a_fused_update_finishes_exactly(erasure: ErasureConfig | None) -> None:
     ref = _run(True, erasure, chunk=WIDE, dim=DIM)
@@ -154,11 +212,13 @@ def test_the_kernel_s_operands_are_checked_once_when_bound() -> None:
 
     flat = torch.zeros(8)
     flags = torch.zeros(2, dtype=torch.int64)
-    adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags)
+    adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags, flags)
     with pytest.raises(TypeError, match="scale must be a flat"):
-        adamw_rmu.check_operands(flat, flat, torch.ones(()), flat, flags)  # 0-d, not flat
+        adamw_rmu.check_operands(flat, flat, torch.ones(()), flat, flags, flags)  # 0-d, not flat
     with pytest.raises(TypeError, match="flags must be a flat"):
-        adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags.view(torch.float64))
+        adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags.view(torch.float64), flags)
+    with pytest.raises(TypeError, match="done must be a flat"):
+        adamw_rmu.check_operands(flat, flat, flat[:1], flat, flags, flags.view(torch.float64))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Triton's interpreter compiles no kernel to keep")

@@ -214,6 +214,9 @@ class _CheckEveryCommit:
     def __init__(self, rig: Rig) -> None:
         self.rig, self.updater, self.checked, self.stale_seen = rig, None, 0, 0
 
+    def scheduled(self, phase: str, *, chunk: int | None = None) -> bool:
+        return False
+
     def point(
         self, phase: str, *, at: str | None = None, chunk: int | None = None, on_fire=None
     ) -> None:
