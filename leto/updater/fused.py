@@ -75,10 +75,16 @@ def resolve_fused(setting: bool | None, device: torch.device, layout: Layout) ->
 
 
 def drops_undo(device: torch.device, parity_reads_undo: bool) -> bool:
-    """Whether the kernel drops a done block's undo words from the L2 (``DISCARD``): on
-    CUDA, where nothing reads the undo image after the chunk (the interpreter has no L2;
-    there the image stays, which changes nothing the restore reads)."""
-    return device.type == "cuda" and not parity_reads_undo
+    """Whether the kernel drops a done block's undo words from the L2 (``DISCARD``): on an
+    NVIDIA GPU of compute capability 8.0 on (PTX ``discard``), where nothing reads the undo
+    image after the chunk. Elsewhere (and in the interpreter) the image stays, which changes
+    nothing the restore reads."""
+    return (
+        device.type == "cuda"
+        and not parity_reads_undo
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
 
 
 def fused_token(step: int, chunk: int) -> int:
