@@ -3,8 +3,8 @@
 # block's undo words from the L2 (discard): it compiles and computes the kernel's bits, its
 # device time against torch's fused AdamW (bench/adamw_kernel_gpu.py), the updater's fused
 # tests on the GPU (kills in every phase, the roll-forward), the steady step at one
-# micro-batch against torch's fused-AdamW loop, and a recovery in every phase bit-identical
-# to the fault-free run. And the kernel SIGKILLed mid-launch (tests/gpu/test_fused_kill_gpu.py).
+# micro-batch against torch's fused-AdamW loop, and the kernel SIGKILLed mid-launch
+# (tests/gpu/test_fused_kill_gpu.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
@@ -13,5 +13,4 @@ timeout 150 python3 -u bench/adamw_kernel_gpu.py --reps 10 2>&1 | tail -9
 timeout 120 python3 -u bench/steady_gpu.py --grad-accum 1 --rounds 7 --block 10 \
   --json "$OUT/steady_gpu_accum1.json" 2>&1 | tail -5
 timeout 150 python3 -m pytest -q -x -s tests/gpu/test_fused_kill_gpu.py 2>&1 | tail -4
-timeout 100 python3 -m pytest -q -x tests/updater/test_fused.py tests/gpu/test_grad_landing_stream_gpu.py 2>&1 | tail -4
-timeout 80 python3 -m pytest -q -x tests/gpu/test_gpu_recovery_exact.py -k "every_phase and 1" 2>&1 | tail -3
+timeout 80 python3 -m pytest -q -x tests/updater/test_fused.py 2>&1 | tail -4
