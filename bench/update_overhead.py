@@ -98,6 +98,9 @@ class _NoFaults:
     def point(self, *_: object, **__: object) -> None:
         return None
 
+    def scheduled(self, *_: object, **__: object) -> bool:
+        return False
+
 
 def _gpt_module():  # examples/ is not a package
     spec = importlib.util.spec_from_file_location("train_gpt", REPO / "examples" / "train_gpt.py")
