@@ -104,10 +104,9 @@ def main() -> None:
             state, grads, scale, undo, flags, done, table, scalars, next(tokens), discard
         )
 
-    def per_piece() -> None:
-        token = next(tokens)
+    def per_piece() -> None:  # each table's flags start at 0: a token per launch
         for t in each:
-            adamw_rmu.adamw_chunk(state, grads, scale, undo, flags, done, t, scalars, token)
+            chunk(t)
 
     # one launch over every piece computes the same bits as a launch per piece, and as one
     # that drops its undo words (the state; the undo image it leaves is undefined)
@@ -115,7 +114,7 @@ def main() -> None:
     for run in (lambda: chunk(one), per_piece, lambda: chunk(one, discard=True)):
         state_at, undo_at = state.clone(), undo.clone()
         run()
-        outs.append(state.clone())
+        outs.append(state.cpu())
         state.copy_(state_at)
         undo.copy_(undo_at)
         del state_at, undo_at
@@ -140,6 +139,10 @@ def main() -> None:
         prm.grad = torch.randn_like(prm)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     rows.append(("torch AdamW(fused=True)", *timed(opt.step, args.reps), 7))
+    del params, opt
+    for t in (state, grads, undo):  # the copy's 10 words per element fit an 80 GB card then
+        t.set_()
+    torch.cuda.empty_cache()
     src = torch.empty(5 * elems, device=device)
     dst = torch.empty_like(src)
     rows.append(("device copy, 10 words/element", *timed(lambda: dst.copy_(src), args.reps), 10))

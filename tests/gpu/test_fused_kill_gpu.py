@@ -1,12 +1,18 @@
-"""The fused update's kernel killed for real in the middle of a launch, on the GPU.
+"""The fused update's kernel, its process SIGKILLed around the launch, on the GPU.
 
 A writer process runs ``triton_kernels.adamw_rmu`` over one large piece in retained device
 regions (a state manager holds them), dropping done blocks' undo words from the L2
-(``discard``), and is SIGKILLed while the kernel runs. A reader maps the same regions and
-does what ``FusedChunks.restore`` does without erasure: it puts back the torn blocks (saved
-flag, no done flag) from their undo words, launches the chunk again with the same token
-(the done blocks are skipped), and compares with a fault-free launch, bit for bit. Kills
-at several delays: at least one must land inside the kernel (some blocks done, some not).
+(``discard``), and is SIGKILLed at several delays around the kernel's time on the device.
+A reader maps the same regions and does what ``FusedChunks.restore`` does without erasure:
+it puts back the torn blocks (saved flag, no done flag) from their undo words, launches the
+chunk again with the same token (the done blocks are skipped), and compares with a
+fault-free launch, bit for bit.
+
+On an H100 the driver ran the dead process's queued launch to its end at every delay tried
+(every block done, even for a kill before the kernel started): a SIGKILL alone does not
+tear the kernel, so the torn blocks' restore is tested with emulated tears
+(``tests/updater/test_fused.py``). What this test holds on a real kill is that the flags
+the reader finds say what the kernel did, whatever that was.
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ def _clock_hz() -> float:
     return 100_000_000 / (a.elapsed_time(b) / 1e3)
 
 
-def test_a_kernel_killed_mid_launch_is_finished_exactly_from_its_flags() -> None:
+def test_a_kernel_whose_process_is_killed_is_finished_exactly_from_its_flags() -> None:
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("discard needs compute capability 8.0")
     hz = _clock_hz()
@@ -132,9 +138,4 @@ def test_a_kernel_killed_mid_launch_is_finished_exactly_from_its_flags() -> None
         line = reader.stdout.strip().splitlines()[-1]
         outcomes.append((delay, line))
         assert line.endswith("equal True"), outcomes
-    blocks = -(-N // 1024)
-    partial = [
-        o for o in outcomes if 0 < int(o[1].split()[1]) < blocks and int(o[1].split()[3]) > 0
-    ]
-    assert partial, f"no kill landed inside the kernel: {outcomes}"
-    print(outcomes)
+    print(outcomes)  # how many blocks each kill left done and torn
