@@ -26,9 +26,9 @@ again after a restore finishes it without applying any block twice.
 
 ``DISCARD``: once a block's ``done`` flag is set its undo words are dead, so the kernel
 invalidates their L2 lines (PTX ``discard.global.L2``, no write-back). They were written a
-few microseconds before, and most are still in the L2: the undo copy then costs the
-device's memory no traffic, and the kernel moves what torch's fused AdamW moves (7 words
-per element, not 10). Only where nothing reads the undo image after the chunk (no erasure
+few microseconds before, and most are still in the L2, so most of the undo copy never
+reaches the memory: the kernel then moves little more than torch's fused AdamW (7 words per
+element) instead of 10. Only where nothing reads the undo image after the chunk (no erasure
 parity to fold from it; ``leto.updater.rmu``).
 
 The parity delta is not materialised: the GF(2^16) update kernel (``gf16_mac``) reads the
