@@ -8,11 +8,12 @@ it puts back the torn blocks (saved flag, no done flag) from their undo words, l
 chunk again with the same token (the done blocks are skipped), and compares with a
 fault-free launch, bit for bit.
 
-On an H100 the driver ran the dead process's queued launch to its end at every delay tried
-(every block done, even for a kill before the kernel started): a SIGKILL alone does not
-tear the kernel, so the torn blocks' restore is tested with emulated tears
-(``tests/updater/test_fused.py``). What this test holds on a real kill is that the flags
-the reader finds say what the kernel did, whatever that was.
+On an H100 the dead process's queued launch (some 25 ms of device work) ran to its end at
+every delay tried, even for a kill before the kernel started: the process's CUDA teardown
+takes longer. So the torn blocks' restore is tested with emulated tears
+(``tests/updater/test_fused.py``); what this test holds on a real kill is that the flags the
+reader finds say what the kernel did, whatever that was, and that the launch after the
+restore applies no block twice.
 """
 
 from __future__ import annotations
