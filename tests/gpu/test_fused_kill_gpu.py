@@ -9,8 +9,8 @@ chunk again with the same token (the done blocks are skipped), and compares with
 fault-free launch, bit for bit.
 
 On an H100 the dead process's queued launch (some 25 ms of device work) ran to its end at
-every delay tried, even for a kill before the kernel started: the process's CUDA teardown
-takes longer. So the torn blocks' restore is tested with emulated tears
+every delay tried, even for a kill before the kernel started (presumably its CUDA teardown
+outlasts the queue). So the torn blocks' restore is tested with emulated tears
 (``tests/updater/test_fused.py``); what this test holds on a real kill is that the flags the
 reader finds say what the kernel did, whatever that was, and that the launch after the
 restore applies no block twice.
