@@ -58,6 +58,9 @@ from tests.trainer.local import INHERITED_ENV, world_of_one
 GPU_MODEL = {"vocab": 32000, "dim": 2048, "layers": 20, "heads": 16, "seq": 512, "batch": 4}
 CPU_MODEL = {"vocab": 256, "dim": 32, "layers": 2, "heads": 4, "seq": 16, "batch": 4}
 LR, MAX_NORM, SEED = 3e-4, 1.0, 1234
+SPREAD = 0.02
+"""Rounds whose leto / torch ratios spread wider than this say the card's speed drifted within
+the turns (a noisy card); their median is then no measurement of a percent or two."""
 
 
 @contextmanager
@@ -340,6 +343,7 @@ def main() -> None:
         )
     medians = {name: statistics.median(r["ratios"][name] for r in rounds) for name in letos}
     ratio = medians["leto"]
+    spread = max(r["ratios"]["leto"] for r in rounds) - min(r["ratios"]["leto"] for r in rounds)
     means = {name: statistics.fmean(r[name] for r in rounds) for name in loops}
     point = min(compute_s) / min(update_s)
     print(
@@ -350,6 +354,15 @@ def main() -> None:
         f"leto / torch (AdamW fused=True), {args.grad_accum} micro-batches, default kernels, "
         f"median of {args.rounds} rounds: {ratio:.4f} ({100 * (ratio - 1):+.2f} %); "
         f"ratio of the mean steps {means['leto'] / means['torch']:.4f}"
+    )
+    print(
+        f"the rounds' leto / torch ratios spread {100 * spread:.2f} points"
+        + (
+            ": more than the 2 the median needs; the turns' speeds drifted apart, so this "
+            "card measured nothing at this resolution"
+            if spread > SPREAD
+            else ""
+        )
     )
     if args.other_landing:
         other_ratio = medians[other_name]
@@ -376,6 +389,7 @@ def main() -> None:
             "compute_update_ratio": point,
             "rounds": rounds,
             "ratio": ratio,
+            "spread": spread,
             "ratio_of_means": means["leto"] / means["torch"],
             "median_ratios": medians,
             "dropout": args.dropout,

@@ -133,3 +133,6 @@ def test_steady_bench_compares_the_same_training_on_the_cpu(tmp_path: Path) -> N
     assert result["rounds"][0]["order"] == ["torch", "leto"]
     assert result["rounds"][1]["order"] == ["leto", "torch"]
     assert result["median_ratios"] == {"leto": result["ratio"]}  # no --other-landing
+    ratios = [r["ratios"]["leto"] for r in result["rounds"]]
+    assert result["spread"] == max(ratios) - min(ratios)
+    assert "ratios spread" in proc.stdout
