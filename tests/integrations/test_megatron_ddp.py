@@ -30,7 +30,6 @@ from tests.launcher.harness import REPO, digests, run_leto
 from tests.trainer.local import local_context
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
-MODEL = TINY_GPT
 BUCKET = 2000  # elements: the test model (~35 k parameters) spreads over many buckets
 
 
@@ -262,7 +261,7 @@ def test_ddp_equals_leto_allreduce_at_dp2(tmp_path):
             leto={"consistency": "rmu"},
             script=SCRIPT,
             steps_flag="--train-iters",
-            model_args=MODEL,
+            model_args=TINY_GPT,
             script_args=["--ddp-impl", impl, *extra],
             timeout_s=200,
         )

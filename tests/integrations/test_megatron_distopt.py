@@ -50,10 +50,9 @@ pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
 )
 
-MODEL = TINY_GPT
 ERASURE = {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 16384}
-JOBS = MegatronJobs(leto=LETO, model=MODEL)
+JOBS = MegatronJobs(leto=LETO, model=TINY_GPT)
 DDP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
 DISTOPT = [*DDP, "--use-distributed-optimizer"]
 BUCKET = 2000
@@ -248,7 +247,7 @@ def test_megatron_distopt_recovery_is_bit_exact(tmp_path):
 @pytest.mark.timeout(120)
 def test_bad_input_is_a_one_line_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, SCRIPT, *MODEL, "--ddp-impl", "leto", "--use-distributed-optimizer"],
+        [sys.executable, SCRIPT, *TINY_GPT, "--ddp-impl", "leto", "--use-distributed-optimizer"],
         check=False,
         capture_output=True,
         text=True,

@@ -27,7 +27,6 @@ pytest.importorskip(
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 16
-MODEL = TINY_GPT
 LETO = {"consistency": "rmu", "rmu_chunk_bytes": 65536}
 KILLS = [
     FaultSpec(rank=1, step=4, phase="forward", shadow_ready_steps_before=1),
@@ -46,7 +45,7 @@ def _run(tmp_path, faults, **leto):
         leto={**LETO, **leto},
         script=SCRIPT,
         steps_flag="--train-iters",
-        model_args=MODEL,
+        model_args=TINY_GPT,
         timeout_s=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -62,7 +61,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
         leto=LETO,
         script=SCRIPT,
         steps_flag="--train-iters",
-        model_args=MODEL,
+        model_args=TINY_GPT,
         timeout_s=240,
     )[0]
 

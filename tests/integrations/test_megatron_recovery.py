@@ -29,7 +29,6 @@ pytest.importorskip(
 
 SCRIPT = str(REPO / "examples" / "megatron_gpt.py")
 STEPS = 24
-MODEL = TINY_GPT
 ERASURE = {"page_bytes": 4096, "data_pages": 32, "tier1_parity": 16, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 65536}
 # Megatron's DDP (the example's default) with its bucket all-reduces launched from backward
@@ -61,7 +60,7 @@ def _run(tmp_path, faults):
         leto=LETO,
         script=SCRIPT,
         steps_flag="--train-iters",
-        model_args=MODEL,
+        model_args=TINY_GPT,
         script_args=DDP,
         timeout_s=200,
     )

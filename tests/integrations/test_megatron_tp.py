@@ -31,7 +31,6 @@ pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'"
 )
 
-MODEL = TINY_GPT
 ERASURE = {"page_bytes": 4096, "data_pages": 16, "tier1_parity": 8, "tier2_parity": 1}
 LETO = {"consistency": "rmu", "erasure": ERASURE, "rmu_chunk_bytes": 32768}
 
@@ -40,7 +39,7 @@ def _tp(size: int) -> list[str]:
     return ["--tensor-model-parallel-size", str(size)]
 
 
-JOBS = MegatronJobs(LETO, MODEL)
+JOBS = MegatronJobs(LETO, TINY_GPT)
 _job, _run, _losses = JOBS.job, JOBS.run, MegatronJobs.losses
 
 
