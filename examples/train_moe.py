@@ -148,9 +148,8 @@ def plain(args: argparse.Namespace) -> None:
             scaler.step(opt)
             scaler.update()
     print(f"rank {rank} parameters |sum| {digest(model)!r}")
-    # both ranks tear gloo down together: without it, one rank's exit while the other's last
-    # unused-parameter reduction drained aborted it now and then ("terminate called without an
-    # active exception")
+    # both ranks tear gloo down together: without it a rank aborted at exit now and then
+    # ("terminate called without an active exception", gloo's teardown)
     dist.barrier()
     dist.destroy_process_group()
 
