@@ -168,11 +168,9 @@ def test_an_update_ignores_flags_left_in_its_undo_region(erasure: ErasureConfig 
     for r in (ref, lent):
         _step(r, 0, no_faults())
     fused = lent.updater(no_faults()).fused
-    n = fused.flags.numel()
     for j in range(len(fused.plans)):  # every word a token of step 1, chunk after chunk
         fused.flags[j :: len(fused.plans)] = fused_token(1, j)
         fused.done[j :: len(fused.plans)] = fused_token(1, j)
-    assert fused.done.numel() == n
     for r in (ref, lent):
         _step(r, 1, no_faults())
     assert torch.equal(lent.state, ref.state)
