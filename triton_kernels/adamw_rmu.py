@@ -89,7 +89,7 @@ def _publish(flag, token):
 def _discard_l2(ptrs, whole):
     """Invalidate, without write-back, the 128-byte L2 line at each of ``ptrs`` that starts a
     line and where ``whole`` (the line lies inside the block's own undo words)."""
-    start = ptrs.to(tl.int64, bitcast=True) % 128 == 0
+    addr = ptrs.to(tl.int64, bitcast=True)
     tl.inline_asm_elementwise(
         asm="""{
         .reg .pred p;
@@ -98,7 +98,7 @@ def _discard_l2(ptrs, whole):
         mov.u32 $0, 0;
         }""",
         constraints="=r,l,r",
-        args=[ptrs.to(tl.int64, bitcast=True), (whole & start).to(tl.int32)],
+        args=[addr, (whole & (addr % 128 == 0)).to(tl.int32)],
         dtype=tl.int32,
         is_pure=False,
         pack=1,

@@ -109,7 +109,6 @@ class WarmupTarget:
         fused: bool,
     ) -> WarmupTarget:
         """The target of a trainer with this layout (the same planning functions it uses)."""
-        from leto.updater.fused import drops_undo
         from leto.updater.plan import plan_chunks
 
         state_nbytes = padded_bytes(layout.state_bytes, erasure) if erasure else layout.state_bytes
@@ -132,7 +131,7 @@ class WarmupTarget:
                 erasure.data_pages, max((-(-n // erasure.page_bytes) + 1 for n in spans), default=1)
             )
         calls = (
-            _fused_calls(layout, chunks, state_nbytes, drops_undo(device, erasure is not None))
+            _fused_calls(layout, chunks, state_nbytes, device, erasure is not None)
             if rmu and fused
             else ()
         )
@@ -147,12 +146,12 @@ class WarmupTarget:
 
 
 def _fused_calls(
-    layout: Layout, chunks: list, state_nbytes: int, discard: bool
+    layout: Layout, chunks: list, state_nbytes: int, device: torch.device, parity_reads_undo: bool
 ) -> tuple[tuple[int, int, bool], ...]:
     """The fused kernel's ``(align, token, discard)`` for every chunk of the updater's own
-    plan (``FusedChunks`` over meta tensors: planning reads no memory), with tokens below
-    and above 2**31 (step 256 on)."""
-    from leto.updater.fused import FusedChunks, flag_bytes, fused_token
+    plan on ``device`` (``FusedChunks`` over meta tensors: planning reads no memory), with
+    tokens below and above 2**31 (step 256 on)."""
+    from leto.updater.fused import FusedChunks, drops_undo, flag_bytes, fused_token
 
     meta = torch.device("meta")
     undo_nbytes = max(c.undo_bytes for c in chunks) + flag_bytes(chunks)
@@ -162,8 +161,9 @@ def _fused_calls(
         torch.empty(state_nbytes, dtype=torch.uint8, device=meta),
         torch.empty(layout.grad_bytes, dtype=torch.uint8, device=meta),
         torch.empty(undo_nbytes, dtype=torch.uint8, device=meta),
-        parity_reads_undo=not discard,
+        parity_reads_undo=parity_reads_undo,
     )
+    discard = drops_undo(device, parity_reads_undo)
     last = len(chunks) - 1
     tokens = (fused_token(0, last), fused_token(1 << 9, last))
     return tuple(

@@ -125,6 +125,8 @@ def test_without_erasure_a_kill_inside_a_chunk_rolls_it_forward() -> None:
     undo words (the abort leaves them stale): prepare() puts back only the torn block, the
     done blocks keep their new values, and the chunk's launch after it redoes exactly the
     blocks not done, never one twice (the result is the fault-free run's)."""
+    from triton_kernels import adamw_rmu
+
     chunk = 1
 
     def rig() -> Rig:
@@ -145,7 +147,7 @@ def test_without_erasure_a_kill_inside_a_chunk_rolls_it_forward() -> None:
     assert 0 < int(done.sum()) < plan.blocks and int(torn.sum()) == 1
     up.prepare()
     for pc in plan.pieces:
-        blocks = done[pc.flag_base : pc.flag_base + -(-pc.n // BLOCK)]
+        blocks = done[pc.flag_base : pc.flag_base + adamw_rmu.num_blocks(pc.n)]
         mask = blocks.repeat_interleave(BLOCK)[: pc.n]
         for k in range(3):
             at = slice(pc.offsets[k], pc.offsets[k] + pc.n)
