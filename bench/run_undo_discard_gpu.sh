@@ -11,11 +11,12 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 100 python3 -u bench/adamw_kernel_gpu.py --reps 10 2>&1 | tail -7
 timeout 120 python3 -u bench/steady_gpu.py --grad-accum 1 --rounds 9 --block 10 \
-  --json "$OUT/steady_gpu_accum1.json" 2>&1 | grep -E "^round|median" | cut -c1-120
+  --json "$OUT/steady_gpu_accum1.json" 2>&1 | grep -E "^round|median|spread|operating" | cut -c1-140
 timeout 150 python3 -m pytest -q -x tests/updater/test_fused.py tests/gpu/test_fused_kill_gpu.py \
   tests/gpu/test_grad_landing_stream_gpu.py 2>&1 | tail -3
 timeout 80 python3 -m pytest -q -x tests/gpu/test_gpu_recovery_exact.py -k "every_phase and 1" 2>&1 | tail -3
+timeout 60 python3 -u bench/copy_overlap_gpu.py 2>&1 | tail -8
 timeout 100 python3 -u bench/syndrome_gpu.py --sweep --sweep-ks 128,1024 \
   --json "$OUT/syndrome_sweep.json" 2>&1 | grep -i "sweep\|copy\|check\|syndrome kernel" | tail -16
+timeout 100 python3 -u bench/adamw_kernel_gpu.py --reps 10 2>&1 | tail -7
