@@ -38,9 +38,9 @@ KEYS = ("block", "num_warps", "acc")
 DEFAULT = (64, 2, 8)
 """``gf16_syndrome.TUNING``: halves, one column per thread, two warps."""
 SWEEP = (DEFAULT, (32, 1, 8), (32, 1, 4), (64, 2, 4), (128, 4, 8), (256, 8, 8))
-"""Launch shapes of the kernel as it is. Session 6 (2026-12-01) swept the kernel's earlier
-forms and options (``bench/results/s6_syndrome_sweep*.log``, commits c3e6254..); what won
-is now the kernel, see the docstring of ``triton_kernels/gf16_syndrome.py``."""
+"""Launch shapes of the kernel as it is. The kernel's earlier forms and options were swept
+before (BENCHMARKS.md, 2026-12-01); what won is now the kernel, see the docstring of
+``triton_kernels/gf16_syndrome.py``."""
 DIAG = (DEFAULT,)
 """Variants also timed with ``--diag`` (loads and one XOR, no multiply)."""
 SWEEP_KS = (4, 32, 128, 1024)
