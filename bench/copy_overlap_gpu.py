@@ -42,10 +42,13 @@ def batch_copier(stream: torch.cuda.Stream):
     handle = cu.CUstream(stream.cuda_stream)
 
     def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        args = ([dst.data_ptr()], [src.data_ptr()], [dst.nbytes], 1, [attr], [0], 1)
+        args = ([cu.CUdeviceptr(dst.data_ptr())], [cu.CUdeviceptr(src.data_ptr())], [dst.nbytes])
+        args += (1, [attr], [0], 1)
         try:
             result = cu.cuMemcpyBatchAsync(*args, handle)
-        except TypeError:  # CUDA 12's signature: a failure index before the stream
+        except TypeError as e:  # CUDA 12's signature: a failure index before the stream
+            if "positional" not in str(e):
+                raise
             result = cu.cuMemcpyBatchAsync(*args, 0, handle)
         err = result[0] if isinstance(result, tuple) else result
         if err != cu.CUresult.CUDA_SUCCESS:
