@@ -21,11 +21,13 @@ s-1, from what the previous steps showed (each ``PRE`` record carries, per objec
 steps were observed and in how many the object changed between ``PRE(t)`` and
 ``BEGIN(t+1)``, and whether it changed before the commit of this step):
 
-* an LR scheduler that changed after ``state.step()`` in every observed step is stepped once;
-  one that never did is not; on the job's first step (nothing observed yet) it is stepped
-  unless it was stepped before ``state.step()`` (torch's order: ``scheduler.step()`` after
-  ``optimizer.step()``); a ``ReduceLROnPlateau`` is stepped with the loss the script gave
-  ``state.step(loss=...)`` (``PRE`` carries it), where that reproduced every observed step;
+* an LR scheduler that changed after ``state.step()`` in every observed step is stepped once,
+  where one ``step()`` tried on a copy from its state at the commit reproduced every observed
+  change (a scheduler stepped twice, or with an epoch, ``step(epoch + i / iters)``, is not
+  replayable); one that never changed there is not stepped; on the job's first step (nothing
+  observed yet) it is stepped unless it was stepped before ``state.step()`` (torch's order:
+  ``scheduler.step()`` after ``optimizer.step()``); a ``ReduceLROnPlateau`` is stepped with
+  the loss the script gave ``state.step(loss=...)`` (``PRE`` carries it), tried alike;
 * a named ``AveragedModel`` (an EMA of the weights) whose every observed step changed it by
   one ``update_parameters`` call over the retained model after the commit is updated so
   once more, over the finished update's parameters;
@@ -43,6 +45,7 @@ newest good record, and the two newest records are always the two a resume can n
 
 from __future__ import annotations
 
+import copy
 import enum
 import gc
 import hashlib
@@ -51,6 +54,7 @@ import logging
 import pickle
 import random
 import struct
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -357,10 +361,18 @@ class CannotReplay(UnrecoverableStateError):
 
 
 @dataclass
-class _LearningRates:
-    """What ``ReduceLROnPlateau.step`` reads and writes of its optimizer: the groups' rates."""
+class _Hyperparameters:
+    """The optimizer as a scheduler's trial step sees it: the groups' hyperparameters, which
+    the step reads and writes, so the trial leaves the real optimizer alone."""
 
-    param_groups: list[dict[str, Any]]
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = []
+        self._opt_called = True  # the update ran before the step tried
+
+    def step(self) -> None:  # what a scheduler checks it wrapped (never called)
+        raise AssertionError("a trial scheduler step stepped the optimizer")
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
 def attached_schedulers(
@@ -469,9 +481,12 @@ class RetainedExtras:
                 )
         self._history: dict[str, tuple[int, int]] = {}
         """Per object: (steps observed, steps in which it changed after the commit)."""
-        self._by_loss: dict[str, int] = {}
-        """Per ``ReduceLROnPlateau``: steps whose change after the commit its ``step()`` with
-        the loss given to ``state.step(loss=...)`` reproduces (:meth:`_steps_with_loss`)."""
+        self._by_step: dict[str, int] = {}
+        """Per LR scheduler: steps whose change after the commit one ``step()`` reproduces
+        (a ``ReduceLROnPlateau``'s with the loss given to ``state.step(loss=...)``;
+        :meth:`_reproduced`)."""
+        self._trials: dict[str, tuple[Any, _Hyperparameters]] = {}
+        """Per LR scheduler: its copy over a stand-in optimizer, for :meth:`_reproduced`."""
         self._pre_loss: float | None = None
         """The loss given with the last ``PRE`` capture (host float; None: none given)."""
         self._pre_flags: dict[str, bool] = {}
@@ -593,27 +608,38 @@ class RetainedExtras:
                 changed = changed and not scheduled
             seen, post = self._history.get(name, (0, 0))
             self._history[name] = (seen + 1, post + changed)
-            plateau = changed and isinstance(t.obj, ReduceLROnPlateau)
-            if plateau and self._steps_with_loss(t, pre, now[name]):
-                self._by_loss[name] = self._by_loss.get(name, 0) + 1
+            if changed and t.kind == "scheduler" and self._reproduced(t, pre, now):
+                self._by_step[name] = self._by_step.get(name, 0) + 1
             if changed and t.kind == "averaged" and self._averaged_calls[name] == [True]:
                 self._by_model[name] = self._by_model.get(name, 0) + 1
 
-    def _steps_with_loss(self, t: Tracked, pre: dict[str, bytes], after: bytes) -> bool:
-        """Whether ``t`` (a ``ReduceLROnPlateau``) stepped with the step's loss from its state
-        at the commit ends where it is now: run on a copy over the committed learning rates,
-        so the real optimizer is not touched. Every observed step so reproduced is what lets a
-        recovery replay the interrupted step's ``step(loss)``."""
-        if self._pre_loss is None:
+    def _reproduced(self, t: Tracked, pre: dict[str, bytes], now: dict[str, bytes]) -> bool:
+        """Whether one ``step()`` of the scheduler ``t`` from its state at the commit (a
+        ``ReduceLROnPlateau``'s with the step's loss) ends where it and the optimizer's
+        hyperparameters are now. Tried on a copy over a stand-in optimizer holding the committed
+        hyperparameters, so the real ones are not touched; every observed step so reproduced is
+        what lets a recovery replay the interrupted step's ``step()``."""
+        plateau = isinstance(t.obj, ReduceLROnPlateau)
+        if plateau and self._pre_loss is None:
             return False
-        try:  # a subclass may step otherwise: then it is not replayable, never an error here
-            scratch = object.__new__(type(t.obj))
-            groups = pickle.loads(pre[OPTIMIZER])
-            scratch.optimizer = _LearningRates([dict(g) for g in groups])
-            scratch.load_state_dict(pickle.loads(pre[t.name]))
-            scratch.step(self._pre_loss)
-            return bool(scratch.state_dict() == pickle.loads(after))
-        except Exception:  # noqa: BLE001 - any failure of the copy means "cannot replay"
+        try:  # a scheduler that cannot be tried is not replayable, never an error here
+            if t.name not in self._trials:
+                stand_in = _Hyperparameters()
+                memo: dict[int, Any] = {id(self.optimizer): stand_in}
+                if self.model is not None:
+                    memo[id(self.model)] = self.model  # shared, never copied
+                self._trials[t.name] = (copy.deepcopy(t.obj, memo), stand_in)
+            trial, stand_in = self._trials[t.name]
+            stand_in.param_groups = [dict(g) for g in pickle.loads(pre[OPTIMIZER])]
+            trial.load_state_dict(pickle.loads(pre[t.name]))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trial.step(self._pre_loss) if plateau else trial.step()
+            return bool(
+                trial.state_dict() == pickle.loads(now[t.name])
+                and stand_in.param_groups == pickle.loads(now[OPTIMIZER])
+            )
+        except Exception:  # noqa: BLE001 - any failure of the trial means "cannot replay"
             return False
 
     def _accounts(self) -> dict[str, dict[str, Any]]:
@@ -621,7 +647,7 @@ class RetainedExtras:
         as :meth:`_replay_plan` reads it."""
         return {
             "history": dict(self._history),
-            "by_loss": dict(self._by_loss),
+            "by_step": dict(self._by_step),
             "by_model": dict(self._by_model),
         }
 
@@ -672,7 +698,7 @@ class RetainedExtras:
             self._tracked[name].load(data)
         self._loaded = dict(content["objects"])
         self._history = dict(content["history"])
-        self._by_loss = dict(content.get("by_loss", {}))
+        self._by_step = dict(content.get("by_step", {}))
         self._by_model = dict(content.get("by_model", {}))
         self.commit_digest = content["digest"]
         return content
@@ -765,6 +791,15 @@ class RetainedExtras:
                         "whether this step's would have run: step it every step, or before state.step()",
                     )
                 if post == seen and (seen or not pre.get(name)):
+                    by_step = content.get("by_step", {}).get(name, 0)
+                    if by_step < post and not isinstance(t.obj, ReduceLROnPlateau):
+                        raise CannotReplay(
+                            [name],
+                            f"{where} changed after state.step() otherwise than by one step() in "
+                            f"{post - by_step} of {post} steps (stepped twice, or with an epoch), "
+                            "so leto cannot replay it: step() it once per state.step(), its "
+                            "period counted in steps, or step it before state.step()",
+                        )
                     replay.append(t)
             elif post:
                 what = "hyperparameters were" if t.kind == "optimizer" else "state was"
@@ -811,7 +846,7 @@ class RetainedExtras:
         """The metric ``t`` (a ``ReduceLROnPlateau``) was about to be stepped with: the step's
         loss, where every observed step's ``step(loss)`` reproduced its change."""
         post = content["history"].get(t.name, (0, 0))[1]
-        by_loss, loss = content.get("by_loss", {}).get(t.name, 0), content.get("loss")
+        by_loss, loss = content.get("by_step", {}).get(t.name, 0), content.get("loss")
         if loss is None or not post or by_loss < post:
             why = (
                 "no step was observed yet"

@@ -253,6 +253,52 @@ def test_a_scheduler_stepped_after_the_commit_on_some_steps_only_is_refused() ->
         fresh.extras.resume(5)
 
 
+AFTER_COMMIT: dict[str, Callable[[Job, int], None]] = {
+    # torch's documented use: step(epoch + i / iters), its period counted in epochs
+    "fractional_epoch": lambda job, t: job.sched.step(t // 3 + (t % 3 + 1) / 3),
+    "twice": lambda job, t: (job.sched.step(), job.sched.step()),
+    # the scheduler's step, then the script's own warm-up write of the rate
+    "lr_written": lambda job, t: (
+        job.sched.step(),
+        job.opt.param_groups[0].__setitem__("lr", 0.01 * (t + 1)),
+    ),
+}
+
+
+@pytest.mark.parametrize("after", sorted(AFTER_COMMIT))
+def test_a_scheduler_that_one_step_does_not_reproduce_is_named_and_refused(
+    after: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stepped after the commit in every step, but otherwise than by one ``step()``: a
+    recovery that finishes the update cannot replay it, and must not resume on a guess (one
+    ``step()`` there resumed a fractional-epoch cosine schedule on another rate)."""
+
+    def run(job: Job, steps: int) -> None:
+        for t in range(steps):
+            job.extras.begin(t)
+            job.counter.n += 1
+            job.extras.before_commit(t)
+            job.opt.step()
+            AFTER_COMMIT[after](job, t)
+
+    scheduler = "cosine_restarts"
+    job = Job(region=_region(), scheduler=scheduler)
+    run(job, 4)
+    job.extras.begin(4)
+    job.counter.n += 1
+    job.extras.before_commit(4)  # killed inside step 4's update
+    warned = [r.getMessage() for r in caplog.records if "CosineAnnealing" in r.getMessage()]
+    assert (
+        len(warned) == 1 and "step 0" in warned[0] and "otherwise than by one step()" in warned[0]
+    )
+    fresh = Job(region=job.region.clone(), scheduler=scheduler)
+    fresh.extras.load_pre(4)
+    with pytest.raises(UnrecoverableStateError, match=r"otherwise than by one step\(\) in 4 of 4"):
+        fresh.extras.resume(5)
+    fresh = Job(region=job.region.clone(), scheduler=scheduler)
+    assert fresh.extras.resume(4) == "begin"  # a kill before the commit needs no replay
+
+
 def test_a_scheduler_built_inside_the_loop_is_an_error_at_once() -> None:
     job = Job(region=_region(), scheduler="lambda")
     job.step(0)
@@ -564,7 +610,7 @@ def test_a_trainer_hands_its_loss_to_the_plateau_capture(monkeypatch, caplog) ->
             loss = state.compute(compute)
             state.step(loss=loss)
             sched.step(loss.item())
-        assert state.extras._by_loss == {"lr_scheduler.ReduceLROnPlateau": 4}
+        assert state.extras._by_step == {"lr_scheduler.ReduceLROnPlateau": 4}
     assert "ReduceLROnPlateau" not in caplog.text
 
 
