@@ -360,7 +360,6 @@ class CannotReplay(UnrecoverableStateError):
         self.names = names
 
 
-@dataclass
 class _Hyperparameters:
     """The optimizer as a scheduler's trial step sees it: the groups' hyperparameters, which
     the step reads and writes, so the trial leaves the real optimizer alone."""
