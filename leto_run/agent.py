@@ -27,7 +27,7 @@ logs, ``--max-restarts`` and exit codes. Leto adds, per node:
 Shadows are spawned only after every local active has called ``leto.init()``, so a plain
 torchrun script never sees one. Replacements after a recovery are spawned right after the
 promotion (forked from the warm fork server), so a failure in the promoted generation's
-first steps finds them; where a node has no shadows at all, a cold generation attaches to
+first steps finds them (they start their device after its first step); where a node has no shadows at all, a cold generation attaches to
 the retained state (``leto_run.policy``).
 """
 

@@ -353,17 +353,7 @@ class Context:
         still be rebuilding lost pages, and a mapping made before could hold a chunk it is
         about to replace). False when this shadow is promoted first (its predecessor is
         gone: it maps at promotion) or on timeout."""
-        env = self.env
-        stepped = contract.stepped(env.generation - 1, env.rank) if env.generation >= 2 else None
-        promoted = contract.promote(env.generation, env.rank)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.state_retained() and (stepped is None or self.store.check([stepped])):
-                return True
-            if self.store.check([promoted]):
-                return False
-            time.sleep(0.02)
-        return False
+        return _after_predecessor_stepped(self.store, self.env, timeout_s, self.state_retained)
 
     def _wait_for_own_shadow(self, timeout_s: float = 300.0) -> None:
         """Until this rank's shadow waits for promotion (a fault that needs it ready); the
@@ -463,6 +453,32 @@ def spread(items: list[T], k: int) -> list[T]:
     return [items[i * n // k] for i in range(k)] if n > k else items
 
 
+def _after_predecessor_stepped(
+    store: dist.Store,
+    env: TrainerEnv,
+    timeout_s: float,
+    also: Callable[[], bool] = lambda: True,
+) -> bool:
+    """Wait until a shadow's predecessor, this rank's promoted trainer of the generation
+    before (the first shadows have none), has committed a step and ``also()`` holds: True;
+    False when this shadow is promoted first (its predecessor is gone) or on timeout."""
+    stepped = contract.stepped(env.generation - 1, env.rank) if env.generation >= 2 else None
+    promoted = contract.promote(env.generation, env.rank)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if also() and (stepped is None or store.check([stepped])):
+            return True
+        if store.check([promoted]):
+            return False
+        time.sleep(0.02)
+    return False
+
+
+REPLACEMENT_DEVICE_WAIT_S = 2.0
+"""How long a replacement shadow waits for its promoted predecessor's first step before it
+starts its device anyway (``init``): a longer first step is slowed the less by it."""
+
+
 def _local_device(env: TrainerEnv) -> torch.device:
     if not torch.cuda.is_available():  # asks the driver for a count: no context is created
         return torch.device("cpu")
@@ -497,6 +513,10 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
     base = dist.PrefixStore(contract.store_prefix(env.restart_count, env.job_token), raw)
+    if env.role == ROLE_SHADOW and env.holds_device:
+        # A replacement, spawned at a promotion, would start its device context and warm-ups
+        # on the GPU where its predecessor re-runs the interrupted step: it starts after it.
+        _after_predecessor_stepped(base, env, REPLACEMENT_DEVICE_WAIT_S)
     t_store = time.time()
     ctx = Context(env, base, raw)
     ctx.exits_cleanly = True
