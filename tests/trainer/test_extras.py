@@ -100,6 +100,12 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
         [lr_scheduler.LinearLR(opt, 0.1, total_iters=3), lr_scheduler.ExponentialLR(opt, 0.8)],
         [3],
     ),
+    "chained": lambda opt: lr_scheduler.ChainedScheduler(
+        [lr_scheduler.LinearLR(opt, 0.1, total_iters=3), lr_scheduler.ExponentialLR(opt, 0.9)]
+    ),
+    "cyclic": lambda opt: lr_scheduler.CyclicLR(
+        opt, 0.01, 0.1, step_size_up=2, cycle_momentum=False
+    ),
 }
 
 
