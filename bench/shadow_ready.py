@@ -98,6 +98,7 @@ def windows(events: list[dict]) -> list[dict[str, float]]:
         for key in (
             "before_init_s",
             "store_s",
+            "device_wait_s",
             "context_s",
         ):  # inside start_s (recent trainers report them)
             if parts and all(key in e for e in parts):
@@ -205,9 +206,11 @@ def main() -> None:
                 k: statistics.median(w[k] for w in ws)
                 for k in ("before_init_s", "store_s", "context_s")
             }
+            wait = statistics.median(w.get("device_wait_s", 0.0) for w in ws)
             print(
                 f"{'':10s} start = process until leto.init {parts['before_init_s']:.2f} + store "
-                f"{parts['store_s']:.2f} + context {parts['context_s']:.2f} (+ the fork)"
+                f"{parts['store_s']:.2f} + the predecessor's first step {wait:.2f} + context "
+                f"{parts['context_s']:.2f} (+ the fork)"
             )
     print(
         f"{'job start':10s} {'first step':>11s} {'shadows ready':>14s}  (s after workers_started)"

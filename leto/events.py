@@ -249,6 +249,7 @@ SCHEMA: dict[Kind, EventSpec] = {
             "before_init_s": Field(float, "s"),
             "store_s": Field(float, "s"),
             "context_s": Field(float, "s"),
+            "device_wait_s": _opt(float, "s"),
             "deterministic": Field(bool),
         },
     ),

@@ -513,11 +513,14 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
     base = dist.PrefixStore(contract.store_prefix(env.restart_count, env.job_token), raw)
-    if env.role == ROLE_SHADOW and env.holds_device:
+    t_store = time.time()
+    waited: dict[str, float] = {}
+    if env.role == ROLE_SHADOW and env.holds_device and env.generation >= 2:
         # A replacement, spawned at a promotion, would start its device context and warm-ups
         # on the GPU where its predecessor re-runs the interrupted step: it starts after it.
         _after_predecessor_stepped(base, env, REPLACEMENT_DEVICE_WAIT_S)
-    t_store = time.time()
+        waited["device_wait_s"] = round(time.time() - t_store, 3)
+    t_wait = time.time()
     ctx = Context(env, base, raw)
     ctx.exits_cleanly = True
     ctx.report_errors_to_agent()
@@ -529,10 +532,12 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> Context:
         role=env.role,
         pid=os.getpid(),
         # where a start-up goes: the process until leto.init (interpreter, imports, the
-        # script's top), the store, the context (the device's CUDA context among it)
+        # script's top), the store, a replacement's wait, the context (the device's CUDA
+        # context among it)
         before_init_s=round(t_entry - _process_start_t(), 3),
         store_s=round(t_store - t_entry, 3),
-        context_s=round(now - t_store, 3),
+        context_s=round(now - t_wait, 3),
+        **waited,
         deterministic=torch.are_deterministic_algorithms_enabled(),
     )
     pg_store = dist.PrefixStore(contract.pg_prefix(env.generation, env.shadow_launch), base)

@@ -44,6 +44,7 @@ def test_a_replacement_starts_after_its_predecessors_first_step(tmp_path) -> Non
         and e["gen"] == promoted["gen"] + 1
     )
     assert first["iter_s"] > 0.45  # the slow step this tests against
+    assert replacement["device_wait_s"] > 0.2  # the event says what it waited
     assert replacement["t"] >= first["t"], (
         f"the replacement started {first['t'] - replacement['t']:.3f} s before its "
         "predecessor's first step ended"
