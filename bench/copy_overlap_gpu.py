@@ -16,7 +16,7 @@ compute stream, with a copy of each product's worth of gradient after it, the co
 Each way's time less ``none``'s is what its copies cost the pass; printed beside the copies'
 time alone. Rounds alternate the ways; medians.
 
-    python3 bench/copy_overlap_gpu.py [--gib 4.4] [--pieces 146] [--rounds 7]
+    python3 bench/copy_overlap_gpu.py [--gb 4.4] [--pieces 146] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ def batch_copier(stream: torch.cuda.Stream):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=float, default=4.4, help="gradient bytes a pass, GB")
+    ap.add_argument("--gb", type=float, default=4.4, help="gradient bytes a pass, in GB")
     ap.add_argument("--pieces", type=int, default=146)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--gemm", type=int, default=2816, help="each product: n x 4n by 4n x n")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    per = int(args.gib * 1e9 / 4 / args.pieces)
+    per = int(args.gb * 1e9 / 4 / args.pieces)
     src = [torch.randn(per, device=dev) for _ in range(args.pieces)]
     dst = [torch.empty_like(s) for s in src]
     n = args.gemm

@@ -845,14 +845,14 @@ class RetainedExtras:
         """The metric ``t`` (a ``ReduceLROnPlateau``) was about to be stepped with: the step's
         loss, where every observed step's ``step(loss)`` reproduced its change."""
         post = content["history"].get(t.name, (0, 0))[1]
-        by_loss, loss = content.get("by_step", {}).get(t.name, 0), content.get("loss")
-        if loss is None or not post or by_loss < post:
+        by_step, loss = content.get("by_step", {}).get(t.name, 0), content.get("loss")
+        if loss is None or not post or by_step < post:
             why = (
                 "no step was observed yet"
                 if not post
                 else "no loss was given to state.step(loss=...)"
                 if loss is None
-                else f"in {post - by_loss} of {post} steps its metric was not that loss"
+                else f"in {post - by_step} of {post} steps its metric was not that loss"
             )
             raise CannotReplay(
                 [t.name],
