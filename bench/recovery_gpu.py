@@ -582,6 +582,9 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as d:
         extra = config_args(Path(d), no_lend=args.no_lend, no_replay=args.no_replay)
         events = run_leto(Path(d), steps, kills, args.nproc, args.consistency, extra, **env)
+        if args.events_out:
+            args.events_out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(d) / "leto.jsonl", args.events_out)
     recs = [r for r in summary.recoveries(events) if r.total_s is not None]
     iters = summary.step_periods(events)  # across no recovery: steady steps only
     print(
@@ -721,6 +724,13 @@ def main() -> None:
         default=0,
         help="leto-run alone: this many kills in each of forward, backward and the update "
         "(each once the shadow is ready); recovery p50 by kill phase",
+    )
+    p.add_argument(
+        "--events-out",
+        type=Path,
+        metavar="JSONL",
+        help="with --kills-per-phase: keep the job's event log here (every process's events, "
+        "wall-clock stamped)",
     )
     p.add_argument(
         "--iteration-only",
