@@ -95,6 +95,8 @@ class WarmupTarget:
     of the flag token; empty when the update is not fused."""
     rehearsal: UpdateRehearsal | None = None
     """A miniature of the trainer's RMU update (its torch kernels); None: no rmu."""
+    grad_dtypes: tuple[torch.dtype, ...] = ()
+    """Dtypes of the retained gradients, which the gradient landing copies into."""
 
     @classmethod
     def plan(
@@ -142,6 +144,7 @@ class WarmupTarget:
             run_pages=run_pages,
             fused_calls=calls,
             rehearsal=UpdateRehearsal.of(optimizer, fused) if rmu else None,
+            grad_dtypes=tuple(sorted({slot.dtype for slot in layout.grads}, key=str)),
         )
 
 
@@ -250,6 +253,19 @@ def warm_fused_update(target: WarmupTarget) -> int:
     from triton_kernels import adamw_rmu
 
     return adamw_rmu.warm_up(target.device, target.fused_calls)
+
+
+@register("grad_landing")
+def warm_grad_landing(target: WarmupTarget) -> int:
+    """The gradient landing's multi-tensor copy (``leto.trainer.grad_landing``), once per
+    gradient dtype. A process's first ``_foreach_copy_`` of a dtype pays its kernel's first
+    use on the host, milliseconds inside the promoted trainer's first backward otherwise."""
+    calls = 0
+    for dtype in target.grad_dtypes:
+        sources = [torch.zeros(4, dtype=dtype, device=target.device) for _ in range(2)]
+        torch._foreach_copy_([torch.empty_like(t) for t in sources], sources)
+        calls += 1
+    return calls
 
 
 @register("rmu_update")

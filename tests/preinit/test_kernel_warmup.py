@@ -209,7 +209,33 @@ def test_a_new_kernel_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> No
     seen = []
     warmup.register("parity_x")(lambda t: seen.append(t) or 3)
     report = warmup.warm_up(warmup.WarmupTarget(device=torch.device("cpu")))
-    assert report.calls == {"gf16_mac": 0, "adamw_rmu": 0, "rmu_update": 0, "parity_x": 3}
+    assert report.calls == {
+        "gf16_mac": 0,
+        "adamw_rmu": 0,
+        "grad_landing": 0,
+        "rmu_update": 0,
+        "parity_x": 3,
+    }
     assert len(seen) == 1
     with pytest.raises(ValueError, match="already registered"):
         warmup.register("parity_x")(lambda t: 0)
+
+
+def test_warms_the_gradient_landings_copy_for_each_gradient_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process's first multi-tensor copy of a dtype pays its kernel's first use; the
+    landing's copies (``leto.trainer.grad_landing``) are of the gradients' dtypes."""
+    rig = _rig()
+    copied: list[torch.dtype] = []
+    real = torch._foreach_copy_
+
+    def recording(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        copied.extend(t.dtype for t in targets)
+        real(targets, sources)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    report = warmup.warm_up(_target(rig), {"grad_landing": warmup.warm_grad_landing})
+    dtypes = {slot.dtype for slot in rig.layout.grads}
+    assert report.calls == {"grad_landing": len(dtypes)}
+    assert set(copied) == dtypes
