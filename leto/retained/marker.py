@@ -38,6 +38,7 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -121,6 +122,9 @@ class Marker:
             raise ValueError(f"marker device view must cover {MARKER_BYTES} bytes")
         self._device = device_words
         self._device_word: dict[int, torch.Tensor] = {}  # one-element views, made once each
+        self._landmarks: dict[Phase, tuple[int, Any]] = {}
+        """Per landmark phase: the step of this process's last write of it and an event
+        recorded behind that write (``wait_landed``)."""
         self._memory = memory
         self._words: torch.Tensor | list[int] = memory if device_words is None else memory.tolist()
 
@@ -233,6 +237,25 @@ class Marker:
         new_step = self.step if step is None else step
         new_sel = self.parity_sel if sel is None else sel
         self._set(2, pack(new_step, phase, chunk, new_sel))
+        if self._device is not None and phase in LANDMARKS:
+            mark = self._landmarks.get(phase)
+            event = mark[1] if mark is not None else _landmark_event(self._device.device)
+            if event is not None:
+                event.record()  # on the current stream: the write's
+                self._landmarks[phase] = (new_step, event)
+
+    def wait_landed(self, phase: Phase, step: int) -> None:
+        """Block the host until this process's write of ``phase`` at ``step`` has landed.
+
+        A stream-ordered marker moves when the device gets there, and the host may run
+        ahead of it: host-side state that a resume from an earlier marker needs (the
+        stateful objects' records, ``leto.trainer.extras``) must outlive the marker's
+        passing it. For an older write this waits for the newest of the phase (behind it in
+        its stream); a write this process did not make, or a marker written by the host, has
+        landed already."""
+        mark = self._landmarks.get(phase)
+        if mark is not None and mark[0] >= step:
+            mark[1].synchronize()
 
     # -- update hyper-parameters recorded with GRADS_READY -----------------------------------
     def record_lrs(self, lrs: list[float]) -> None:
@@ -260,6 +283,15 @@ class Marker:
         return [
             struct.unpack("<d", struct.pack("<q", int(self._words[4 + i])))[0] for i in range(n)
         ]
+
+
+LANDMARKS = frozenset({Phase.GRADS_READY, Phase.IDLE})
+"""Phases whose stream-ordered writes :meth:`Marker.wait_landed` can wait for."""
+
+
+def _landmark_event(device: torch.device) -> Any:
+    """An event to record behind a landmark write on ``device`` (None: writes land at once)."""
+    return torch.cuda.Event() if device.type == "cuda" else None
 
 
 def pack(step: int, phase: Phase, chunk: int = 0, sel: int = 0) -> int:

@@ -40,7 +40,10 @@ steps were observed and in how many the object changed between ``PRE(t)`` and
 
 Records live in two slots of a retained host region, each with a sequence number, step,
 kind, length and checksum; a write goes to the older slot, so a torn write never destroys the
-newest good record, and the two newest records are always the two a resume can need.
+newest good record, and the two newest records are always the two a resume can need: on a
+GPU the trainer writes ``BEGIN(t)`` only once the marker has landed at t-1's GRADS_READY and
+``PRE(t)`` once it has landed at t-1's commit (``Marker.wait_landed``; the host may run
+ahead of the device, and a resume follows the marker as it landed).
 """
 
 from __future__ import annotations

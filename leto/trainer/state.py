@@ -517,6 +517,9 @@ class RetainedState:
         self._zero_grads()
         if self.buffer_undo is not None:  # forward writes running statistics: a re-run starts here
             self.buffer_undo.save(step)
+        # The record of step - 1's start goes now: a resume needs it until the device has
+        # passed step - 1's gradients (the host may be a step ahead of the marker).
+        self.marker.wait_landed(Phase.GRADS_READY, step - 1)
         self.extras.begin(step)
 
     def _zero_grads(self) -> None:
@@ -644,6 +647,7 @@ class RetainedState:
         # What a finishing recovery restores (leto.trainer.extras); a ReduceLROnPlateau's
         # replay needs the loss on the host (the script's own float(loss) would wait as long).
         metric = float(loss) if loss is not None and self.extras.wants_loss else None
+        self.marker.wait_landed(Phase.IDLE, step)  # step - 1's commit: its PRE record goes now
         self.extras.before_commit(step, loss=metric)
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         if not self.marker.stream_ordered:

@@ -9,8 +9,10 @@ keeps reading its own writes.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from leto.retained import marker
 from leto.retained.marker import MARKER_BYTES, Marker, Phase
 
 
@@ -96,3 +98,45 @@ def test_recorded_lrs_write_only_the_words_that_changed() -> None:
     assert Marker(memory).recorded_lrs() == [0.5]
     writer.record_lrs([0.5, 0.125])  # the second rate's word still holds 0.125
     assert Marker(memory).recorded_lrs() == [0.5, 0.125]
+
+
+class _QueuedEvent:
+    """A CUDA event's stand-in: ``record`` notes what the stream has queued so far, and
+    ``synchronize`` lets the stream run up to there."""
+
+    def __init__(self, memory: torch.Tensor, queue: torch.Tensor) -> None:
+        self.memory, self.queue = memory, queue
+        self.queued: torch.Tensor | None = None
+
+    def record(self) -> None:
+        self.queued = self.queue.clone()
+
+    def synchronize(self) -> None:
+        assert self.queued is not None
+        self.memory.view(torch.int64).copy_(self.queued)
+
+
+def test_wait_landed_returns_once_the_device_has_passed_the_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host may run ahead of a stream-ordered marker; ``wait_landed`` is how it knows
+    a successor would read a marker at least that far (before it drops host-side state a
+    resume from an earlier one needs)."""
+    memory = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
+    queue = torch.zeros(MARKER_BYTES // 8, dtype=torch.int64)
+    monkeypatch.setattr(marker, "_landmark_event", lambda device: _QueuedEvent(memory, queue))
+    writer = Marker(memory, queue)
+    writer.initialise(layout_hash=7, step=3)
+    memory.view(torch.int64).copy_(queue)
+    writer.advance(Phase.GRADS_READY)
+    writer.advance(Phase.UPDATING)
+    writer.wait_landed(Phase.IDLE, 3)  # not this process's write: landed already
+    assert (Marker(memory).step, Marker(memory).phase) == (3, Phase.IDLE)
+    writer.advance(Phase.IDLE, 4)
+    writer.advance(Phase.GRADS_READY)  # the host is into step 4, the device still at 3
+    writer.wait_landed(Phase.GRADS_READY, 5)  # not written yet
+    assert (Marker(memory).step, Marker(memory).phase) == (3, Phase.IDLE)
+    writer.wait_landed(Phase.IDLE, 4)
+    assert (Marker(memory).step, Marker(memory).phase) == (4, Phase.IDLE)
+    writer.wait_landed(Phase.GRADS_READY, 3)  # an older write: behind the newest one
+    assert (Marker(memory).step, Marker(memory).phase) == (4, Phase.GRADS_READY)

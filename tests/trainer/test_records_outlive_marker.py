@@ -1,0 +1,54 @@
+"""A stateful object's record is overwritten only once the marker has passed what a resume
+from it needs. On a GPU the marker moves when the device gets there and the host may be a
+step ahead: a kill then leaves a marker one step behind the host, and its resume must still
+find that step's record (``leto.trainer.extras`` keeps two). A real trainer ``Context`` in
+this process (tests/trainer/local.py) records every wait and every write in order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from leto.retained.marker import Phase
+from leto.trainer.extras import Capture
+from tests.trainer.local import local_context
+
+STEPS = 4
+
+
+def test_each_record_waits_for_the_marker_to_pass_the_one_it_replaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log: list[tuple[str, object, int]] = []
+    with local_context(monkeypatch) as ctx:
+        torch.manual_seed(0)
+        net = nn.Linear(4, 4)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+        state = ctx.retain(net, opt, stateful={"sched": sched})
+        wait, write = state.marker.wait_landed, state.extras.store.write
+
+        def waited(phase: Phase, step: int) -> None:
+            log.append(("wait", phase, step))
+            wait(phase, step)
+
+        def wrote(step: int, kind: Capture, payload: bytes) -> None:
+            log.append(("write", kind, step))
+            write(step, kind, payload)
+
+        monkeypatch.setattr(state.marker, "wait_landed", waited)
+        monkeypatch.setattr(state.extras.store, "write", wrote)
+        for step in state.steps(STEPS):
+            state.compute(lambda: net(torch.ones(2, 4)).sum().backward())
+            state.step()
+            sched.step()
+    writes = [(i, kind, step) for i, (what, kind, step) in enumerate(log) if what == "write"]
+    assert [(kind, step) for _, kind, step in writes] == [
+        (kind, s) for s in range(STEPS) for kind in (Capture.BEGIN, Capture.PRE)
+    ]
+    for i, kind, step in writes:
+        # BEGIN(t) replaces BEGIN(t-1), which a re-run of t-1 needs until its gradients are
+        # final; PRE(t) replaces PRE(t-1), which finishing t-1's update needs until it commits.
+        needed = (Phase.GRADS_READY, step - 1) if kind == Capture.BEGIN else (Phase.IDLE, step)
+        assert log[i - 1] == ("wait", *needed), f"{kind.name}({step}) written without {needed}"
