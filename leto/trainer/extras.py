@@ -68,6 +68,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.optim.swa_utils import AveragedModel
 
 from leto.errors import ConfigError, UnrecoverableStateError
+from leto.trainer import loaders
 
 if TYPE_CHECKING:
     from leto.trainer.memory import RegionMemory
@@ -501,6 +502,10 @@ class RetainedExtras:
         self._last_pre: dict[str, bytes] | None = None
         self._wrapped = False
         self._discoveries = 0
+        self._resumed_at: int | None = None
+        """The step this trainer resumed at from a record (None: it started the job)."""
+        self._loaders_named = False
+        """Whether a warning named a DataLoader that a recovery would restart (``loaders``)."""
         self._frozen = frozen
         self.commit_digest = ""
         """Digest of the objects at the last commit (its ``PRE`` record), for ``emit_digest``."""
@@ -549,6 +554,40 @@ class RetainedExtras:
                     "began, so leto cannot retain it: build it before the training loop"
                 )
             self._tracked[name] = Tracked(name, "scheduler", s)
+        self._name_unretained_loaders()
+
+    def _name_unretained_loaders(self) -> None:
+        """Warn, once, of a live DataLoader iterator no named object holds
+        (``leto.trainer.loaders``): its batches restart after a recovery."""
+        if self._loaders_named:
+            return
+        named = [t.obj for t in self._tracked.values() if t.kind == "stateful"]
+        found = loaders.unretained_loader_iterators(named)
+        if not found:
+            return
+        self._loaders_named = True
+        what = loaders.describe(found[0]) + (
+            f" and {len(found) - 1} more" if len(found) > 1 else ""
+        )
+        if self._resumed_at is None:
+            consequence = (
+                "after a recovery the promoted trainer's loader starts again from its first "
+                "batch, and the job trains on other data than a run without failures"
+            )
+        else:
+            consequence = (
+                f"this trainer resumed at step {self._resumed_at}, but that loader started "
+                "again from its first batch: from here on the job trains on other data than "
+                "a run without failures"
+            )
+        logger.warning(
+            "rank %d: %s is not retained by leto: %s. Name a torchdata StatefulDataLoader "
+            "(or its sampler, or a position) in ctx.retain(..., stateful=...), or draw each "
+            "batch by step",
+            self.rank,
+            what,
+            consequence,
+        )
 
     def _check_discovery(self) -> None:
         """Once more at the second step, and whenever a scheduler is first attached: a
@@ -722,9 +761,11 @@ class RetainedExtras:
         record = self.store.find(Capture.BEGIN, step)
         if record is not None:
             self._load(record)
+            self._resumed_at = step
             return "begin"
         record = self.store.find(Capture.PRE, step - 1)
         if record is not None:
+            self._resumed_at = step
             content = self._load(record)
             replayed = self._replay(step - 1, content)
             self._last_pre, self._pre_flags = content["objects"], content["pre"]
