@@ -241,7 +241,7 @@ class Marker:
             mark = self._landmarks.get(phase)
             event = mark[1] if mark is not None else _landmark_event(self._device.device)
             if event is not None:
-                event.record()  # on the current stream: the write's
+                event.record(_current_stream(self._device.device))  # the write's stream
                 self._landmarks[phase] = (new_step, event)
 
     def wait_landed(self, phase: Phase, step: int) -> None:
@@ -292,6 +292,11 @@ LANDMARKS = frozenset({Phase.GRADS_READY, Phase.IDLE})
 def _landmark_event(device: torch.device) -> Any:
     """An event to record behind a landmark write on ``device`` (None: writes land at once)."""
     return torch.cuda.Event() if device.type == "cuda" else None
+
+
+def _current_stream(device: torch.device) -> Any:
+    """The stream a write to ``device`` is queued on now (None off CUDA)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 def pack(step: int, phase: Phase, chunk: int = 0, sel: int = 0) -> int:

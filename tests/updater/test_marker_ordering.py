@@ -108,7 +108,7 @@ class _QueuedEvent:
         self.memory, self.queue = memory, queue
         self.queued: torch.Tensor | None = None
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         self.queued = self.queue.clone()
 
     def synchronize(self) -> None:
