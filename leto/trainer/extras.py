@@ -506,6 +506,7 @@ class RetainedExtras:
         """The step this trainer resumed at from a record (None: it started the job)."""
         self._loaders_named = False
         """Whether a warning named a DataLoader that a recovery would restart (``loaders``)."""
+        self._loader_scans = 0
         self._frozen = frozen
         self.commit_digest = ""
         """Digest of the objects at the last commit (its ``PRE`` record), for ``emit_digest``."""
@@ -554,12 +555,13 @@ class RetainedExtras:
                     "began, so leto cannot retain it: build it before the training loop"
                 )
             self._tracked[name] = Tracked(name, "scheduler", s)
-        self._name_unretained_loaders()
 
     def _name_unretained_loaders(self) -> None:
-        """Warn, once, of a live DataLoader iterator no named object holds
-        (``leto.trainer.loaders``): its batches restart after a recovery."""
-        if self._loaders_named:
+        """At the first two steps this trainer begins (an iterator may be built in the first):
+        warn, once, of a live DataLoader iterator no named object holds
+        (``leto.trainer.loaders``), whose batches restart after a recovery."""
+        self._loader_scans += 1
+        if self._loaders_named or self._loader_scans > 2:
             return
         named = [t.obj for t in self._tracked.values() if t.kind == "stateful"]
         found = loaders.unretained_loader_iterators(named)
@@ -614,6 +616,7 @@ class RetainedExtras:
         if self._discoveries == 0:
             self.discover()
         self._check_discovery()
+        self._name_unretained_loaders()
         states = self._states()
         if self._last_pre is not None:  # what changed between the previous commit and now
             self._account(self._last_pre, states)
