@@ -457,10 +457,7 @@ class RetainedExtras:
                 obj = GeneratorState(obj)
             if name == OPTIMIZER or name.startswith(SCHEDULER_PREFIX):
                 raise ConfigError(f"stateful name {name!r} is reserved: choose another")
-            if not (
-                callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None))
-            ):
+            if not loaders.is_stateful(obj):
                 raise ConfigError(
                     f"stateful object {name!r} ({type(obj).__name__}) has no state_dict() / "
                     "load_state_dict(): leto retains objects that follow torch's Stateful protocol"
@@ -504,9 +501,9 @@ class RetainedExtras:
         self._discoveries = 0
         self._resumed_at: int | None = None
         """The step this trainer resumed at from a record (None: it started the job)."""
-        self._loaders_named = False
-        """Whether a warning named a DataLoader that a recovery would restart (``loaders``)."""
-        self._loader_scans = 0
+        self._loader_scans_left = 2
+        """Steps at whose start to look for a DataLoader a recovery would restart (the first
+        two: an iterator may be built in the first); none once a warning named one."""
         self._frozen = frozen
         self.commit_digest = ""
         """Digest of the objects at the last commit (its ``PRE`` record), for ``emit_digest``."""
@@ -560,14 +557,14 @@ class RetainedExtras:
         """At the first two steps this trainer begins (an iterator may be built in the first):
         warn, once, of a live DataLoader iterator no named object holds
         (``leto.trainer.loaders``), whose batches restart after a recovery."""
-        self._loader_scans += 1
-        if self._loaders_named or self._loader_scans > 2:
+        if self._loader_scans_left == 0:
             return
+        self._loader_scans_left -= 1
         named = [t.obj for t in self._tracked.values() if t.kind == "stateful"]
         found = loaders.unretained_loader_iterators(named)
         if not found:
             return
-        self._loaders_named = True
+        self._loader_scans_left = 0
         what = loaders.describe(found[0]) + (
             f" and {len(found) - 1} more" if len(found) > 1 else ""
         )

@@ -10,9 +10,10 @@ trainer names the loader in a warning, before any failure and again after a reco
 
 An iterator is retained where a named object holds it within ``DEPTH`` attribute steps (a
 named ``StatefulDataLoader`` holds its ``_iterator``; a named wrapper holds the loader), or
-holds its sampler or dataset and that has a ``state_dict()`` (a resumable sampler). The scan reads the collector's heap (``gc.get_objects``), whose
-objects built before a shadow's ``gc.freeze`` it does not see: a promoted trainer scans only
-what its script built after ``retain()`` returned.
+holds its sampler or dataset and that has a ``state_dict()`` (a resumable sampler). The
+scan reads the collector's heap (``gc.get_objects``), whose objects built before a shadow's
+``gc.freeze`` it does not see: a promoted trainer scans only what its script built after
+``retain()`` returned.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _live_iterators() -> list[_BaseDataLoaderIter]:
     return [o for o in gc.get_objects() if issubclass(type(o), _BaseDataLoaderIter)]
 
 
-def _stateful(obj: object) -> bool:
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` follows torch's ``Stateful`` protocol (what ``stateful=`` retains)."""
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
@@ -83,7 +85,7 @@ def unretained_loader_iterators(named: Iterable[object]) -> list[_BaseDataLoader
             return True
         index = getattr(it, "_index_sampler", None)
         parts = (index, getattr(index, "sampler", None), getattr(it, "_dataset", None))
-        return any(p is not None and id(p) in held and _stateful(p) for p in parts)
+        return any(p is not None and id(p) in held and is_stateful(p) for p in parts)
 
     return [it for it in live if not retained(it)]
 
