@@ -613,11 +613,19 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
                     + f", total {first['iter_s'] * 1e3:.1f}"
                     + f"; graphs compiled {first.get('compiled_graphs', 0)}"
                 )
+    median = statistics.median(iters)
+    spans = first_steps_spans(events, args.nproc - 1, FIRST_STEPS)
+    by_span: dict[str, list[float]] = {}
+    for (_, _, phase, _), span in zip(kills, spans, strict=False):
+        by_span.setdefault(phase, []).append(span)
     for phase, rs in by_phase.items():
         p50 = statistics.median(r.total_s for r in rs)
         first = statistics.median(r.phases.get("first step", 0.0) for r in rs)
+        cost = statistics.median(by_span.get(phase) or [float("nan")]) - (FIRST_STEPS - 1) * median
         print(
-            f"{phase:<9} p50 {p50 * 1e3:.0f} ms over {len(rs)} kills (first step p50 {first * 1e3:.0f} ms)"
+            f"{phase:<9} p50 {p50 * 1e3:.0f} ms over {len(rs)} kills (first step p50 "
+            f"{first * 1e3:.0f} ms; over the first {FIRST_STEPS} steps {cost / median:.2f}x the "
+            "median step)"
         )
     write_result(
         args.json,
@@ -627,8 +635,32 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
                 {"step": r.step, "total_s": r.total_s, "phases_s": r.phases} for r in recs
             ],
             "median_step_s": statistics.median(iters),
+            "first_steps": FIRST_STEPS,
+            "first_steps_s": spans,
         },
     )
+
+
+FIRST_STEPS = 3
+"""Steps after a promotion whose time the first step's cost is read from."""
+
+
+def first_steps_spans(events: list[dict], rank: int, n: int) -> list[float]:
+    """Per recovery of ``rank``: from its ``resumed`` event to the ``step_done`` of its n-th
+    step. The host's time per step is not the device's: a promoted trainer's host runs ahead
+    of its idle device first and waits for it in the steps after, so a first step's cost
+    is this span less ``n - 1`` median steps, not its own ``step_done``'s time."""
+    done = {}
+    for e in events:
+        if e["kind"] == "step_done" and e["rank"] == rank:
+            done[e["step"]] = e["t"]  # the newest run of a step: the one after the recovery
+    spans = []
+    for e in events:
+        if e["kind"] == "resumed" and e["rank"] == rank:
+            last = e["step"] + n - 1
+            if last in done and done[last] > e["t"]:
+                spans.append(done[last] - e["t"])
+    return spans
 
 
 def main() -> None:

@@ -16,7 +16,10 @@ median over ``--rounds`` is the result.
   parity; ``tests/trainer/local.py``'s world of one), no shadow and no agent;
 * ``leto_compute_stream`` / ``leto_side_stream`` (``--other-landing``): the same trainer,
   its large gradients landing the other way than it chose, on the compute stream or on a
-  side stream beside backward (``leto.trainer.grad_landing``'s ``copy_stream``).
+  side stream beside backward (``leto.trainer.grad_landing``'s ``copy_stream``);
+* ``leto_unbounded`` (``--unbounded``): the same trainer, its host not waiting for the marker
+  before it replaces a stateful-object record (``Marker.wait_landed``, which bounds how far
+  the host runs ahead of the device). Safe only without failures: it prices that bound.
 
 What it leaves out: a shadow's idle CUDA context on the GPU (``bench/accum_gpu.py``
 measures it) and the agent's host work. A turn's last step pays its host parity copy
@@ -26,6 +29,7 @@ The operating point is printed: torch's update (clip + fused AdamW, synchronised
 its compute; the paper's is compute : update ≈ 250 (``--grad-accum 100`` on an H100).
 
     python3 bench/steady_gpu.py [--grad-accum 100] [--rounds 5] [--block 2] [--other-landing]
+                                [--unbounded]
     python3 bench/steady_gpu.py --cpu-check       # a tiny model on the CPU, the logic only
 """
 
@@ -191,6 +195,12 @@ def main() -> None:
         "other way than it chose (on the compute stream or on a side stream: "
         "leto.trainer.grad_landing's copy_stream)",
     )
+    ap.add_argument(
+        "--unbounded",
+        action="store_true",
+        help="a loop in the turns: the same trainer, the host not waiting for the marker to "
+        "land before it replaces a record (what that bound on run-ahead costs)",
+    )
     ap.add_argument("--json", help="write the result here")
     ap.add_argument(
         "--idle",
@@ -261,12 +271,14 @@ def main() -> None:
             model = build()
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
         state = ctx.retain(model, opt)
-        # One trainer: with --other-landing both Leto loops advance its steps, in turn.
-        steps = state.steps(total * (2 if args.other_landing else 1))
+        # One trainer: with --other-landing or --unbounded its Leto loops advance its steps,
+        # in turn.
+        shared = 1 + args.other_landing + args.unbounded
+        steps = state.steps(total * shared)
 
         def leto_step(step: int) -> None:
             got = next(steps)
-            assert args.other_landing or got == step, (got, step)
+            assert shared > 1 or got == step, (got, step)
             micro = micro_batches(got)
             loss = state.compute(lambda: forward_backward(model, micro))
             state.step(max_grad_norm=MAX_NORM, loss=loss)
@@ -287,6 +299,17 @@ def main() -> None:
 
             other_name = "leto_compute_stream" if other is None else "leto_side_stream"
             loops[other_name] = leto_other_step
+        if args.unbounded:
+            marker = state.marker
+
+            def leto_unbounded_step(step: int) -> None:
+                marker.wait_landed = lambda phase, step: None  # the instance's, for this step
+                try:
+                    leto_step(step)
+                finally:
+                    del marker.wait_landed
+
+            loops["leto_unbounded"] = leto_unbounded_step
         letos = [name for name in loops if name != "torch"]
         compute_s = []
         for step in range(args.warmup):
@@ -334,8 +357,8 @@ def main() -> None:
         except StopIteration:
             pass
         apart = (
-            None  # Leto's trainer trained both its loops' steps
-            if args.other_landing
+            None  # Leto's trainer trained all its loops' steps
+            if shared > 1
             else max(
                 (a.detach() - b.detach()).abs().max().item()
                 for a, b in zip(plain.parameters(), model.parameters(), strict=True)
@@ -371,6 +394,13 @@ def main() -> None:
             f"{other_name} / leto as it chose (landing on "
             f"{'a side' if chosen is not None else 'the compute'} stream), median of the "
             f"rounds: {statistics.median(r[other_name] / r['leto'] for r in rounds):.4f}"
+        )
+    if args.unbounded:
+        free = medians["leto_unbounded"]
+        print(
+            f"leto_unbounded / torch: {free:.4f} ({100 * (free - 1):+.2f} %); leto / "
+            "leto_unbounded (the bound on run-ahead), median of the rounds: "
+            f"{statistics.median(r['leto'] / r['leto_unbounded'] for r in rounds):.4f}"
         )
     if apart is not None:
         print(

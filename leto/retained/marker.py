@@ -122,9 +122,9 @@ class Marker:
             raise ValueError(f"marker device view must cover {MARKER_BYTES} bytes")
         self._device = device_words
         self._device_word: dict[int, torch.Tensor] = {}  # one-element views, made once each
-        self._landmarks: dict[Phase, tuple[int, Any]] = {}
-        """Per landmark phase: the step of this process's last write of it and an event
-        recorded behind that write (``wait_landed``)."""
+        self._landmarks: dict[Phase, list[tuple[int, Any]]] = {}
+        """Per landmark phase: this process's last ``LANDMARKS_KEPT`` writes of it, oldest
+        first, each with its step and an event recorded behind it (``wait_landed``)."""
         self._memory = memory
         self._words: torch.Tensor | list[int] = memory if device_words is None else memory.tolist()
 
@@ -238,11 +238,14 @@ class Marker:
         new_sel = self.parity_sel if sel is None else sel
         self._set(2, pack(new_step, phase, chunk, new_sel))
         if self._device is not None and phase in LANDMARKS:
-            mark = self._landmarks.get(phase)
-            event = mark[1] if mark is not None else _landmark_event(self._device.device)
+            marks = self._landmarks.setdefault(phase, [])
+            if len(marks) < LANDMARKS_KEPT:
+                event = _landmark_event(self._device.device)
+            else:
+                event = marks.pop(0)[1]  # the oldest's event, recorded again
             if event is not None:
                 event.record(_current_stream(self._device.device))  # the write's stream
-                self._landmarks[phase] = (new_step, event)
+                marks.append((new_step, event))
 
     def wait_landed(self, phase: Phase, step: int) -> None:
         """Block the host until this process's write of ``phase`` at ``step`` has landed.
@@ -250,12 +253,12 @@ class Marker:
         A stream-ordered marker moves when the device gets there, and the host may run
         ahead of it: host-side state that a resume from an earlier marker needs (the
         stateful objects' records, ``leto.trainer.extras``) must outlive the marker's
-        passing it. For an older write this waits for the newest of the phase (behind it in
-        its stream); a write this process did not make, or a marker written by the host, has
-        landed already."""
-        mark = self._landmarks.get(phase)
-        if mark is not None and mark[0] >= step:
-            mark[1].synchronize()
+        passing it. This waits for the event behind that write, or behind the oldest later
+        one kept (further in its stream); a write this process did not make, or a marker
+        written by the host, has landed already."""
+        later = [(s, event) for s, event in self._landmarks.get(phase, ()) if s >= step]
+        if later:
+            min(later, key=lambda mark: mark[0])[1].synchronize()
 
     # -- update hyper-parameters recorded with GRADS_READY -----------------------------------
     def record_lrs(self, lrs: list[float]) -> None:
@@ -287,6 +290,9 @@ class Marker:
 
 LANDMARKS = frozenset({Phase.GRADS_READY, Phase.IDLE})
 """Phases whose stream-ordered writes :meth:`Marker.wait_landed` can wait for."""
+LANDMARKS_KEPT = 4
+"""Writes of each landmark phase whose events are kept: the stateful objects' records wait
+for one up to three steps back (``leto.trainer.extras.SLOTS``)."""
 
 
 def _landmark_event(device: torch.device) -> Any:

@@ -38,12 +38,15 @@ steps were observed and in how many the object changed between ``PRE(t)`` and
   was not seen) raises ``UnrecoverableStateError`` naming the object: the checkpoint path
   takes over rather than a resume on wrong state.
 
-Records live in two slots of a retained host region, each with a sequence number, step,
-kind, length and checksum; a write goes to the older slot, so a torn write never destroys the
-newest good record, and the two newest records are always the two a resume can need: on a
-GPU the trainer writes ``BEGIN(t)`` only once the marker has landed at t-1's GRADS_READY and
-``PRE(t)`` once it has landed at t-1's commit (``Marker.wait_landed``; the host may run
-ahead of the device, and a resume follows the marker as it landed).
+Records live in a ring of ``SLOTS`` slots of a retained host region, each with a sequence
+number, step, kind, length and checksum; a write goes to the oldest slot, so a torn write
+never destroys a newer good record. On a GPU the host may run ahead of the device, and a
+resume follows the marker as it landed: before a record is overwritten the trainer waits
+for the marker to pass what a resume from that record needs (:meth:`Record.needed_until`,
+``Marker.wait_landed``). Three records of each kind let the host run about two steps ahead
+before it waits. A resume at step s discards the records of the failed trainer's steps
+beyond s (its host ran ahead of the device there): the steps are run again, and a later
+resume must never read those.
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.optim.swa_utils import AveragedModel
 
 from leto.errors import ConfigError, UnrecoverableStateError
+from leto.retained.marker import Phase
 from leto.trainer import loaders
 
 if TYPE_CHECKING:
+    from leto.retained.marker import Marker
     from leto.trainer.memory import RegionMemory
 
 logger = logging.getLogger(__name__)
@@ -84,7 +89,9 @@ SCHEDULER_PREFIX = "lr_scheduler."
 
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<QQqQQ16s")  # magic, seq, step, kind, length, checksum
-_MAGIC = 0x4C45544F_58540001  # "LETO" "XT" v1
+_MAGIC = 0x4C45544F_58540002  # "LETO" "XT" v2 (v1: two slots)
+SLOTS = 6
+"""Record slots in the ring: three records of each kind (``BEGIN`` and ``PRE`` alternate)."""
 
 
 class Capture(enum.IntEnum):
@@ -101,6 +108,14 @@ class Record:
     kind: Capture
     payload: bytes
 
+    def needed_until(self) -> tuple[Phase, int]:
+        """The marker write a resume from this record needs until it has landed:
+        ``BEGIN(u)`` re-runs step u until its gradients are final (``GRADS_READY`` at u),
+        ``PRE(u)`` finishes u's update until it commits (``IDLE`` at u + 1)."""
+        if self.kind == Capture.BEGIN:
+            return Phase.GRADS_READY, self.step
+        return Phase.IDLE, self.step + 1
+
 
 def _checksum(seq: int, step: int, kind: int, payload: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=16)
@@ -110,52 +125,57 @@ def _checksum(seq: int, step: int, kind: int, payload: bytes) -> bytes:
 
 
 class RecordSlots:
-    """Two record slots in one retained host region (uint8 CPU tensor)."""
+    """A ring of ``SLOTS`` record slots in one retained host region (uint8 CPU tensor)."""
 
     def __init__(self, region: torch.Tensor) -> None:
         self._mem = region.numpy()
-        self.capacity = (region.numel() - 2 * HEADER_BYTES) // 2
+        self.capacity = (region.numel() - SLOTS * HEADER_BYTES) // SLOTS
         if self.capacity <= 0:
             raise ValueError(f"a record region of {region.numel()} bytes holds no record")
-        records = self.read()
-        # the next write goes to the older (or invalid) slot
-        seqs = [next((r.seq for i, r in records if i == s), -1) for s in (0, 1)]
-        self._next = 0 if seqs[0] <= seqs[1] else 1
+        self._seqs = [-1] * SLOTS
+        """Each slot's sequence number (-1: empty or invalid), as read and as written."""
+        for slot, record in self.read():
+            self._seqs[slot] = record.seq
 
     @staticmethod
     def region_bytes(capacity: int) -> int:
-        return 2 * (HEADER_BYTES + capacity)
+        return SLOTS * (HEADER_BYTES + capacity)
 
     def _offset(self, slot: int) -> int:
         return slot * (HEADER_BYTES + self.capacity)
 
+    def _read(self, slot: int) -> Record | None:
+        off = self._offset(slot)
+        magic, seq, step, kind, length, checksum = _HEADER.unpack(
+            self._mem[off : off + _HEADER.size].tobytes()
+        )
+        if magic != _MAGIC or length > self.capacity or kind not in (Capture.BEGIN, Capture.PRE):
+            return None
+        payload = self._mem[off + HEADER_BYTES : off + HEADER_BYTES + length].tobytes()
+        if _checksum(seq, step, kind, payload) != checksum:
+            return None
+        return Record(seq, step, Capture(kind), payload)
+
     def read(self) -> list[tuple[int, Record]]:
         """(slot, record) of every slot holding a complete record (checksum verified)."""
-        out = []
-        for slot in (0, 1):
-            off = self._offset(slot)
-            magic, seq, step, kind, length, checksum = _HEADER.unpack(
-                self._mem[off : off + _HEADER.size].tobytes()
-            )
-            if (
-                magic != _MAGIC
-                or length > self.capacity
-                or kind not in (Capture.BEGIN, Capture.PRE)
-            ):
-                continue
-            payload = self._mem[off + HEADER_BYTES : off + HEADER_BYTES + length].tobytes()
-            if _checksum(seq, step, kind, payload) == checksum:
-                out.append((slot, Record(seq, step, Capture(kind), payload)))
-        return out
+        records = ((slot, self._read(slot)) for slot in range(SLOTS))
+        return [(slot, record) for slot, record in records if record is not None]
 
-    def write(self, record: Record) -> None:
-        """Into the older slot: invalidate its header, write the payload, then the header."""
+    def next_slot(self) -> tuple[int, Record | None]:
+        """The slot the next write goes to (an empty or invalid one, else the oldest) and
+        the record it holds."""
+        slot = min(range(SLOTS), key=self._seqs.__getitem__)
+        return slot, None if self._seqs[slot] < 0 else self._read(slot)
+
+    def write(self, slot: int, record: Record) -> None:
+        """Invalidate ``slot``'s header, write the payload, then the header."""
         if len(record.payload) > self.capacity:
             raise ValueError(
                 f"a {len(record.payload)}-byte record does not fit a {self.capacity}-byte slot"
             )
-        off = self._offset(self._next)
+        off = self._offset(slot)
         self._mem[off : off + 8] = 0
+        self._seqs[slot] = -1
         n = len(record.payload)
         self._mem[off + HEADER_BYTES : off + HEADER_BYTES + n] = memoryview(record.payload)
         header = _HEADER.pack(
@@ -168,33 +188,43 @@ class RecordSlots:
         )
         self._mem[off + 8 : off + _HEADER.size] = memoryview(header)[8:]
         self._mem[off : off + 8] = memoryview(header)[:8]  # the magic last
-        self._next = 1 - self._next
+        self._seqs[slot] = record.seq
+
+    def discard(self, slot: int) -> None:
+        self._mem[self._offset(slot) : self._offset(slot) + 8] = 0
+        self._seqs[slot] = -1
 
 
 REGION = "extras"
 DEFAULT_SLOT_BYTES = 1 << 20
-"""Bytes of each of the two record slots unless ``ctx.retain(..., stateful_bytes=)`` says."""
+"""Bytes of each record slot unless ``ctx.retain(..., stateful_bytes=)`` says."""
 
 
-def map_records(memory: RegionMemory, slot_capacity: int) -> RecordStore:
+def map_records(
+    memory: RegionMemory, slot_capacity: int, marker: Marker | None = None
+) -> RecordStore:
     """The rank's record region: made with ``slot_capacity`` bytes per slot by the first
     trainer (before its marker is initialised: the marker records which regions the state
-    consists of), reattached at whatever size it has by its successors."""
+    consists of), reattached at whatever size it has by its successors. ``marker``: the
+    rank's, whose landing each overwrite waits for (``RecordStore``)."""
     if not 0 < slot_capacity <= STATE_LIMIT_BYTES:
         raise ConfigError(
             f"stateful_bytes must be in (0, {STATE_LIMIT_BYTES}], got {slot_capacity}"
         )
     spec = memory.pool.describe(memory.rank, REGION)
     nbytes = spec.nbytes if spec is not None else RecordSlots.region_bytes(slot_capacity)
-    return RecordStore(memory.host_region(REGION, nbytes)[0])
+    return RecordStore(memory.host_region(REGION, nbytes)[0], marker)
 
 
 class RecordStore:
-    """The retained records of one rank."""
+    """The retained records of one rank. With ``marker`` (a stream-ordered one: the host may
+    be ahead of it), a record is overwritten only once the marker has landed past what a
+    resume from it needs (:meth:`Record.needed_until`)."""
 
-    def __init__(self, region: torch.Tensor) -> None:
+    def __init__(self, region: torch.Tensor, marker: Marker | None = None) -> None:
         self.region = region
         """The whole region (the fatal-failure checkpoint saves and loads it as it is)."""
+        self.marker = marker
         self.reload()
 
     def reload(self) -> None:
@@ -223,8 +253,19 @@ class RecordStore:
                 "bytes a record slot holds: pass a larger ctx.retain(..., stateful_bytes=N) "
                 f"(at most {STATE_LIMIT_BYTES >> 20} MiB)"
             )
+        slot, victim = self.slots.next_slot()
+        if victim is not None and self.marker is not None:
+            self.marker.wait_landed(*victim.needed_until())
         self.seq += 1
-        self.slots.write(Record(self.seq, step, kind, payload))
+        self.slots.write(slot, Record(self.seq, step, kind, payload))
+
+    def discard_beyond(self, step: int) -> None:
+        """Drop the records a resume at ``step`` makes stale: ``BEGIN`` after it, ``PRE``
+        from it on (a failed trainer's host ran those steps ahead of its device; they run
+        again and must never be read for the new run of them)."""
+        for slot, r in self.slots.read():
+            if r.step > step or (r.kind == Capture.PRE and r.step == step):
+                self.slots.discard(slot)
 
 
 Kind = Literal["optimizer", "scheduler", "averaged", "stateful"]
@@ -758,6 +799,7 @@ class RetainedExtras:
     def resume(self, step: int) -> str:
         """Bring every object to the start of ``step``; returns which capture was used."""
         self._last_pre = self._last_begin = None
+        self.store.discard_beyond(step)
         record = self.store.find(Capture.BEGIN, step)
         if record is not None:
             self._load(record)

@@ -110,7 +110,7 @@ class RetainedState:
 
         ``stateful``: objects with ``state_dict()`` / ``load_state_dict()`` retained with each
         step by name (``leto.trainer.extras``; LR schedulers on the optimizer are found
-        without one); ``stateful_bytes``: the bytes of one of their two record slots."""
+        without one); ``stateful_bytes``: the bytes of one of their record slots."""
         self.services = services
         self.model = plan.model
         self.optimizer = plan.optimizer
@@ -346,7 +346,7 @@ class RetainedState:
                 self.memory.device_region(BUFFER_UNDO, nbytes)[0],
                 functools.partial(self.memory.lost_chunks, BUFFER_UNDO),
             )
-        records = map_records(self.memory, stateful_bytes or DEFAULT_SLOT_BYTES)
+        records = map_records(self.memory, stateful_bytes or DEFAULT_SLOT_BYTES, self.marker)
         self.extras = RetainedExtras(
             records,
             self.optimizer,
@@ -517,9 +517,6 @@ class RetainedState:
         self._zero_grads()
         if self.buffer_undo is not None:  # forward writes running statistics: a re-run starts here
             self.buffer_undo.save(step)
-        # The record of step - 1's start goes now: a resume needs it until the device has
-        # passed step - 1's gradients (the host may be a step ahead of the marker).
-        self.marker.wait_landed(Phase.GRADS_READY, step - 1)
         self.extras.begin(step)
 
     def _zero_grads(self) -> None:
@@ -646,8 +643,9 @@ class RetainedState:
             self._refuse_buffer_updates()
         # What a finishing recovery restores (leto.trainer.extras); a ReduceLROnPlateau's
         # replay needs the loss on the host (the script's own float(loss) would wait as long).
-        metric = float(loss) if loss is not None and self.extras.wants_loss else None
-        self.marker.wait_landed(Phase.IDLE, step)  # step - 1's commit: its PRE record goes now
+        metric = None
+        if loss is not None and self.extras.wants_loss:
+            metric = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.extras.before_commit(step, loss=metric)
         self.marker.record_lrs([float(g["lr"]) for g in self.optimizer.param_groups])
         if not self.marker.stream_ordered:

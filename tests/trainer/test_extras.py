@@ -22,6 +22,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from leto.errors import ConfigError, UnrecoverableStateError
+from leto.retained.marker import Phase
 from leto.trainer import extras
 from leto.trainer.extras import Capture, Record, RecordSlots, RecordStore, RetainedExtras
 
@@ -33,39 +34,82 @@ def _region() -> torch.Tensor:
 
 
 # -- record slots ------------------------------------------------------------------------------
-def test_the_two_newest_records_survive() -> None:
+def test_the_newest_records_survive() -> None:
     region = _region()
-    slots = RecordSlots(region)
-    for seq in (1, 2, 3):
-        slots.write(Record(seq, seq * 10, Capture.BEGIN, bytes([seq]) * 100))
-    assert sorted(r.seq for _, r in slots.read()) == [2, 3]
-    reread = RecordSlots(region)  # a successor's view
-    reread.write(Record(4, 40, Capture.PRE, b"x"))
-    assert sorted(r.seq for _, r in reread.read()) == [3, 4]  # it wrote over the older one
+    store = RecordStore(region)
+    for seq in range(1, extras.SLOTS + 2):
+        store.write(seq * 10, Capture.BEGIN, bytes([seq]) * 100)
+    assert sorted(r.seq for r in store.records()) == list(range(2, extras.SLOTS + 2))
+    reread = RecordStore(region)  # a successor's view
+    reread.write(99, Capture.PRE, b"x")
+    assert sorted(r.seq for r in reread.records()) == list(range(3, extras.SLOTS + 3))
 
 
 def test_a_torn_write_leaves_the_newest_good_record(monkeypatch: pytest.MonkeyPatch) -> None:
     region = _region()
-    slots = RecordSlots(region)
-    slots.write(Record(1, 0, Capture.BEGIN, b"a" * 1000))
-    slots.write(Record(2, 0, Capture.PRE, b"b" * 1000))
+    store = RecordStore(region)
+    for seq in range(1, extras.SLOTS + 1):
+        store.write(seq, Capture.BEGIN, bytes([seq]) * 1000)
 
-    def killed(*_: object) -> bytes:  # dies after the payload, before the header lands
-        raise KeyboardInterrupt
+    class Killed:  # dies after the payload, before the header lands
+        size, unpack = extras._HEADER.size, extras._HEADER.unpack
 
-    monkeypatch.setattr(extras, "_checksum", killed)
+        def pack(self, *_: object) -> bytes:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(extras, "_HEADER", Killed())
     with pytest.raises(KeyboardInterrupt):
-        slots.write(Record(3, 1, Capture.BEGIN, b"c" * 1000))
+        store.write(99, Capture.BEGIN, b"c" * 1000)  # over the oldest, seq 1
     monkeypatch.undo()
-    (survivor,) = [r for _, r in RecordSlots(region).read()]
-    assert (survivor.seq, survivor.payload) == (2, b"b" * 1000)
+    survivors = {r.seq: r.payload for _, r in RecordSlots(region).read()}
+    assert sorted(survivors) == list(range(2, extras.SLOTS + 1))
+    assert survivors[extras.SLOTS] == bytes([extras.SLOTS]) * 1000
+
+
+def test_each_overwrite_waits_for_the_marker_to_pass_what_its_record_serves() -> None:
+    """A record goes only once the marker has landed past what a resume from it needs:
+    ``BEGIN(u)`` until step u's gradients are final, ``PRE(u)`` until u commits."""
+
+    class Landing:
+        def __init__(self) -> None:
+            self.waits: list[tuple[Phase, int]] = []
+
+        def wait_landed(self, phase: Phase, step: int) -> None:
+            self.waits.append((phase, step))
+
+    marker = Landing()
+    store = RecordStore(_region(), marker)  # type: ignore[arg-type]
+    steps = extras.SLOTS // 2 + 2
+    for step in range(steps):
+        store.write(step, Capture.BEGIN, b"b")
+        store.write(step, Capture.PRE, b"p")
+    kept = extras.SLOTS // 2
+    assert marker.waits == [
+        wait for u in range(steps - kept) for wait in ((Phase.GRADS_READY, u), (Phase.IDLE, u + 1))
+    ]
+
+
+def test_a_resume_discards_the_records_of_the_steps_it_runs_again() -> None:
+    """A failed trainer's host ran ahead of its device: its records of the steps after the
+    resume point are stale once those steps run again (a second failure before the new run
+    rewrote them must not read them)."""
+    store = RecordStore(_region())
+    for step in (4, 5, 6):
+        store.write(step, Capture.BEGIN, b"old")
+        store.write(step, Capture.PRE, b"old")
+    store.discard_beyond(5)
+    assert sorted((r.step, r.kind.name) for r in store.records()) == [
+        (4, "BEGIN"),
+        (4, "PRE"),
+        (5, "BEGIN"),
+    ]
 
 
 def test_a_damaged_record_fails_its_checksum() -> None:
     region = _region()
     slots = RecordSlots(region)
-    slots.write(Record(1, 0, Capture.BEGIN, b"a" * 100))
-    slots.write(Record(2, 1, Capture.PRE, b"b" * 100))
+    slots.write(0, Record(1, 0, Capture.BEGIN, b"a" * 100))
+    slots.write(1, Record(2, 1, Capture.PRE, b"b" * 100))
     flipped = extras.HEADER_BYTES + SLOT + extras.HEADER_BYTES + 50  # in record 2's payload
     region[flipped] ^= 1
     assert [r.seq for _, r in RecordSlots(region).read()] == [1]
@@ -203,6 +247,29 @@ def test_every_kill_point_resumes_at_the_fault_free_state(
         assert job.step(t)
         assert job.extras.commit_digest == digests[t + 1]
     assert job.state() == starts[STEPS]
+
+
+def test_a_second_failure_never_reads_what_a_host_ran_ahead_before_the_first() -> None:
+    """The first trainer's host ran steps 4 and 5 ahead of its device (records of them, its
+    counter drawn otherwise: a live data source) and died with step 3 committed. Its
+    successor re-runs step 4 and dies right after committing it; the next resumes at 5 from
+    the successor's ``PRE(4)``, never from the first trainer's ``BEGIN(5)``."""
+    starts, _ = _fault_free(scheduler="onecycle")
+    first = Job(region=_region(), scheduler="onecycle")
+    for t in range(4):
+        assert first.step(t)
+    for t in (4, 5):  # ahead of the device: the marker stays at step 4's start
+        first.extras.begin(t)
+        first.counter.n += 100
+        first.extras.before_commit(t)
+        first.sched.step()
+    first.extras.begin(6)
+    second = Job(region=first.region.clone(), scheduler="onecycle")
+    assert second.extras.resume(4) == "begin" and second.state() == starts[4]
+    assert not second.step(4, die_at="commit")
+    third = Job(region=second.region.clone(), scheduler="onecycle")
+    assert third.extras.resume(5) == "pre+replay"
+    assert third.state() == starts[5]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")

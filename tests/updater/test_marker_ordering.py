@@ -121,22 +121,32 @@ def test_wait_landed_returns_once_the_device_has_passed_the_write(
 ) -> None:
     """The host may run ahead of a stream-ordered marker; ``wait_landed`` is how it knows
     a successor would read a marker at least that far (before it drops host-side state a
-    resume from an earlier one needs)."""
+    resume from an earlier one needs). It waits for that write, not for the newest."""
     memory = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
     queue = torch.zeros(MARKER_BYTES // 8, dtype=torch.int64)
     monkeypatch.setattr(marker, "_landmark_event", lambda device: _QueuedEvent(memory, queue))
     writer = Marker(memory, queue)
     writer.initialise(layout_hash=7, step=3)
     memory.view(torch.int64).copy_(queue)
-    writer.advance(Phase.GRADS_READY)
-    writer.advance(Phase.UPDATING)
+
+    def landed() -> tuple[int, Phase]:
+        return Marker(memory).step, Marker(memory).phase
+
     writer.wait_landed(Phase.IDLE, 3)  # not this process's write: landed already
-    assert (Marker(memory).step, Marker(memory).phase) == (3, Phase.IDLE)
-    writer.advance(Phase.IDLE, 4)
-    writer.advance(Phase.GRADS_READY)  # the host is into step 4, the device still at 3
-    writer.wait_landed(Phase.GRADS_READY, 5)  # not written yet
-    assert (Marker(memory).step, Marker(memory).phase) == (3, Phase.IDLE)
-    writer.wait_landed(Phase.IDLE, 4)
-    assert (Marker(memory).step, Marker(memory).phase) == (4, Phase.IDLE)
-    writer.wait_landed(Phase.GRADS_READY, 3)  # an older write: behind the newest one
-    assert (Marker(memory).step, Marker(memory).phase) == (4, Phase.GRADS_READY)
+    assert landed() == (3, Phase.IDLE)
+    for step in (3, 4, 5):  # the host two steps ahead of the device
+        writer.advance(Phase.GRADS_READY)
+        writer.advance(Phase.UPDATING)
+        writer.advance(Phase.IDLE, step + 1)
+    writer.wait_landed(Phase.GRADS_READY, 7)  # not written yet
+    assert landed() == (3, Phase.IDLE)
+    writer.wait_landed(Phase.GRADS_READY, 4)
+    assert landed() == (4, Phase.GRADS_READY)  # that write, not the newest
+    writer.wait_landed(Phase.IDLE, 5)
+    assert landed() == (5, Phase.IDLE)
+    for step in (6, 7, 8, 9):  # more writes than the marker keeps events for
+        writer.advance(Phase.GRADS_READY)
+        writer.advance(Phase.UPDATING)
+        writer.advance(Phase.IDLE, step + 1)
+    writer.wait_landed(Phase.GRADS_READY, 5)  # its event was recorded again: the oldest kept
+    assert landed() == (6, Phase.GRADS_READY)  # steps 6 .. 9 kept
