@@ -125,6 +125,9 @@ class Marker:
         self._landmarks: dict[Phase, list[tuple[int, Any]]] = {}
         """Per landmark phase: this process's last ``LANDMARKS_KEPT`` writes of it, oldest
         first, each with its step and an event recorded behind it (``wait_landed``)."""
+        self._first_landmark: dict[Phase, int] = {}
+        """Per landmark phase: the step of this process's first write of it (an earlier one
+        was a predecessor's, and landed before this process read the marker)."""
         self._memory = memory
         self._words: torch.Tensor | list[int] = memory if device_words is None else memory.tolist()
 
@@ -238,6 +241,7 @@ class Marker:
         new_sel = self.parity_sel if sel is None else sel
         self._set(2, pack(new_step, phase, chunk, new_sel))
         if self._device is not None and phase in LANDMARKS:
+            self._first_landmark.setdefault(phase, new_step)
             marks = self._landmarks.setdefault(phase, [])
             if len(marks) < LANDMARKS_KEPT:
                 event = _landmark_event(self._device.device)
@@ -256,6 +260,8 @@ class Marker:
         passing it. This waits for the event behind that write, or behind the oldest later
         one kept (further in its stream); a write this process did not make, or a marker
         written by the host, has landed already."""
+        if step < self._first_landmark.get(phase, step + 1):
+            return
         later = [(s, event) for s, event in self._landmarks.get(phase, ()) if s >= step]
         if later:
             min(later, key=lambda mark: mark[0])[1].synchronize()

@@ -653,8 +653,8 @@ class RetainedExtras:
         """Capture ``BEGIN(step)``: the state after all of the previous step."""
         if self._discoveries == 0:
             self.discover()
+        self._name_unretained_loaders()  # before the second discovery unfreezes the heap
         self._check_discovery()
-        self._name_unretained_loaders()
         states = self._states()
         if self._last_pre is not None:  # what changed between the previous commit and now
             self._account(self._last_pre, states)

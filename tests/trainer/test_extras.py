@@ -382,7 +382,9 @@ def test_a_scheduler_built_inside_the_loop_is_an_error_at_once() -> None:
         job.extras.begin(1)
 
 
-def test_a_promoted_shadow_scans_only_what_its_script_built_after_retain() -> None:
+def test_a_promoted_shadow_scans_only_what_its_script_built_after_retain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``freeze_heap``: schedulers built before the shadow froze its heap are remembered,
     those built after are found by a scan that no longer sees the frozen heap; the heap is
     unfrozen after the second step's scan."""
@@ -394,12 +396,22 @@ def test_a_promoted_shadow_scans_only_what_its_script_built_after_retain() -> No
         assert extras.attached_schedulers(opt) == [], "the frozen heap is out of the scan's sight"
         job = RetainedExtras(RecordStore(_region()), opt, None, 0, frozen)
         late = lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # the script's, after retain()
+        scanned_frozen: list[bool] = []
+        scan = extras.loaders.unretained_loader_iterators
+
+        def loader_scan(named: list) -> list:  # the heap a promoted trainer's scans walk
+            scanned_frozen.append(gc.get_freeze_count() > 0)
+            return scan(named)
+
+        monkeypatch.setattr(extras.loaders, "unretained_loader_iterators", loader_scan)
         job.begin(0)
         objects = pickle.loads(job.store.records()[-1].payload)["objects"]  # the BEGIN record
         assert {extras.SCHEDULER_PREFIX + type(s).__name__ for s in (early, late)} <= set(objects)
         job.before_commit(0)
         job.begin(1)  # the second step's scan, the last planned one
         assert gc.get_freeze_count() == 0
+        # the loader scans walk only the unfrozen heap: not the whole of it in a first step
+        assert scanned_frozen == [True, True]
     finally:
         gc.unfreeze()
 

@@ -150,3 +150,24 @@ def test_wait_landed_returns_once_the_device_has_passed_the_write(
         writer.advance(Phase.IDLE, step + 1)
     writer.wait_landed(Phase.GRADS_READY, 5)  # its event was recorded again: the oldest kept
     assert landed() == (6, Phase.GRADS_READY)  # steps 6 .. 9 kept
+
+
+def test_wait_landed_for_a_predecessors_write_returns_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A promoted trainer overwrites records its predecessor wrote: the marker writes those
+    waited for were the predecessor's and landed before the successor read the marker, so
+    it must not wait for its own later writes instead (a sync of its first steps)."""
+    memory = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
+    queue = torch.zeros(MARKER_BYTES // 8, dtype=torch.int64)
+    Marker(memory).initialise(layout_hash=7, step=5)  # what the predecessor left
+    queue.copy_(memory.view(torch.int64))
+    monkeypatch.setattr(marker, "_landmark_event", lambda device: _QueuedEvent(memory, queue))
+    successor = Marker(memory, queue)
+    successor.advance(Phase.GRADS_READY)
+    successor.advance(Phase.UPDATING)
+    successor.advance(Phase.IDLE, 6)
+    successor.wait_landed(Phase.GRADS_READY, 3)  # the predecessor's step 3
+    assert (Marker(memory).step, Marker(memory).phase) == (5, Phase.IDLE)
+    successor.wait_landed(Phase.GRADS_READY, 5)  # its own
+    assert (Marker(memory).step, Marker(memory).phase) == (5, Phase.GRADS_READY)
