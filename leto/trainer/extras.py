@@ -635,9 +635,14 @@ class RetainedExtras:
         wrapped = bool(getattr(self.optimizer.step, "_wrapped_by_lr_sched", False))
         if self._discoveries == 1 and self._last_pre is not None or wrapped != self._wrapped:
             self.discover()
-            if self._frozen is not None and self._discoveries > 1:  # the last planned scan
-                gc.unfreeze()
-                self._frozen = None
+
+    def _unfreeze_once_scanned(self) -> None:
+        """A promoted trainer's heap, frozen by its shadow (:func:`freeze_heap`), goes back
+        to the collector once the planned scans are done: the second scheduler discovery and
+        both loader scans (after it, a loader scan would walk the whole heap: tens of ms)."""
+        if self._frozen is not None and self._discoveries > 1 and self._loader_scans_left == 0:
+            gc.unfreeze()
+            self._frozen = None
 
     # -- captures ----------------------------------------------------------------------------
     def _states(self) -> dict[str, bytes]:
@@ -653,8 +658,9 @@ class RetainedExtras:
         """Capture ``BEGIN(step)``: the state after all of the previous step."""
         if self._discoveries == 0:
             self.discover()
-        self._name_unretained_loaders()  # before the second discovery unfreezes the heap
+        self._name_unretained_loaders()
         self._check_discovery()
+        self._unfreeze_once_scanned()
         states = self._states()
         if self._last_pre is not None:  # what changed between the previous commit and now
             self._account(self._last_pre, states)

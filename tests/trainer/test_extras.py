@@ -416,6 +416,38 @@ def test_a_promoted_shadow_scans_only_what_its_script_built_after_retain(
         gc.unfreeze()
 
 
+def test_a_shadow_promoted_to_finish_an_update_scans_loaders_on_the_frozen_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Resumed from ``PRE`` (a kill in the update), the second scheduler discovery comes at
+    the first step; the heap stays frozen until the second loader scan has run too."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, foreach=True)
+    region = _region()
+    failed = RetainedExtras(RecordStore(region), opt, None, 0)
+    failed.begin(0)
+    failed.before_commit(0)
+    scanned_frozen: list[bool] = []
+    scan = extras.loaders.unretained_loader_iterators
+
+    def loader_scan(named: list) -> list:
+        scanned_frozen.append(gc.get_freeze_count() > 0)
+        return scan(named)
+
+    monkeypatch.setattr(extras.loaders, "unretained_loader_iterators", loader_scan)
+    try:
+        frozen = extras.freeze_heap(opt)
+        job = RetainedExtras(RecordStore(region), opt, None, 0, frozen)
+        job.load_pre(0)
+        assert job.resume(1) == "pre"
+        job.begin(1)
+        job.before_commit(1)
+        job.begin(2)
+        assert scanned_frozen == [True, True]
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
 def test_a_state_in_torch_saves_format_still_loads() -> None:
     """Checkpoints written before records were pickled hold ``torch.save`` bytes."""
     sched_opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, foreach=True)
