@@ -449,7 +449,7 @@ def freeze_heap(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
     25-50 ms with torch, dynamo and transformers loaded), and a promoted trainer does it
     twice on the recovery's path (when ``steps()`` starts and at its second step). Frozen,
     its heap is only what the script builds after ``retain()`` returns; what was there
-    before is the returned list. :meth:`RetainedExtras` unfreezes after the second scan.
+    before is the returned list. :meth:`RetainedExtras` unfreezes once its scans are done.
     """
     found = attached_schedulers(optimizer)
     for part in getattr(optimizer, "parts", ()):  # a ChainedOptimizer's: discover() refuses them
