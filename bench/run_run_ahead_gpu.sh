@@ -3,7 +3,8 @@
 # (Marker.wait_landed) and the warmed gradient landing, measured. The run-ahead GPU test
 # (kills while the host is far ahead of the device), the GPT's first steps after promotion
 # (issue 21, item 2: 5 kills per phase), and the steady step against torch's fused loop at
-# the small-batch point (item 3: the wait bounds the host's run-ahead to about one update).
+# the small-batch point (item 3). It measured the records' wait of two slots, which bounded the
+# host's run-ahead to about one update; the ring of six (bench/run_record_ring_gpu.sh) replaced it.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
