@@ -573,7 +573,12 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
     phases = ("forward", "backward", "update")
     n = args.kills_per_phase
     kills = [
-        (args.nproc - 1, 20 + 8 * (i * len(phases) + k), phase, "shadow_ready_steps_before=3")
+        (
+            args.nproc - 1,
+            20 + KILL_SPACING * (i * len(phases) + k),
+            phase,
+            f"shadow_ready_steps_before={SHADOW_READY_BEFORE}",
+        )
         for i in range(n)
         for k, phase in enumerate(phases)
     ]
@@ -613,19 +618,21 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
                     + f", total {first['iter_s'] * 1e3:.1f}"
                     + f"; graphs compiled {first.get('compiled_graphs', 0)}"
                 )
-    median = statistics.median(iters)
     spans = first_steps_spans(events, args.nproc - 1, FIRST_STEPS)
-    by_span: dict[str, list[float]] = {}
-    for (_, _, phase, _), span in zip(kills, spans, strict=False):
-        by_span.setdefault(phase, []).append(span)
+    steady = steady_spans(events, args.nproc - 1, FIRST_STEPS, [step for _, step, _, _ in kills])
+    by_span: dict[str, list[float]] = {}  # per kill: its first step over a steady step nearby
+    for (_, _, phase, _), span, local in zip(kills, spans, steady, strict=False):
+        if local:
+            base = statistics.median(local)
+            by_span.setdefault(phase, []).append(1 + (span - base) / (base / FIRST_STEPS))
     for phase, rs in by_phase.items():
         p50 = statistics.median(r.total_s for r in rs)
         first = statistics.median(r.phases.get("first step", 0.0) for r in rs)
-        cost = statistics.median(by_span.get(phase) or [float("nan")]) - (FIRST_STEPS - 1) * median
         print(
             f"{phase:<9} p50 {p50 * 1e3:.0f} ms over {len(rs)} kills (first step p50 "
-            f"{first * 1e3:.0f} ms; over the first {FIRST_STEPS} steps {cost / median:.2f}x the "
-            "median step)"
+            f"{first * 1e3:.0f} ms; over the first {FIRST_STEPS} steps "
+            f"{statistics.median(by_span.get(phase) or [float('nan')]):.2f}x a steady step "
+            f"after the same recovery)"
         )
     write_result(
         args.json,
@@ -637,12 +644,20 @@ def recoveries_by_phase(args: argparse.Namespace) -> None:
             "median_step_s": statistics.median(iters),
             "first_steps": FIRST_STEPS,
             "first_steps_s": spans,
+            "steady_spans_s": steady,
+            "first_step_ratios": by_span,
         },
     )
 
 
 FIRST_STEPS = 3
 """Steps after a promotion whose time the first step's cost is read from."""
+KILL_SPACING = 16
+"""Steps between kills: room for steady windows between a recovery and the next kill's wait."""
+SHADOW_READY_BEFORE = 3
+"""A kill's trainer waits for its shadow this many steps before the kill (in that forward)."""
+STEADY_AFTER = 5
+"""Steps after a kill before a steady window may start: the recovery's first steps are past."""
 
 
 def first_steps_spans(events: list[dict], rank: int, n: int) -> list[float]:
@@ -661,6 +676,31 @@ def first_steps_spans(events: list[dict], rank: int, n: int) -> list[float]:
             if last in done and done[last] > e["t"]:
                 spans.append(done[last] - e["t"])
     return spans
+
+
+def steady_spans(events: list[dict], rank: int, n: int, kill_steps: list[int]) -> list[list[float]]:
+    """Per kill: the same span as ``first_steps_spans`` over windows of ``n`` steady steps after
+    its recovery, each from a step's ``step_done`` to the ``step_done`` ``n`` steps on: past
+    the recovery's first steps, before the next kill's wait for its shadow, and so beside the
+    same replacement shadow's start-up. A first step's cost is read against these, not against
+    ``n`` median steps of the whole run: a host-bound job's step drifts over a run by tens of
+    per cent, and a step's period is skewed (the host runs ahead of the device, then waits), so
+    ``n`` periods sum to more than ``n`` medians."""
+    done = {}
+    for e in events:
+        if e["kind"] == "step_done" and e["rank"] == rank:
+            done[e["step"]] = e["t"]
+    per_kill = []
+    for k in kill_steps:
+        wait = k + KILL_SPACING - SHADOW_READY_BEFORE  # the next kill's wait, in this forward
+        per_kill.append(
+            [
+                done[first + n - 1] - done[first - 1]
+                for first in range(k + STEADY_AFTER + 1, wait - n + 1)
+                if first - 1 in done and first + n - 1 in done
+            ]
+        )
+    return per_kill
 
 
 def main() -> None:

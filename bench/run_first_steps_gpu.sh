@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, one call (~6 min with the start): the promoted trainers' first steps
+# On the GPU machine, one call (~7 min with the start; the Llama run alone takes ~2.5 min): the promoted trainers' first steps
 # (issue 21, items 2 and 4): both models' recoveries (MODELS, default both), 5 kills per
 # phase, each first step's cost read over three steps; and the run-ahead GPU test (kills
 # while the host is far ahead of the device).
@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name --format=csv,noheader
 for model in ${MODELS:-gpt hf-llama}; do
-  timeout 160 python3 -u bench/recovery_gpu.py --model $model --kills-per-phase 5 \
+  timeout 280 python3 -u bench/recovery_gpu.py --model $model --kills-per-phase 5 \
     --events-out "$OUT/events_${model}_first_steps.jsonl" \
     --json "$OUT/recovery_gpu_${model}_first_steps.json" \
     2>&1 | grep -v "^\s*$" | tail -4 | cut -c1-220
