@@ -136,3 +136,35 @@ def test_steady_bench_compares_the_same_training_on_the_cpu(tmp_path: Path) -> N
     ratios = [r["ratios"]["leto"] for r in result["rounds"]]
     assert result["spread"] == max(ratios) - min(ratios)
     assert "ratios spread" in proc.stdout
+
+
+def test_first_steps_are_read_against_steady_windows_after_the_same_recovery() -> None:
+    """A kill's baseline: windows of three steps after its recovery's first steps and before
+    the next kill's wait for its shadow (which would hold a window for seconds)."""
+    from bench.recovery_gpu import (
+        KILL_SPACING,
+        SHADOW_READY_BEFORE,
+        STEADY_AFTER,
+        first_steps_spans,
+        steady_spans,
+    )
+
+    kill = 20
+    wait = kill + KILL_SPACING - SHADOW_READY_BEFORE
+    t, events = 0.0, []
+    for step in range(kill):  # the dead trainer's steps
+        t += 0.1
+        events.append(_done(t, step))
+    events.append({"t": t + 0.3, "kind": "resumed", "rank": 0, "step": kill})
+    t += 0.3
+    for step in range(kill, kill + KILL_SPACING + 2):
+        t += {kill: 0.25, wait: 5.0}.get(step, 0.1 if step < kill + 8 else 0.05)
+        events.append(_done(t, step))
+
+    assert first_steps_spans(events, 0, 3) == [pytest.approx(0.45)]
+    (windows,) = steady_spans(events, 0, 3, [kill])
+    first = kill + STEADY_AFTER + 1
+    assert len(windows) == wait - 3 - first + 1  # none holds the wait's 5 s
+    assert max(windows) < 1.0
+    assert windows[-1] == pytest.approx(0.15)  # the drifted steps just before the wait
+    assert windows[0] == pytest.approx(0.25)  # from the sixth step on, drift and all
