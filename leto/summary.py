@@ -133,7 +133,10 @@ class Summary:
         self.restarts = 0
         """Group restarts (torchrun's path, counted against --max-restarts)."""
         self.promotions = 0
-        """In-place recoveries (shadow generations promoted)."""
+        """In-place recoveries: shadow generations promoted, less those a group restart
+        answered before the promoted trainers all stepped (the agent's ``recoveries``)."""
+        self._unfinished = False
+        """The latest promotion's trainers have not all stepped (no ``recovery_done`` yet)."""
         self.worked = False
         """Whether any step completed or any failure was seen (a summary is worth printing)."""
 
@@ -166,12 +169,18 @@ class Summary:
             self._faults.append((e["t"], e.get("step")))
         elif kind == "group_restart":
             self.restarts += 1
+            if self._unfinished:
+                self.promotions -= 1
+                self._unfinished = False
             # the failures it answered get no promotion: the next one must not pair with them
             self._trackers = deque(
                 (t for t in self._trackers if t.gen is not None), maxlen=self._trackers.maxlen
             )
         elif kind == "shadows_promoted":
             self.promotions += 1
+            self._unfinished = True
+        elif kind == "recovery_done":
+            self._unfinished = False
         elif kind == "shadow_level":
             self._level = e
         elif kind == "shadow_reclaimed":

@@ -182,6 +182,8 @@ class LetoAgent(LocalElasticAgent):
         """Whether this job's trainers joined Leto (``leto.init()``): its later workers are
         Leto trainers too, forked with the compiler loaded (``leto.forkserver``)."""
         self.recoveries = 0
+        """Failures answered in place (shadow generations promoted), less those a group
+        restart answered before the promoted trainers all stepped."""
         self.restarts = 0
         self._fresh_starts = 0
         """Group restarts before every rank's state was retained (``Action.FRESH_START``),
@@ -443,9 +445,6 @@ class LetoAgent(LocalElasticAgent):
             killed_seen=detection is not None,
         )
         epoch = attempt.generation + 1
-        if self._phase is Phase.RECOVERING:  # the promoted trainers failed before all stepped
-            self.recoveries -= 1
-            attempt.recovery = None
         if failure is FailureClass.ERROR and worker_group.group_world_size > 1:
             # A trainer on another node died, breaking our collectives: its agent's record
             # is on its way and explains our error.
@@ -553,10 +552,13 @@ class LetoAgent(LocalElasticAgent):
             root_ranks=record.root_ranks,
         )
         if record.action == "in_place":
-            self._recover(worker_group, record)
-            return RunResult(state=WorkerState.HEALTHY)
+            self._recover(worker_group, record)  # one still unfinished stays counted: the job
+            return RunResult(state=WorkerState.HEALTHY)  # goes on in place from its state
         self._to(Phase.RESTARTING)
-        self._current.recovery = None
+        if self._current.recovery is not None:
+            # a restart answered the promoted trainers before they all stepped: no recovery
+            self.recoveries -= 1
+            self._current.recovery = None
         self._restart_reason = f"{record.failure} on node {record.node}: {record.reason}"
         if record.fresh:
             # Not counted: torch's loop takes one restart off, and counts attempts as

@@ -11,6 +11,7 @@ import pytest
 
 from leto.config import FaultSpec
 from leto.events import Kind
+from leto.summary import Summary
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 10
@@ -44,6 +45,10 @@ def test_a_kill_in_the_promoted_trainers_first_step_promotes_the_replacements(
     # the second failure struck the generation promoted by the first, before its first step
     failed = [e["gen"] for e in _kinds(events, Kind.FAILURE_DETECTED)]
     assert failed == [0, 1]
+    # both failures were answered in place: the job, its dashboard and its summary say two
+    (done,) = _kinds(events, Kind.JOB_FINISHED)
+    assert (done["restarts"], done["recoveries"]) == (0, 2)
+    assert Summary.of(events).restarts_and_recoveries() == (0, 2)
     assert_exact(reference, events)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from leto.config import FaultSpec
 from leto.events import Kind
+from leto.summary import Summary
 from tests.launcher.harness import assert_exact, fault_free_digests, run_leto
 
 STEPS = 16
@@ -118,3 +119,5 @@ def test_broken_device_found_by_the_promoted_shadow_takes_the_checkpoint_path(
     )  # 8 may still be in flight
     (done,) = [e for e in events if e["kind"] == Kind.JOB_FINISHED]
     assert (done["restarts"], done["recoveries"]) == (1, 0)
+    # the promotion the restart answered is no recovery on the dashboard either
+    assert Summary.of(events).restarts_and_recoveries() == (1, 0)
