@@ -660,15 +660,18 @@ STEADY_AFTER = 5
 """Steps after a kill before a steady window may start: the recovery's first steps are past."""
 
 
+def step_done_times(events: list[dict], rank: int) -> dict[int, float]:
+    """Each step's ``step_done`` time for ``rank``: the newest run of a step, the one after a
+    recovery that re-ran it."""
+    return {e["step"]: e["t"] for e in events if e["kind"] == "step_done" and e["rank"] == rank}
+
+
 def first_steps_spans(events: list[dict], rank: int, n: int) -> list[float]:
     """Per recovery of ``rank``: from its ``resumed`` event to the ``step_done`` of its n-th
     step. The host's time per step is not the device's: a promoted trainer's host runs ahead
     of its idle device first and waits for it in the steps after, so a first step's cost
     is this span less ``n - 1`` median steps, not its own ``step_done``'s time."""
-    done = {}
-    for e in events:
-        if e["kind"] == "step_done" and e["rank"] == rank:
-            done[e["step"]] = e["t"]  # the newest run of a step: the one after the recovery
+    done = step_done_times(events, rank)
     spans = []
     for e in events:
         if e["kind"] == "resumed" and e["rank"] == rank:
@@ -686,10 +689,7 @@ def steady_spans(events: list[dict], rank: int, n: int, kill_steps: list[int]) -
     ``n`` median steps of the whole run: a host-bound job's step drifts over a run by tens of
     per cent, and a step's period is skewed (the host runs ahead of the device, then waits), so
     ``n`` periods sum to more than ``n`` medians."""
-    done = {}
-    for e in events:
-        if e["kind"] == "step_done" and e["rank"] == rank:
-            done[e["step"]] = e["t"]
+    done = step_done_times(events, rank)
     per_kill = []
     for k in kill_steps:
         wait = k + KILL_SPACING - SHADOW_READY_BEFORE  # the next kill's wait, in this forward

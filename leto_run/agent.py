@@ -552,8 +552,9 @@ class LetoAgent(LocalElasticAgent):
             root_ranks=record.root_ranks,
         )
         if record.action == "in_place":
-            self._recover(worker_group, record)  # one still unfinished stays counted: the job
-            return RunResult(state=WorkerState.HEALTHY)  # goes on in place from its state
+            # a recovery still unfinished stays counted: the job goes on in place from its state
+            self._recover(worker_group, record)
+            return RunResult(state=WorkerState.HEALTHY)
         self._to(Phase.RESTARTING)
         if self._current.recovery is not None:
             # a restart answered the promoted trainers before they all stepped: no recovery
