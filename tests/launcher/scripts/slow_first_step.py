@@ -1,11 +1,15 @@
 """A job whose promoted trainer's first step is slow (half a second of host time before its
 compute), as a large model's is against a replacement shadow's start
-(``tests/launcher/test_replacement_start.py``)."""
+(``tests/launcher/test_replacement_start.py``). A promoted trainer's last step waits a few
+seconds more, so the job outlives the replacement's start however busy the machine."""
 
 import time
 
 import tiny
 import torch
+
+REPLACEMENT_START_S = 5.0
+"""Long enough for a replacement forked at the promoted trainer's first step to start."""
 
 args, ctx, model = tiny.start(default_steps=10)
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -17,3 +21,5 @@ for step in state.steps(args.steps):
         slowed = True
     loss = state.compute(tiny.compute(model, step, ctx.rank))
     state.step(max_grad_norm=1.0, loss=loss)
+    if ctx.promoted_at is not None and step == args.steps - 1:
+        time.sleep(REPLACEMENT_START_S)
